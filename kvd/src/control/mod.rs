@@ -1,0 +1,1 @@
+//! The control shim: load-aware checkpoint placement, recovery dispatch, request epochs.

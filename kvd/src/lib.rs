@@ -1,0 +1,22 @@
+//! kvd: a per-node KV-cache block store for distributed LLM serving.
+//!
+//! Read `docs/ARCHITECTURE.md` first. The modules, in the order data flows through them:
+//!
+//! - [`pool`]: the memfd-backed host-memory region, carved into fixed-size pages.
+//! - [`keys`]: namespaces (the identity of a KV layout) and chained block tags.
+//! - [`store`]: the block table and its lifecycle, pins, sessions and leases, manifests,
+//!   reservations, eviction, integrity, and the reaper.
+//! - [`control`]: the control shim: load-aware checkpoint placement and recovery planning.
+//! - [`sim`] (feature `sim`): a deterministic cluster simulator driving [`control`].
+
+pub mod clock;
+pub mod control;
+pub mod error;
+pub mod keys;
+pub mod pool;
+#[cfg(feature = "sim")]
+pub mod sim;
+pub mod store;
+pub(crate) mod sync;
+
+pub use error::{Error, Result};

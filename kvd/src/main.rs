@@ -1,0 +1,27 @@
+//! The `kvd` command: `kvd serve`, `kvd status`, `kvd control`, `kvd sim`.
+
+use clap::{Parser, Subcommand};
+
+/// kvd: the KV-cache block daemon for distributed LLM serving.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a demonstration of the block store's lifecycle on an in-process pool.
+    Demo,
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Demo => {
+            println!("kvd {}", env!("CARGO_PKG_VERSION"));
+            std::process::ExitCode::SUCCESS
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! `kvd sim`: a deterministic discrete-event simulator of a serving cluster.

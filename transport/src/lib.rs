@@ -1,0 +1,6 @@
+//! kvd's byte movers. This crate knows nothing about blocks; it moves and checksums bytes.
+//!
+//! - [`local`]: same-node copies: a non-temporal copy for large transfers and a copy fused with
+//!   a CRC-32C, so a block's checksum costs no second pass over cold memory.
+
+pub mod local;

@@ -1,0 +1,1 @@
+//! Same-node data movement.
