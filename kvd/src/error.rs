@@ -1,12 +1,165 @@
 //! The crate's one error enum.
+//!
+//! Each variant is a situation a caller can act on, and maps 1:1 to a C status code in `ffi`
+//! (see [`Error::code`]). Every error leaves the store unchanged: an operation that fails does
+//! nothing.
+
+use serde::{Deserialize, Serialize};
 
 /// Shorthand for results whose error is [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Everything that can go wrong in kvd, each variant a situation the caller can act on.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// The lifecycle states a block can be in, as named in errors and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BlockState {
+    /// Space taken, no byte written yet.
+    Allocated,
+    /// The writer has started writing bytes.
+    Writing,
+    /// Every byte written, checksum recorded; the bytes are immutable from here on.
+    Sealed,
+    /// Visible to lookups and reads by others.
+    Published,
+    /// Removed from the index while readers still pin it; the page returns when the last pin goes.
+    Retired,
+    /// Failed its checksum; never read again, held apart from the pool for a while.
+    Quarantined,
+}
+
+impl std::fmt::Display for BlockState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            BlockState::Allocated => "ALLOCATED",
+            BlockState::Writing => "WRITING",
+            BlockState::Sealed => "SEALED",
+            BlockState::Published => "PUBLISHED",
+            BlockState::Retired => "RETIRED",
+            BlockState::Quarantined => "QUARANTINED",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Everything that can go wrong in kvd.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum Error {
+    /// The handle names a block that no longer exists (its slot was reused, or the node
+    /// restarted). Look the key up again.
+    #[error(
+        "stale generation: handle names node generation {handle_node}/slot generation {handle_slot}, \
+         current is {current_node}/{current_slot}; look the key up again"
+    )]
+    StaleGeneration {
+        /// Node generation in the handle.
+        handle_node: u64,
+        /// Slot generation in the handle.
+        handle_slot: u64,
+        /// This node's generation.
+        current_node: u64,
+        /// The slot's current generation (0 when the slot is free).
+        current_slot: u64,
+    },
+    /// The block is not in a state that allows this operation; nothing changed.
+    #[error("illegal transition: cannot {op} a block in state {from}")]
+    IllegalTransition {
+        /// The state the block is in.
+        from: BlockState,
+        /// The operation that was refused.
+        op: &'static str,
+    },
+    /// Not enough free space (after reservations and eviction). Retryable: space frees as
+    /// requests finish and pins drop.
+    #[error(
+        "no space: {requested_bytes} bytes requested, {free_bytes} free and unreserved; retry later or free blocks"
+    )]
+    NoSpace {
+        /// What the operation needed.
+        requested_bytes: u64,
+        /// What was free and not reserved by others.
+        free_bytes: u64,
+    },
+    /// A bound was reached (sessions, pins, in-flight operations, queue). Retryable.
+    #[error("overloaded: {what}; retry after {retry_after_ms} ms")]
+    Overloaded {
+        /// Which bound was reached.
+        what: String,
+        /// A hint for when to try again.
+        retry_after_ms: u64,
+    },
+    /// No such key, session, request, reservation or worker.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// The key exists already (published or being written by someone).
+    #[error("already exists: {0}")]
+    AlreadyExists(String),
+    /// The block's bytes no longer match their checksum; it was quarantined. Treat as a miss.
+    #[error(
+        "corrupt: block failed its checksum (expected {expected:#010x}, found {found:#010x}); quarantined"
+    )]
+    Corrupt {
+        /// The checksum recorded at SEAL.
+        expected: u32,
+        /// The checksum of the bytes now.
+        found: u32,
+    },
     /// An argument was malformed or out of range; nothing changed.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The session's lease (or the manifest's TTL) expired; its work was released. Open a new
+    /// session.
+    #[error("lease expired: {0}")]
+    LeaseExpired(String),
+    /// The caller acted on an older epoch than the current one; the event was dropped.
+    #[error("stale epoch: event for epoch {got}, current epoch is {current}")]
+    StaleEpoch {
+        /// The epoch the caller named.
+        got: u64,
+        /// The current epoch.
+        current: u64,
+    },
+    /// The operation cannot finish before its deadline or within its budget; it failed fast.
+    #[error("deadline: {0}")]
+    Deadline(String),
+    /// The node is draining or shutting down and takes no new work. Go to another node.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// The peer speaks another protocol version or sent a malformed message.
+    #[error("protocol: {0}")]
+    Protocol(String),
+    /// An operating-system call failed (mapping memory, sockets).
+    #[error("io: {0}")]
+    Io(String),
+}
+
+impl Error {
+    /// The stable numeric status code of this error, as the C ABI returns it (0 is success).
+    pub fn code(&self) -> i32 {
+        match self {
+            Error::StaleGeneration { .. } => 1,
+            Error::IllegalTransition { .. } => 2,
+            Error::NoSpace { .. } => 3,
+            Error::Overloaded { .. } => 4,
+            Error::NotFound(_) => 5,
+            Error::AlreadyExists(_) => 6,
+            Error::Corrupt { .. } => 7,
+            Error::InvalidArgument(_) => 8,
+            Error::LeaseExpired(_) => 9,
+            Error::StaleEpoch { .. } => 10,
+            Error::Deadline(_) => 11,
+            Error::Unavailable(_) => 12,
+            Error::Protocol(_) => 13,
+            Error::Io(_) => 14,
+        }
+    }
+
+    /// Whether trying the same call again later can succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::NoSpace { .. } | Error::Overloaded { .. })
+    }
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        Error::Io(e.to_string())
+    }
 }
