@@ -1,0 +1,284 @@
+//! The load table: what the controller knows about each worker.
+//!
+//! One row per worker: checkpoint capacity and the part of it reserved for the checkpoints the
+//! worker holds, its queueing delay `q_w` (mean arrival → prefill-start over the last samples),
+//! how many checkpoints it holds, how many requests it serves, and its lifecycle phase. Rows
+//! change only when an event arrives (request admitted, prefill started, request finished,
+//! checkpoint stored, worker failed / recovered); the controller never polls.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use super::WorkerId;
+
+/// Where a worker is in its life, as the controller sees it.
+///
+/// A worker that joins starts in [`WorkerPhase::FullService`]. A failed worker that comes back
+/// walks `LoadingDraft → Assist → HotSwap → FullService`; only `FullService` workers serve
+/// new or recovering requests and hold checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WorkerPhase {
+    /// Dead: serves nothing, holds nothing.
+    Failed,
+    /// Back up, loading a small draft model.
+    LoadingDraft,
+    /// Runs the draft model as a speculative-decoding assistant for one paired survivor
+    /// (the engine does the speculation; the controller only pairs).
+    Assist,
+    /// Swapping the full model in.
+    HotSwap,
+    /// Serving and holding checkpoints.
+    FullService,
+}
+
+impl WorkerPhase {
+    /// The phase that follows this one in a recovering worker's life, if any.
+    pub fn next(self) -> Option<WorkerPhase> {
+        match self {
+            WorkerPhase::Failed => Some(WorkerPhase::LoadingDraft),
+            WorkerPhase::LoadingDraft => Some(WorkerPhase::Assist),
+            WorkerPhase::Assist => Some(WorkerPhase::HotSwap),
+            WorkerPhase::HotSwap => Some(WorkerPhase::FullService),
+            WorkerPhase::FullService => None,
+        }
+    }
+}
+
+impl std::fmt::Display for WorkerPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WorkerPhase::Failed => "FAILED",
+            WorkerPhase::LoadingDraft => "LOADING_DRAFT",
+            WorkerPhase::Assist => "ASSIST",
+            WorkerPhase::HotSwap => "HOTSWAP",
+            WorkerPhase::FullService => "FULL_SERVICE",
+        })
+    }
+}
+
+/// One worker's row in the load table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerLoad {
+    /// The worker.
+    pub id: WorkerId,
+    /// Host memory this worker offers for checkpoints of other workers' requests, in bytes.
+    pub capacity_bytes: u64,
+    /// Sum of the reservations of the checkpoints this worker holds. Never above capacity.
+    pub reserved_bytes: u64,
+    /// Checkpoints this worker holds (requests whose holder it is).
+    pub held_checkpoints: u32,
+    /// Live requests this worker serves.
+    pub serving_requests: u32,
+    /// Lifecycle phase.
+    pub phase: WorkerPhase,
+    /// While in [`WorkerPhase::Assist`]: the survivor this worker assists.
+    pub assisting: Option<WorkerId>,
+    /// While a survivor is assisted: the recovering worker assisting it.
+    pub assisted_by: Option<WorkerId>,
+    /// Last queueing-delay samples (arrival → prefill start), ms, oldest first; bounded.
+    delay_samples_ms: VecDeque<u64>,
+    /// Sum of `delay_samples_ms`.
+    delay_sum_ms: u64,
+}
+
+impl WorkerLoad {
+    /// A fresh row in full service with no load.
+    pub fn new(id: WorkerId, capacity_bytes: u64) -> Self {
+        WorkerLoad {
+            id,
+            capacity_bytes,
+            reserved_bytes: 0,
+            held_checkpoints: 0,
+            serving_requests: 0,
+            phase: WorkerPhase::FullService,
+            assisting: None,
+            assisted_by: None,
+            delay_samples_ms: VecDeque::new(),
+            delay_sum_ms: 0,
+        }
+    }
+
+    /// Capacity not reserved by held checkpoints, in bytes.
+    pub fn free_bytes(&self) -> u64 {
+        self.capacity_bytes.saturating_sub(self.reserved_bytes)
+    }
+
+    /// Whether this worker may serve requests and hold checkpoints.
+    pub fn in_service(&self) -> bool {
+        self.phase == WorkerPhase::FullService
+    }
+
+    /// Whether the worker is up at all (any phase but `Failed`).
+    pub fn alive(&self) -> bool {
+        self.phase != WorkerPhase::Failed
+    }
+
+    /// `q_w`: mean queueing delay over the window, ms (0 with no samples).
+    pub fn queue_delay_ms(&self) -> f64 {
+        if self.delay_samples_ms.is_empty() {
+            0.0
+        } else {
+            self.delay_sum_ms as f64 / self.delay_samples_ms.len() as f64
+        }
+    }
+
+    /// Mean reservation of the checkpoints held here, in bytes (0 when none is held).
+    pub fn mean_held_reservation_bytes(&self) -> f64 {
+        if self.held_checkpoints == 0 {
+            0.0
+        } else {
+            self.reserved_bytes as f64 / self.held_checkpoints as f64
+        }
+    }
+
+    /// Record one queueing-delay sample, keeping at most `window` samples.
+    pub(crate) fn record_delay(&mut self, delay_ms: u64, window: u32) {
+        let window = window.max(1) as usize;
+        while self.delay_samples_ms.len() >= window {
+            let old = self.delay_samples_ms.pop_front().unwrap_or(0);
+            self.delay_sum_ms -= old;
+        }
+        self.delay_samples_ms.push_back(delay_ms);
+        self.delay_sum_ms += delay_ms;
+    }
+
+    /// Number of queueing-delay samples held.
+    pub fn delay_samples(&self) -> usize {
+        self.delay_samples_ms.len()
+    }
+
+    /// Reserve `bytes` for a checkpoint this worker will hold.
+    ///
+    /// # Panics
+    /// If the reservation does not fit (callers check [`WorkerLoad::free_bytes`] first).
+    pub(crate) fn reserve(&mut self, bytes: u64) {
+        assert!(
+            bytes <= self.free_bytes(),
+            "reservation over capacity on worker {}",
+            self.id
+        );
+        self.reserved_bytes += bytes;
+        self.held_checkpoints += 1;
+    }
+
+    /// Release a reservation made by [`WorkerLoad::reserve`].
+    pub(crate) fn release(&mut self, bytes: u64) {
+        assert!(
+            self.held_checkpoints > 0 && self.reserved_bytes >= bytes,
+            "release without reserve"
+        );
+        self.reserved_bytes -= bytes;
+        self.held_checkpoints -= 1;
+    }
+
+    /// Forget every checkpoint and request: the worker died.
+    pub(crate) fn clear_on_failure(&mut self) {
+        self.reserved_bytes = 0;
+        self.held_checkpoints = 0;
+        self.serving_requests = 0;
+        self.phase = WorkerPhase::Failed;
+        self.assisting = None;
+        self.assisted_by = None;
+        self.delay_samples_ms.clear();
+        self.delay_sum_ms = 0;
+    }
+}
+
+/// Every worker's row, ordered by worker id (iteration order is deterministic).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadTable {
+    workers: BTreeMap<WorkerId, WorkerLoad>,
+}
+
+impl LoadTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The row of worker `id`.
+    pub fn get(&self, id: WorkerId) -> Option<&WorkerLoad> {
+        self.workers.get(&id)
+    }
+
+    pub(crate) fn get_mut(&mut self, id: WorkerId) -> Option<&mut WorkerLoad> {
+        self.workers.get_mut(&id)
+    }
+
+    pub(crate) fn insert(&mut self, row: WorkerLoad) {
+        self.workers.insert(row.id, row);
+    }
+
+    /// Every row, by worker id.
+    pub fn iter(&self) -> impl Iterator<Item = &WorkerLoad> {
+        self.workers.values()
+    }
+
+    /// Rows of workers in full service, by worker id.
+    pub fn in_service(&self) -> impl Iterator<Item = &WorkerLoad> {
+        self.workers.values().filter(|w| w.in_service())
+    }
+
+    /// Number of workers known (any phase).
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Whether no worker is known.
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queue_delay_is_the_mean_of_the_last_window_samples() {
+        let mut w = WorkerLoad::new(1, 100);
+        for d in [10, 20, 30, 40] {
+            w.record_delay(d, 2);
+        }
+        assert_eq!(w.delay_samples(), 2);
+        assert_eq!(w.queue_delay_ms(), 35.0);
+    }
+
+    #[test]
+    fn free_capacity_is_capacity_minus_reservations() {
+        let mut w = WorkerLoad::new(1, 100);
+        w.reserve(60);
+        assert_eq!(w.free_bytes(), 40);
+        assert_eq!(w.mean_held_reservation_bytes(), 60.0);
+        w.release(60);
+        assert_eq!(w.free_bytes(), 100);
+    }
+
+    #[test]
+    #[should_panic(expected = "over capacity")]
+    fn a_reservation_over_capacity_is_a_bug() {
+        let mut w = WorkerLoad::new(1, 100);
+        w.reserve(101);
+    }
+
+    #[test]
+    fn a_recovering_worker_walks_the_four_phases_in_order() {
+        let mut p = WorkerPhase::Failed;
+        let mut seen = vec![p];
+        while let Some(n) = p.next() {
+            p = n;
+            seen.push(p);
+        }
+        assert_eq!(
+            seen,
+            [
+                WorkerPhase::Failed,
+                WorkerPhase::LoadingDraft,
+                WorkerPhase::Assist,
+                WorkerPhase::HotSwap,
+                WorkerPhase::FullService
+            ]
+        );
+    }
+}

@@ -1,0 +1,1 @@
+//! `kvd control`: the controller as an HTTP/JSON service (in progress).
