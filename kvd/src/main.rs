@@ -14,6 +14,8 @@ struct Cli {
 enum Command {
     /// Run a demonstration of the block store's lifecycle on an in-process pool.
     Demo,
+    /// Run the control shim (checkpoint placement, recovery planning) as an HTTP/JSON service.
+    Control(kvd::control::service::ControlArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -23,5 +25,6 @@ fn main() -> std::process::ExitCode {
             println!("kvd {}", env!("CARGO_PKG_VERSION"));
             std::process::ExitCode::SUCCESS
         }
+        Command::Control(args) => kvd::control::service::run(args),
     }
 }
