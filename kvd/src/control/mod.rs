@@ -59,7 +59,7 @@ pub mod request;
 pub mod service;
 pub mod snapshot;
 
-pub use controller::{Admission, ControlConfig, Controller, Decision, Event, Stats};
+pub use controller::{Admission, AdmitRequest, ControlConfig, Controller, Decision, Event, Stats};
 pub use load::{LoadTable, WorkerLoad, WorkerPhase};
 pub use policy::{FixedRing, Lumen, Policy, PolicyKind, StopRestart};
 pub use recovery::{Dispatch, Interrupted, RecoveryPlan, RestorePlan};
