@@ -1,1 +1,563 @@
-//! store
+//! The block store: the block table with its lifecycle, pins, sessions and leases, checkpoint
+//! manifests, reservations and eviction, integrity, and the reaper.
+//!
+//! One [`Store`] per node. Its metadata sits behind one lock; every operation holds it for a
+//! bounded, small amount of work, and byte copies and checksums run outside it (see
+//! [`lifecycle`] for how a page is kept safe meanwhile). Operations are batched: one call for N
+//! blocks, each block with its own result where that makes sense, all-or-nothing where the
+//! design asks for it (allocation space, group publish, manifest extension).
+//!
+//! Where a block changes state: [`lifecycle`]. Who may touch it: [`sessions`]. What readers see:
+//! [`pins`]. Checkpoints: [`manifest`]. Space: [`capacity`]. Checksums: [`integrity`].
+//! Cleanup: [`reaper`].
+
+pub mod capacity;
+pub mod integrity;
+pub mod lifecycle;
+pub mod manifest;
+pub mod pins;
+pub mod reaper;
+pub mod sessions;
+mod table;
+pub mod types;
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::clock::Clock;
+use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId, block_tags};
+use crate::pool::{Backing, PoolConfig};
+use crate::store::lifecycle::SealStep;
+use crate::store::table::Inner;
+use crate::sync::{Mutex, MutexGuard};
+use crate::{Error, Result};
+
+pub use crate::error::BlockState;
+pub use types::*;
+
+/// The store's limits and defaults. Every bound is explicit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreConfig {
+    /// The pool's geometry.
+    pub pool: PoolConfig,
+    /// This node incarnation's generation (persisted and increased at every start by the daemon).
+    pub node_generation: u64,
+    /// Open sessions at most.
+    pub max_sessions: u32,
+    /// Keys or handles in one batched call at most.
+    pub max_batch: u32,
+    /// Unfinished blocks (ALLOCATED/WRITING/SEALED) one session may hold.
+    pub max_blocks_in_flight_per_session: u32,
+    /// Distinct blocks one session may pin.
+    pub max_pins_per_session: u32,
+    /// Registered namespaces at most.
+    pub max_namespaces: u32,
+    /// Live manifests at most.
+    pub max_manifests: u32,
+    /// Blocks in one manifest at most.
+    pub max_manifest_blocks: u32,
+    /// Open reservations at most.
+    pub max_reservations: u32,
+    /// Pin TTL when the caller gives none.
+    pub default_pin_ttl_ms: u64,
+    /// Longest pin TTL a caller may ask for.
+    pub max_pin_ttl_ms: u64,
+    /// Shortest session lease.
+    pub min_lease_ttl_ms: u64,
+    /// Longest session lease.
+    pub max_lease_ttl_ms: u64,
+    /// Longest manifest TTL.
+    pub max_manifest_ttl_ms: u64,
+    /// How long a quarantined page is held apart before it returns to the pool.
+    pub quarantine_hold_ms: u64,
+    /// Recompute a checksum the writer supplied at SEAL (costs a pass over the block).
+    pub verify_supplied_checksums: bool,
+}
+
+impl StoreConfig {
+    /// Defaults for a pool of the given geometry.
+    pub fn new(pool: PoolConfig) -> StoreConfig {
+        StoreConfig {
+            pool,
+            node_generation: 1,
+            max_sessions: 1024,
+            max_batch: 4096,
+            max_blocks_in_flight_per_session: 65_536,
+            max_pins_per_session: 262_144,
+            max_namespaces: 1024,
+            max_manifests: 65_536,
+            max_manifest_blocks: 65_536,
+            max_reservations: 65_536,
+            default_pin_ttl_ms: 30_000,
+            max_pin_ttl_ms: 600_000,
+            min_lease_ttl_ms: 10,
+            max_lease_ttl_ms: 600_000,
+            max_manifest_ttl_ms: 3_600_000,
+            quarantine_hold_ms: 60_000,
+            verify_supplied_checksums: false,
+        }
+    }
+}
+
+/// The block store of one node.
+#[derive(Debug)]
+pub struct Store {
+    inner: Mutex<Inner>,
+    /// The pool's mapping, shared so that copies run without the lock.
+    region: Arc<crate::pool::Region>,
+    page_size: u64,
+    node_generation: u64,
+    backing: Backing,
+}
+
+impl Store {
+    /// Create a store and its pool.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad geometry, [`Error::Io`] when the memory cannot be had.
+    pub fn new(config: StoreConfig, clock: Arc<dyn Clock>) -> Result<Store> {
+        let inner = Inner::new(config, clock)?;
+        let backing = inner.pool.region().backing();
+        let region = inner.pool.shared_region();
+        Ok(Store {
+            inner: Mutex::new(inner),
+            region,
+            page_size: config.pool.page_size_bytes,
+            node_generation: config.node_generation,
+            backing,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock is a bug that already aborted an operation; the
+        // metadata is checked by the reaper's audit, so keep serving.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn region(&self) -> &crate::pool::Region {
+        &self.region
+    }
+
+    /// This node incarnation's generation.
+    pub fn node_generation(&self) -> u64 {
+        self.node_generation
+    }
+
+    /// Bytes per page (the largest block).
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+
+    /// What backs the pool (huge pages or not).
+    pub fn backing(&self) -> Backing {
+        self.backing
+    }
+
+    /// The pool's memfd, to pass to a client process.
+    pub fn pool_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.region().fd()
+    }
+
+    /// The pool region's size in bytes.
+    pub fn pool_bytes(&self) -> u64 {
+        self.region().len() as u64
+    }
+
+    // ----- namespaces -----
+
+    /// Register a KV layout; returns its id. Idempotent.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad descriptor or a block larger than a page;
+    /// [`Error::Overloaded`] past `max_namespaces`.
+    pub fn register_namespace(&self, d: &NamespaceDescriptor) -> Result<NamespaceId> {
+        d.validate()?;
+        if d.bytes_per_block > self.page_size {
+            return Err(Error::InvalidArgument(format!(
+                "blocks of {} bytes do not fit the pool's {}-byte pages; start the pool with \
+                 larger pages",
+                d.bytes_per_block, self.page_size
+            )));
+        }
+        let id = d.id();
+        let mut g = self.lock();
+        if !g.namespaces.contains_key(&id) {
+            if g.namespaces.len() >= g.config.max_namespaces as usize {
+                return Err(Error::Overloaded {
+                    what: "namespace table full".into(),
+                    retry_after_ms: 1000,
+                });
+            }
+            g.namespaces.insert(id, d.clone());
+        }
+        Ok(id)
+    }
+
+    /// The descriptor of a registered namespace.
+    pub fn namespace(&self, id: &NamespaceId) -> Option<NamespaceDescriptor> {
+        self.lock().namespaces.get(id).cloned()
+    }
+
+    // ----- sessions -----
+
+    /// Open a session with a heartbeat lease of `lease_ttl_ms`.
+    ///
+    /// # Errors
+    /// [`Error::Overloaded`] past `max_sessions`; [`Error::InvalidArgument`] for a TTL out of
+    /// range.
+    pub fn open_session(&self, name: &str, lease_ttl_ms: u64) -> Result<SessionId> {
+        self.lock().open_session(name, lease_ttl_ms)
+    }
+
+    /// Renew a session's lease; returns the new expiry (store clock, ms).
+    ///
+    /// # Errors
+    /// [`Error::LeaseExpired`] if it had already expired (its work is released).
+    pub fn heartbeat(&self, sid: SessionId) -> Result<u64> {
+        self.lock().heartbeat(sid)
+    }
+
+    /// Close a session: abort its unfinished blocks, drop its pins, release its reservations.
+    pub fn close_session(&self, sid: SessionId) -> SessionCleanup {
+        self.lock().close_session(sid)
+    }
+
+    // ----- capacity -----
+
+    /// Reserve `bytes` for `sid`'s future allocations.
+    ///
+    /// # Errors
+    /// [`Error::NoSpace`] (retryable) when the space is not there even after eviction.
+    pub fn reserve(&self, sid: SessionId, bytes: u64) -> Result<ReservationId> {
+        self.lock().reserve_for_session(sid, bytes)
+    }
+
+    /// Give a reservation's unused space back.
+    pub fn release_reservation(&self, r: ReservationId) {
+        self.lock().release_reservation(r)
+    }
+
+    // ----- writers -----
+
+    /// Allocate blocks for `keys`. See [`lifecycle`] for the all-or-nothing rules.
+    ///
+    /// # Errors
+    /// The whole call fails on [`Error::NoSpace`], an unknown namespace, a dead session or a
+    /// bound; existing keys get [`Error::AlreadyExists`] in their place.
+    pub fn alloc(
+        &self,
+        sid: SessionId,
+        keys: &[BlockKey],
+        class: BlockClass,
+        reservation: Option<ReservationId>,
+    ) -> Result<Vec<Result<Allocation>>> {
+        self.lock().alloc(sid, keys, class, reservation)
+    }
+
+    /// Mark allocated blocks WRITING for a writer that fills them through its own mapping.
+    pub fn begin_write(
+        &self,
+        sid: SessionId,
+        handles: &[Handle],
+    ) -> Result<Vec<Result<Allocation>>> {
+        let mut g = self.lock();
+        if handles.len() > g.config.max_batch as usize {
+            return Err(Error::InvalidArgument("batch too large".into()));
+        }
+        g.live_session(sid)?;
+        Ok(handles.iter().map(|h| g.begin_write(sid, h)).collect())
+    }
+
+    /// Copy `data` into the block at `offset`. Sequential writes (each starting where the last
+    /// ended) fold the checksum into the copy, so SEAL needs no second pass.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] past the page's end; [`Error::IllegalTransition`] after SEAL;
+    /// [`Error::StaleGeneration`] for an old handle.
+    pub fn write(&self, sid: SessionId, h: &Handle, offset: u64, data: &[u8]) -> Result<()> {
+        let t = self
+            .lock()
+            .write_prepare(sid, h, offset, data.len() as u64)?;
+        // SAFETY: the slot is ALLOCATED/WRITING, owned by `sid`, and marked in use by
+        // `write_prepare`: no other write, no read, and no reuse of the page until
+        // `write_finish` clears the mark.
+        let dst = unsafe { self.region().bytes_mut(t.page_offset as usize, data.len()) };
+        let crc = match t.running_crc {
+            Some(c) => Some(transport::local::copy_with_crc32c(dst, data, c)),
+            None => {
+                transport::local::copy(dst, data);
+                None
+            }
+        };
+        self.lock().write_finish(&t, offset, data.len() as u64, crc)
+    }
+
+    /// Seal a block at `len` valid bytes: from here its bytes are immutable. `checksum` is the
+    /// writer's CRC-32C of those bytes, if it computed one during its copy; otherwise the store
+    /// uses its running checksum or computes one.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] if a supplied checksum does not match what the store knows (nothing
+    /// changes); [`Error::IllegalTransition`] unless the block is WRITING.
+    pub fn seal(&self, sid: SessionId, h: &Handle, len: u64, checksum: Option<u32>) -> Result<u32> {
+        let step = self.lock().seal_prepare(sid, h, len, checksum)?;
+        match step {
+            SealStep::Done(c) => Ok(c),
+            SealStep::Checksum { slot, page_offset } => {
+                // SAFETY: marked in use by `seal_prepare`; the owner cannot write while the mark
+                // is held (writes are refused), and the page is not reused.
+                let bytes = unsafe { self.region().bytes(page_offset as usize, len as usize) };
+                let computed = transport::local::crc32c(0, bytes);
+                self.lock().seal_finish(sid, slot, len, computed, checksum)
+            }
+        }
+    }
+
+    /// Publish SEALED cache blocks as one group: all or none.
+    pub fn publish(&self, sid: SessionId, handles: &[Handle]) -> Result<()> {
+        self.lock().publish(sid, handles)
+    }
+
+    /// Abort unfinished blocks; their space returns to the pool (or their reservation).
+    pub fn abort(&self, sid: SessionId, handles: &[Handle]) -> Result<Vec<Result<()>>> {
+        self.lock().abort(sid, handles)
+    }
+
+    /// Compare-and-delete: remove `key` only if its current version is `expected_generation`.
+    pub fn remove_if(&self, key: &BlockKey, expected_generation: u64) -> Result<()> {
+        self.lock().remove_if(key, expected_generation)
+    }
+
+    // ----- readers -----
+
+    /// Look keys up (no pin). Misses are `None`.
+    pub fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<Option<BlockInfo>>> {
+        let mut g = self.lock();
+        if keys.len() > g.config.max_batch as usize {
+            return Err(Error::InvalidArgument("batch too large; split it".into()));
+        }
+        Ok(g.lookup(keys))
+    }
+
+    /// Mark blocks as recently used (LRU).
+    pub fn touch(&self, keys: &[BlockKey]) {
+        let mut g = self.lock();
+        for k in keys.iter().take(g.config.max_batch as usize) {
+            if let Some(&i) = g.index.get(k) {
+                g.lru_touch(i);
+            }
+        }
+    }
+
+    /// Pin PUBLISHED blocks for `sid` for `ttl_ms` (default when `None`).
+    pub fn acquire(
+        &self,
+        sid: SessionId,
+        keys: &[BlockKey],
+        ttl_ms: Option<u64>,
+    ) -> Result<Vec<Result<BlockInfo>>> {
+        self.lock().acquire(sid, keys, ttl_ms)
+    }
+
+    /// Release pins; stale or unpinned handles get an error in their place.
+    pub fn release(&self, sid: SessionId, handles: &[Handle]) -> Result<Vec<Result<()>>> {
+        self.lock().release(sid, handles)
+    }
+
+    /// The longest PUBLISHED prefix of a tag chain, optionally pinned for a session.
+    pub fn lookup_prefix(
+        &self,
+        namespace: &NamespaceId,
+        tags: &[BlockTag],
+        pin_for: Option<(SessionId, Option<u64>)>,
+    ) -> Result<PrefixHit> {
+        self.lock().lookup_prefix(namespace, tags, pin_for)
+    }
+
+    /// The longest PUBLISHED prefix of a token history in a registered namespace.
+    pub fn longest_prefix(
+        &self,
+        namespace: &NamespaceId,
+        tokens: &[u32],
+        pin_for: Option<(SessionId, Option<u64>)>,
+    ) -> Result<PrefixHit> {
+        let tpb = self
+            .namespace(namespace)
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown namespace {namespace:?}")))?
+            .tokens_per_block;
+        let tags = block_tags(namespace, tpb, tokens)?;
+        self.lookup_prefix(namespace, &tags, pin_for)
+    }
+
+    /// Copy a pinned block's bytes into `dst` (at most its length); with `verify`, check its
+    /// checksum in the same pass. Returns the bytes copied.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] when verification fails (the block is quarantined: treat as a miss).
+    pub fn read(&self, sid: SessionId, h: &Handle, dst: &mut [u8], verify: bool) -> Result<u64> {
+        let t = self.lock().read_prepare(sid, h)?;
+        let n = (t.len as usize).min(dst.len());
+        // SAFETY: the block is SEALED or later (immutable), pinned by `sid` and marked in use by
+        // `read_prepare`, so its page is neither written nor reused until `read_finish`.
+        let src = unsafe { self.region().bytes(t.page_offset as usize, t.len as usize) };
+        let computed = if verify {
+            if n == src.len() {
+                Some(transport::local::copy_with_crc32c(&mut dst[..n], src, 0))
+            } else {
+                transport::local::copy(&mut dst[..n], &src[..n]);
+                Some(transport::local::crc32c(0, src))
+            }
+        } else {
+            transport::local::copy(&mut dst[..n], &src[..n]);
+            None
+        };
+        self.lock().read_finish(&t, computed)?;
+        Ok(n as u64)
+    }
+
+    // ----- manifests -----
+
+    /// Begin (or supersede with a newer epoch) a request's checkpoint manifest.
+    pub fn manifest_begin(
+        &self,
+        sid: SessionId,
+        request: RequestId,
+        epoch: u64,
+        namespace: NamespaceId,
+        reserve_bytes: u64,
+        ttl_ms: u64,
+    ) -> Result<ManifestInfo> {
+        self.lock()
+            .manifest_begin(sid, request, epoch, namespace, reserve_bytes, ttl_ms)
+    }
+
+    /// Publish SEALED checkpoint blocks into the manifest with the new committed token count,
+    /// atomically.
+    pub fn manifest_extend(
+        &self,
+        sid: SessionId,
+        request: RequestId,
+        epoch: u64,
+        handles: &[Handle],
+        committed_tokens: u64,
+    ) -> Result<ManifestInfo> {
+        self.lock()
+            .manifest_extend(sid, request, epoch, handles, committed_tokens)
+    }
+
+    /// Renew a manifest's TTL.
+    pub fn manifest_renew(&self, request: RequestId, epoch: u64, ttl_ms: u64) -> Result<u64> {
+        self.lock().manifest_renew(request, epoch, ttl_ms)
+    }
+
+    /// The request finished or was cancelled: release its checkpoint and reservation.
+    pub fn manifest_end(&self, request: RequestId, epoch: u64) -> Result<()> {
+        self.lock().manifest_end(request, epoch)
+    }
+
+    /// The manifest of a request, as published.
+    pub fn manifest(&self, request: RequestId) -> Result<ManifestInfo> {
+        self.lock().manifest_info(request)
+    }
+
+    /// Recovery's question: for `request` and its token history, the longest contiguous
+    /// verified checkpoint prefix held here. Every block of the answer had its checksum checked
+    /// just now; a block that fails is quarantined and ends the prefix.
+    pub fn restore_prefix(&self, request: RequestId, tokens: &[u32]) -> Result<RestorePrefix> {
+        let (epoch, committed, tickets) = self.lock().restore_prepare(request, tokens)?;
+        let computed: Vec<u32> = tickets
+            .iter()
+            .map(|t| {
+                // SAFETY: each block is PUBLISHED (immutable) and marked in use by
+                // `restore_prepare`, so its page is not reused until `read_finish`.
+                let bytes = unsafe { self.region().bytes(t.page_offset as usize, t.len as usize) };
+                transport::local::crc32c(0, bytes)
+            })
+            .collect();
+        let mut g = self.lock();
+        let mut blocks = Vec::new();
+        let mut good = true;
+        for (t, c) in tickets.iter().zip(computed) {
+            let ok = g.read_finish(t, Some(c)).is_ok();
+            good &= ok;
+            if good {
+                blocks.push(g.info_of(t.slot));
+            }
+        }
+        let tpb = g
+            .namespaces
+            .get(&g.manifests[&request].namespace)
+            .map_or(0, |d| d.tokens_per_block as u64);
+        let tokens_covered = (blocks.len() as u64 * tpb)
+            .min(committed)
+            .min(tokens.len() as u64);
+        Ok(RestorePrefix {
+            epoch,
+            blocks,
+            tokens: tokens_covered,
+            committed_tokens: committed,
+        })
+    }
+
+    // ----- maintenance and observation -----
+
+    /// One reaper tick: at most `budget` expired sessions, pins, manifests and quarantined pages.
+    pub fn reap(&self, budget: u32) -> ReapReport {
+        self.lock().reap(budget)
+    }
+
+    /// Recount every page; `balanced` is false if the running counts drifted.
+    pub fn audit(&self) -> (Accounting, bool) {
+        self.lock().audit()
+    }
+
+    /// Check every structural invariant; the error says which one broke.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.lock().check_invariants()
+    }
+
+    /// Counts and counters for metrics and `/status`.
+    pub fn stats(&self) -> StoreStats {
+        let g = self.lock();
+        StoreStats {
+            node_generation: g.config.node_generation,
+            page_size_bytes: g.page_size(),
+            accounting: g.counts,
+            reserved_unused_pages: g.reserved_unused,
+            pins: g.pin_count,
+            sessions: g.sessions.len() as u32,
+            manifests: g.manifests.len() as u32,
+            namespaces: g.namespaces.len() as u32,
+            evictable: g.lru_len,
+            counters: g.counters,
+        }
+    }
+
+    /// The open sessions, in id order, at most `limit`.
+    pub fn sessions(&self, limit: usize) -> Vec<SessionSummary> {
+        let g = self.lock();
+        let mut v: Vec<SessionSummary> = g
+            .sessions
+            .iter()
+            .map(|(id, s)| SessionSummary {
+                id: *id,
+                name: s.name.clone(),
+                expires_at_ms: s.expires_at_ms,
+                blocks_in_flight: s.writing.len() as u32,
+                pins: s.pins.len() as u32,
+            })
+            .collect();
+        v.sort_unstable_by_key(|s| s.id);
+        v.truncate(limit);
+        v
+    }
+
+    /// The store's configuration.
+    pub fn config(&self) -> StoreConfig {
+        self.lock().config
+    }
+}
+
+#[cfg(test)]
+mod tests;

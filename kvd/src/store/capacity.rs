@@ -1,0 +1,121 @@
+//! Capacity: reservations and eviction.
+//!
+//! A request that will write reserves its footprint up front; the pages it reserved stay free
+//! for it, and nobody else's allocation may dig into them. Unreserved allocations take free
+//! pages beyond the reservations, evicting the least recently used unpinned PUBLISHED cache
+//! blocks when needed. Checkpoint blocks are never evicted. When even eviction cannot make room,
+//! the call fails at once with a retryable [`Error::NoSpace`] that says how much is free.
+
+use crate::store::table::{Inner, Reservation, ReservationOwner};
+use crate::store::types::ReservationId;
+use crate::{Error, Result};
+
+impl Inner {
+    /// Pages free and not promised to a reservation.
+    pub fn unreserved_free(&self) -> u64 {
+        (self.pool.free_pages() as u64).saturating_sub(self.reserved_unused)
+    }
+
+    fn pages_for(&self, bytes: u64) -> u64 {
+        bytes.div_ceil(self.page_size())
+    }
+
+    fn no_space(&mut self, pages: u64) -> Error {
+        self.counters.no_space_rejects += 1;
+        Error::NoSpace {
+            requested_bytes: pages * self.page_size(),
+            free_bytes: (self.unreserved_free() + u64::from(self.lru_len)) * self.page_size(),
+        }
+    }
+
+    /// Make `pages` unreserved free pages available, evicting LRU cache blocks if that is enough.
+    /// Evicts nothing if it would not be enough.
+    pub fn ensure_unreserved(&mut self, pages: u64) -> Result<()> {
+        let have = self.unreserved_free();
+        if have >= pages {
+            return Ok(());
+        }
+        if have + u64::from(self.lru_len) < pages {
+            return Err(self.no_space(pages));
+        }
+        // Bounded: each step takes one block off the LRU, and the LRU has at least `pages - have`.
+        while self.unreserved_free() < pages {
+            let Some(victim) = self.lru_oldest() else {
+                return Err(self.no_space(pages));
+            };
+            self.counters.evictions += 1;
+            self.retire_or_free(victim);
+        }
+        Ok(())
+    }
+
+    /// Reserve `bytes` (rounded up to whole pages).
+    pub fn reserve(&mut self, bytes: u64, owner: ReservationOwner) -> Result<ReservationId> {
+        if bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "a reservation needs > 0 bytes".into(),
+            ));
+        }
+        if self.reservations.len() >= self.config.max_reservations as usize {
+            self.counters.overload_rejects += 1;
+            return Err(Error::Overloaded {
+                what: format!(
+                    "{} reservations open (the limit)",
+                    self.config.max_reservations
+                ),
+                retry_after_ms: 100,
+            });
+        }
+        let pages = self.pages_for(bytes);
+        self.ensure_unreserved(pages)?;
+        let id = ReservationId(self.next_reservation);
+        self.next_reservation += 1;
+        self.reservations.insert(
+            id,
+            Reservation {
+                pages_total: pages,
+                pages_used: 0,
+                owner,
+            },
+        );
+        self.reserved_unused += pages;
+        Ok(id)
+    }
+
+    /// Give a reservation's unused pages back. Idempotent.
+    pub fn release_reservation(&mut self, id: ReservationId) {
+        if let Some(r) = self.reservations.remove(&id) {
+            self.reserved_unused -= r.pages_total - r.pages_used;
+            if let ReservationOwner::Session(sid) = r.owner
+                && let Some(s) = self.sessions.get_mut(&sid)
+            {
+                s.reservations.remove(&id);
+            }
+        }
+    }
+
+    /// Plan `n` pages for an allocation: how many come from `reservation` (the rest from
+    /// unreserved space, made available now). Changes nothing but eviction on failure-free paths.
+    pub fn plan_pages(&mut self, n: u64, reservation: Option<ReservationId>) -> Result<u64> {
+        let from_reservation = match reservation {
+            None => 0,
+            Some(r) => {
+                let res = self
+                    .reservations
+                    .get(&r)
+                    .ok_or_else(|| Error::NotFound(format!("reservation {}", r.0)))?;
+                n.min(res.pages_total - res.pages_used)
+            }
+        };
+        self.ensure_unreserved(n - from_reservation)?;
+        Ok(from_reservation)
+    }
+
+    /// Record that one page of `r` was used.
+    pub fn draw_reservation(&mut self, r: ReservationId) {
+        let res = self.reservations.get_mut(&r).expect("planned");
+        res.pages_used += 1;
+        debug_assert!(res.pages_used <= res.pages_total);
+        self.reserved_unused -= 1;
+    }
+}

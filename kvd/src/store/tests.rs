@@ -1,0 +1,939 @@
+//! The store's behaviour, one specification per test.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::clock::ManualClock;
+use crate::keys::tests::qwen14b;
+use crate::pool::HugePages;
+
+const PAGE: u64 = 4096;
+
+struct Fixture {
+    store: Store,
+    clock: Arc<ManualClock>,
+    ns: NamespaceId,
+}
+
+fn fixture(pages: u32) -> Fixture {
+    fixture_with(pages, |_| {})
+}
+
+fn fixture_with(pages: u32, tweak: impl FnOnce(&mut StoreConfig)) -> Fixture {
+    let mut cfg = StoreConfig::new(PoolConfig {
+        page_size_bytes: PAGE,
+        page_count: pages,
+        huge_pages: HugePages::Off,
+    });
+    cfg.quarantine_hold_ms = 1_000;
+    tweak(&mut cfg);
+    let clock = ManualClock::new(0);
+    let store = Store::new(cfg, clock.clone()).unwrap();
+    let mut d = qwen14b();
+    d.tokens_per_block = 4;
+    d.bytes_per_block = PAGE;
+    let ns = store.register_namespace(&d).unwrap();
+    Fixture { store, clock, ns }
+}
+
+fn key(ns: NamespaceId, n: u8) -> BlockKey {
+    BlockKey {
+        namespace: ns,
+        tag: BlockTag([n; 32]),
+    }
+}
+
+fn bytes(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(7) ^ seed).collect()
+}
+
+impl Fixture {
+    fn session(&self) -> SessionId {
+        self.store.open_session("test", 10_000).unwrap()
+    }
+
+    /// Allocate, write, seal and publish one cache block; returns its handle.
+    fn put(&self, sid: SessionId, k: BlockKey, data: &[u8]) -> Handle {
+        let a = self
+            .store
+            .alloc(sid, &[k], BlockClass::Cache, None)
+            .unwrap();
+        let h = a[0].as_ref().unwrap().handle;
+        self.store.write(sid, &h, 0, data).unwrap();
+        self.store.seal(sid, &h, data.len() as u64, None).unwrap();
+        self.store.publish(sid, &[h]).unwrap();
+        h
+    }
+
+    fn invariants(&self) {
+        self.store.check_invariants().unwrap();
+    }
+
+    fn corrupt(&self, h: &Handle) {
+        let g = self.store.lock();
+        let off = g.pool.page_offset(h.slot) as usize;
+        // SAFETY: test-only: simulates a bit flip in a block nobody is copying right now.
+        let b = unsafe { g.pool.region().bytes_mut(off, 1) };
+        b[0] ^= 0xff;
+    }
+}
+
+#[test]
+fn a_block_goes_through_its_lifecycle_and_reads_back_byte_exact() {
+    let f = fixture(4);
+    let w = f.session();
+    let data = bytes(1, 3000);
+    let a = f
+        .store
+        .alloc(w, &[key(f.ns, 1)], BlockClass::Cache, None)
+        .unwrap();
+    let h = a[0].as_ref().unwrap().handle;
+    assert_eq!(f.store.stats().accounting.allocated, 1);
+    f.store.write(w, &h, 0, &data[..1000]).unwrap();
+    f.store.write(w, &h, 1000, &data[1000..]).unwrap();
+    assert_eq!(f.store.stats().accounting.writing, 1);
+    let crc = f.store.seal(w, &h, 3000, None).unwrap();
+    assert_eq!(
+        crc,
+        transport::local::crc32c(0, &data),
+        "running CRC equals a full pass"
+    );
+    assert_eq!(
+        f.store.lookup(&[key(f.ns, 1)]).unwrap()[0],
+        None,
+        "SEALED is not visible"
+    );
+    f.store.publish(w, &[h]).unwrap();
+
+    let r = f.session();
+    let got = f.store.acquire(r, &[key(f.ns, 1)], None).unwrap();
+    let info = got[0].as_ref().unwrap();
+    assert_eq!((info.len, info.checksum), (3000, crc));
+    let mut out = vec![0u8; 4096];
+    let n = f.store.read(r, &info.handle, &mut out, true).unwrap();
+    assert_eq!(&out[..n as usize], &data[..]);
+    f.invariants();
+}
+
+#[test]
+fn a_stale_handle_never_reads_another_blocks_bytes() {
+    let f = fixture(1);
+    let s = f.session();
+    let old = f.put(s, key(f.ns, 1), &bytes(1, 100));
+    f.store.remove_if(&key(f.ns, 1), old.generation).unwrap();
+    let new = f.put(s, key(f.ns, 2), &bytes(2, 100));
+    assert_eq!(old.slot, new.slot, "the single page was reused");
+    f.store.acquire(s, &[key(f.ns, 2)], None).unwrap();
+    let mut out = vec![0u8; 100];
+    let e = f.store.read(s, &old, &mut out, false).unwrap_err();
+    assert!(matches!(e, Error::StaleGeneration { .. }), "{e}");
+    assert!(
+        out.iter().all(|&b| b == 0),
+        "no byte of the new block leaked"
+    );
+    assert_eq!(f.store.stats().counters.stale_generation_rejects, 1);
+}
+
+#[test]
+fn a_handle_from_a_previous_node_generation_is_stale_after_restart() {
+    let f = fixture(2);
+    let s = f.session();
+    let h = f.put(s, key(f.ns, 1), &bytes(1, 10));
+    drop(f.store);
+    let g = fixture_with(2, |c| c.node_generation = 2);
+    let s2 = g.session();
+    g.put(s2, key(g.ns, 1), &bytes(1, 10));
+    let e = g.store.release(s2, &[h]).unwrap().remove(0).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::StaleGeneration {
+                handle_node: 1,
+                current_node: 2,
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn every_illegal_transition_is_refused_and_changes_nothing() {
+    let f = fixture(4);
+    let s = f.session();
+    let a = f
+        .store
+        .alloc(s, &[key(f.ns, 1)], BlockClass::Cache, None)
+        .unwrap();
+    let h = a[0].as_ref().unwrap().handle;
+    let before = f.store.stats();
+    // ALLOCATED: cannot seal or publish.
+    assert!(matches!(
+        f.store.seal(s, &h, 0, None),
+        Err(Error::IllegalTransition {
+            from: BlockState::Allocated,
+            ..
+        })
+    ));
+    assert!(matches!(
+        f.store.publish(s, &[h]),
+        Err(Error::IllegalTransition {
+            from: BlockState::Allocated,
+            ..
+        })
+    ));
+    assert_eq!(f.store.stats().accounting, before.accounting);
+    // SEALED: cannot be written.
+    f.store.write(s, &h, 0, b"abc").unwrap();
+    f.store.seal(s, &h, 3, None).unwrap();
+    assert!(matches!(
+        f.store.write(s, &h, 0, b"x"),
+        Err(Error::IllegalTransition {
+            from: BlockState::Sealed,
+            ..
+        })
+    ));
+    // PUBLISHED: cannot be aborted, sealed or published again.
+    f.store.publish(s, &[h]).unwrap();
+    let r = f.store.abort(s, &[h]).unwrap().remove(0);
+    assert!(
+        matches!(
+            r,
+            Err(Error::IllegalTransition {
+                from: BlockState::Published,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(f.store.publish(s, &[h]).is_err());
+    assert_eq!(f.store.stats().accounting.published, 1);
+    f.invariants();
+}
+
+#[test]
+fn bad_offsets_and_sizes_are_refused_with_a_clear_error() {
+    let f = fixture(2);
+    let s = f.session();
+    let h = f
+        .store
+        .alloc(s, &[key(f.ns, 1)], BlockClass::Cache, None)
+        .unwrap()[0]
+        .as_ref()
+        .unwrap()
+        .handle;
+    let e = f.store.write(s, &h, PAGE - 1, b"ab").unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let e = f.store.write(s, &h, u64::MAX, b"ab").unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    f.store.write(s, &h, 0, b"ok").unwrap();
+    let e = f.store.seal(s, &h, PAGE + 1, None).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let bogus = Handle { slot: 999, ..h };
+    assert!(matches!(
+        f.store.seal(s, &bogus, 1, None),
+        Err(Error::InvalidArgument(_))
+    ));
+    let other_ns = BlockKey {
+        namespace: NamespaceId([9; 32]),
+        tag: BlockTag([1; 32]),
+    };
+    let e = f
+        .store
+        .alloc(s, &[other_ns], BlockClass::Cache, None)
+        .unwrap_err();
+    assert!(e.to_string().contains("unknown namespace"), "{e}");
+    f.invariants();
+}
+
+#[test]
+fn another_session_cannot_write_or_publish_my_block() {
+    let f = fixture(2);
+    let a = f.session();
+    let b = f.session();
+    let h = f
+        .store
+        .alloc(a, &[key(f.ns, 1)], BlockClass::Cache, None)
+        .unwrap()[0]
+        .as_ref()
+        .unwrap()
+        .handle;
+    assert!(f.store.write(b, &h, 0, b"x").is_err());
+    f.store.write(a, &h, 0, b"x").unwrap();
+    f.store.seal(a, &h, 1, None).unwrap();
+    assert!(f.store.publish(b, &[h]).is_err());
+    assert!(f.store.abort(b, &[h]).unwrap()[0].is_err());
+    f.store.publish(a, &[h]).unwrap();
+}
+
+#[test]
+fn a_group_publishes_all_or_nothing() {
+    let f = fixture(4);
+    let s = f.session();
+    let hs: Vec<Handle> = f
+        .store
+        .alloc(
+            s,
+            &[key(f.ns, 1), key(f.ns, 2), key(f.ns, 3)],
+            BlockClass::Cache,
+            None,
+        )
+        .unwrap()
+        .into_iter()
+        .map(|a| a.unwrap().handle)
+        .collect();
+    for h in &hs[..2] {
+        f.store.write(s, h, 0, b"data").unwrap();
+        f.store.seal(s, h, 4, None).unwrap();
+    }
+    // The third is still ALLOCATED: the whole group is refused.
+    assert!(f.store.publish(s, &hs).is_err());
+    let visible = f.store.lookup(&[key(f.ns, 1), key(f.ns, 2)]).unwrap();
+    assert!(
+        visible.iter().all(Option::is_none),
+        "no part of the group became visible"
+    );
+    f.store.write(s, &hs[2], 0, b"data").unwrap();
+    f.store.seal(s, &hs[2], 4, None).unwrap();
+    f.store.publish(s, &hs).unwrap();
+    assert!(
+        f.store
+            .lookup(&[key(f.ns, 1), key(f.ns, 2), key(f.ns, 3)])
+            .unwrap()
+            .iter()
+            .all(Option::is_some)
+    );
+    f.invariants();
+}
+
+#[test]
+fn a_late_delete_never_removes_the_newer_generation() {
+    let f = fixture(2);
+    let s = f.session();
+    let k = key(f.ns, 1);
+    let g1 = f.put(s, k, b"v1").generation;
+    f.store.remove_if(&k, g1).unwrap();
+    let g2 = f.put(s, k, b"v2").generation;
+    assert!(g2 > g1);
+    // A delete for generation g1 arrives late: it must not touch g2.
+    let e = f.store.remove_if(&k, g1).unwrap_err();
+    assert!(
+        matches!(e, Error::StaleGeneration { handle_slot, current_slot, .. } if handle_slot == g1 && current_slot == g2)
+    );
+    assert_eq!(
+        f.store.lookup(&[k]).unwrap()[0].unwrap().handle.generation,
+        g2
+    );
+    f.store.remove_if(&k, g2).unwrap();
+    assert_eq!(f.store.lookup(&[k]).unwrap()[0], None);
+    f.invariants();
+}
+
+#[test]
+fn an_existing_key_cannot_be_allocated_again_but_the_rest_of_the_batch_can() {
+    let f = fixture(4);
+    let s = f.session();
+    f.put(s, key(f.ns, 1), b"x");
+    let r = f
+        .store
+        .alloc(
+            s,
+            &[key(f.ns, 1), key(f.ns, 2), key(f.ns, 2)],
+            BlockClass::Cache,
+            None,
+        )
+        .unwrap();
+    assert!(matches!(r[0], Err(Error::AlreadyExists(_))));
+    assert!(r[1].is_ok());
+    assert!(
+        matches!(r[2], Err(Error::AlreadyExists(_))),
+        "a key twice in one batch"
+    );
+    f.invariants();
+}
+
+#[test]
+fn a_pinned_block_keeps_its_page_until_the_last_pin_is_released() {
+    let f = fixture(1);
+    let w = f.session();
+    let r = f.session();
+    let k = key(f.ns, 1);
+    let h = f.put(w, k, &bytes(5, 64));
+    f.store.acquire(r, &[k], None).unwrap();
+    f.store.remove_if(&k, h.generation).unwrap();
+    assert_eq!(
+        f.store.lookup(&[k]).unwrap()[0],
+        None,
+        "removed blocks are invisible at once"
+    );
+    assert_eq!(f.store.stats().accounting.retired, 1);
+    // The only page is still pinned: a new allocation finds no space.
+    let e = f
+        .store
+        .alloc(w, &[key(f.ns, 2)], BlockClass::Cache, None)
+        .unwrap_err();
+    assert!(matches!(e, Error::NoSpace { .. }), "{e}");
+    // The reader can still read the bytes it pinned.
+    let mut out = vec![0u8; 64];
+    f.store.read(r, &h, &mut out, true).unwrap();
+    assert_eq!(out, bytes(5, 64));
+    f.store.release(r, &[h]).unwrap()[0].as_ref().unwrap();
+    assert_eq!(f.store.stats().accounting.free, 1);
+    assert!(
+        f.store
+            .alloc(w, &[key(f.ns, 2)], BlockClass::Cache, None)
+            .is_ok()
+    );
+    f.invariants();
+}
+
+#[test]
+fn an_expired_pin_is_dropped_by_the_reaper() {
+    let f = fixture(1);
+    let s = f.session();
+    let k = key(f.ns, 1);
+    let h = f.put(s, k, b"x");
+    let r = f.store.open_session("reader", 100_000).unwrap();
+    f.store.acquire(r, &[k], Some(500)).unwrap();
+    f.store.remove_if(&k, h.generation).unwrap();
+    f.clock.advance(499);
+    assert_eq!(f.store.reap(100).pins_expired, 0);
+    f.clock.advance(1);
+    assert_eq!(f.store.reap(100).pins_expired, 1);
+    assert_eq!(
+        f.store.stats().accounting.free,
+        1,
+        "the retired page came back"
+    );
+    assert!(
+        f.store.release(r, &[h]).unwrap()[0].is_err(),
+        "nothing left to release"
+    );
+    f.invariants();
+}
+
+#[test]
+fn a_dead_session_leaves_nothing_behind_within_its_lease_ttl() {
+    let f = fixture(8);
+    let w = f.store.open_session("writer", 1_000).unwrap();
+    let keep = f.session();
+    let published = f.put(keep, key(f.ns, 9), b"shared");
+    let hs: Vec<Handle> = f
+        .store
+        .alloc(
+            w,
+            &[key(f.ns, 1), key(f.ns, 2), key(f.ns, 3)],
+            BlockClass::Cache,
+            None,
+        )
+        .unwrap()
+        .into_iter()
+        .map(|a| a.unwrap().handle)
+        .collect();
+    f.store.write(w, &hs[1], 0, b"half").unwrap();
+    f.store.write(w, &hs[2], 0, b"done").unwrap();
+    f.store.seal(w, &hs[2], 4, None).unwrap();
+    f.store.acquire(w, &[key(f.ns, 9)], None).unwrap();
+    f.store.reserve(w, 2 * PAGE).unwrap();
+    f.clock.advance(1_000);
+    let rep = f.store.reap(100);
+    assert_eq!(rep.sessions_expired, 1);
+    let st = f.store.stats();
+    assert_eq!(
+        (
+            st.accounting.allocated,
+            st.accounting.writing,
+            st.accounting.sealed
+        ),
+        (0, 0, 0),
+        "no orphan block"
+    );
+    assert_eq!(st.pins, 0, "no pin");
+    assert_eq!(st.reserved_unused_pages, 0, "no reservation");
+    assert_eq!(
+        st.accounting.published, 1,
+        "another session's block is untouched"
+    );
+    assert_eq!(
+        f.store.lookup(&[key(f.ns, 9)]).unwrap()[0].unwrap().handle,
+        published
+    );
+    assert!(matches!(f.store.heartbeat(w), Err(Error::NotFound(_))));
+    f.invariants();
+}
+
+#[test]
+fn an_operation_on_an_expired_lease_fails_and_releases_the_session_at_once() {
+    let f = fixture(4);
+    let w = f.store.open_session("writer", 1_000).unwrap();
+    f.store
+        .alloc(w, &[key(f.ns, 1)], BlockClass::Cache, None)
+        .unwrap();
+    f.clock.advance(999);
+    f.store.heartbeat(w).unwrap();
+    f.clock.advance(999);
+    assert_eq!(
+        f.store.stats().accounting.allocated,
+        1,
+        "heartbeats keep it alive"
+    );
+    f.clock.advance(1);
+    let e = f
+        .store
+        .alloc(w, &[key(f.ns, 2)], BlockClass::Cache, None)
+        .unwrap_err();
+    assert!(matches!(e, Error::LeaseExpired(_)), "{e}");
+    assert_eq!(f.store.stats().accounting.allocated, 0);
+    f.invariants();
+}
+
+#[test]
+fn allocation_beyond_reservations_fails_fast_and_says_how_much_is_free() {
+    let f = fixture(4);
+    let a = f.session();
+    let b = f.session();
+    let r = f.store.reserve(a, 3 * PAGE).unwrap();
+    let e = f
+        .store
+        .alloc(b, &[key(f.ns, 1), key(f.ns, 2)], BlockClass::Cache, None)
+        .unwrap_err();
+    match e {
+        Error::NoSpace {
+            requested_bytes,
+            free_bytes,
+        } => {
+            assert_eq!((requested_bytes, free_bytes), (2 * PAGE, PAGE));
+        }
+        other => panic!("{other}"),
+    }
+    assert!(e.is_retryable());
+    assert_eq!(f.store.stats().accounting.allocated, 0, "all or nothing");
+    // The reservation's owner gets its pages.
+    let got = f
+        .store
+        .alloc(
+            a,
+            &[key(f.ns, 3), key(f.ns, 4), key(f.ns, 5)],
+            BlockClass::Cache,
+            Some(r),
+        )
+        .unwrap();
+    assert!(got.iter().all(Result::is_ok));
+    assert_eq!(f.store.stats().reserved_unused_pages, 0);
+    f.invariants();
+}
+
+#[test]
+fn eviction_takes_the_least_recently_used_unpinned_cache_block() {
+    let f = fixture(3);
+    let s = f.session();
+    let r = f.session();
+    f.put(s, key(f.ns, 1), b"1");
+    f.put(s, key(f.ns, 2), b"2");
+    f.put(s, key(f.ns, 3), b"3");
+    f.store.lookup(&[key(f.ns, 1)]).unwrap(); // 1 is now the most recent; 2 the oldest
+    f.store.acquire(r, &[key(f.ns, 2)], None).unwrap(); // pinned: not evictable
+    f.put(s, key(f.ns, 4), b"4");
+    let seen: Vec<bool> = f
+        .store
+        .lookup(&[key(f.ns, 1), key(f.ns, 2), key(f.ns, 3), key(f.ns, 4)])
+        .unwrap()
+        .iter()
+        .map(Option::is_some)
+        .collect();
+    assert_eq!(seen, [true, true, false, true], "3 was the oldest unpinned");
+    assert_eq!(f.store.stats().counters.evictions, 1);
+    f.invariants();
+}
+
+#[test]
+fn checkpoint_blocks_are_never_evicted() {
+    let f = fixture(2);
+    let s = f.session();
+    let req = RequestId(7);
+    f.store.manifest_begin(s, req, 1, f.ns, 0, 60_000).unwrap();
+    let h = f
+        .store
+        .alloc(
+            s,
+            &[key(f.ns, 1)],
+            BlockClass::Checkpoint {
+                request: req,
+                epoch: 1,
+            },
+            None,
+        )
+        .unwrap()[0]
+        .as_ref()
+        .unwrap()
+        .handle;
+    f.store.write(s, &h, 0, b"kv").unwrap();
+    f.store.seal(s, &h, 2, None).unwrap();
+    f.store.manifest_extend(s, req, 1, &[h], 4).unwrap();
+    f.put(s, key(f.ns, 2), b"c");
+    let e = f
+        .store
+        .alloc(s, &[key(f.ns, 3), key(f.ns, 4)], BlockClass::Cache, None)
+        .unwrap_err();
+    assert!(matches!(e, Error::NoSpace { .. }));
+    assert!(
+        f.store
+            .alloc(s, &[key(f.ns, 3)], BlockClass::Cache, None)
+            .is_ok(),
+        "the cache block went"
+    );
+    assert!(
+        f.store.lookup(&[key(f.ns, 1)]).unwrap()[0].is_some(),
+        "the checkpoint block stayed"
+    );
+    f.invariants();
+}
+
+#[test]
+fn a_checksum_mismatch_quarantines_the_block_and_reads_as_a_miss() {
+    let f = fixture(2);
+    let s = f.session();
+    let k = key(f.ns, 1);
+    let h = f.put(s, k, &bytes(3, 500));
+    f.store.acquire(s, &[k], None).unwrap();
+    f.corrupt(&h);
+    let mut out = vec![0u8; 500];
+    assert!(
+        f.store.read(s, &h, &mut out, false).is_ok(),
+        "unverified reads do not check"
+    );
+    let e = f.store.read(s, &h, &mut out, true).unwrap_err();
+    assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+    assert_eq!(
+        f.store.lookup(&[k]).unwrap()[0],
+        None,
+        "quarantined blocks are a miss"
+    );
+    let st = f.store.stats();
+    assert_eq!(
+        (st.accounting.quarantined, st.counters.checksum_failures),
+        (1, 1)
+    );
+    // Held apart while pinned and during the hold, then returned.
+    f.store.release(s, &[h]).unwrap();
+    f.clock.advance(999);
+    assert_eq!(f.store.reap(10).quarantine_released, 0);
+    f.clock.advance(1);
+    assert_eq!(f.store.reap(10).quarantine_released, 1);
+    assert_eq!(f.store.stats().accounting.free, 2);
+    f.invariants();
+}
+
+#[test]
+fn a_supplied_checksum_that_disagrees_with_the_bytes_is_refused() {
+    let f = fixture_with(2, |c| c.verify_supplied_checksums = true);
+    let s = f.session();
+    let h = f
+        .store
+        .alloc(s, &[key(f.ns, 1)], BlockClass::Cache, None)
+        .unwrap()[0]
+        .as_ref()
+        .unwrap()
+        .handle;
+    f.store.begin_write(s, &[h]).unwrap();
+    f.store.write(s, &h, 0, b"hello").unwrap();
+    let good = transport::local::crc32c(0, b"hello");
+    let e = f.store.seal(s, &h, 5, Some(good ^ 1)).unwrap_err();
+    assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+    assert_eq!(f.store.stats().accounting.writing, 1, "nothing changed");
+    assert_eq!(f.store.seal(s, &h, 5, Some(good)).unwrap(), good);
+}
+
+#[test]
+fn a_token_history_finds_its_longest_published_prefix() {
+    let f = fixture(8);
+    let s = f.session();
+    let tokens: Vec<u32> = (100..120).collect(); // 5 blocks of 4
+    let tags = block_tags(&f.ns, 4, &tokens).unwrap();
+    for t in &tags[..3] {
+        f.put(
+            s,
+            BlockKey {
+                namespace: f.ns,
+                tag: *t,
+            },
+            b"kv",
+        );
+    }
+    f.put(
+        s,
+        BlockKey {
+            namespace: f.ns,
+            tag: tags[4],
+        },
+        b"kv",
+    ); // a gap at block 3
+    let hit = f.store.longest_prefix(&f.ns, &tokens, None).unwrap();
+    assert_eq!(hit.blocks.len(), 3);
+    let pinned = f
+        .store
+        .longest_prefix(&f.ns, &tokens[..9], Some((s, None)))
+        .unwrap();
+    assert_eq!(pinned.blocks.len(), 2);
+    assert_eq!(f.store.stats().pins, 2);
+    let mut other = tokens.clone();
+    other[0] = 1;
+    assert!(
+        f.store
+            .longest_prefix(&f.ns, &other, None)
+            .unwrap()
+            .blocks
+            .is_empty()
+    );
+}
+
+fn checkpoint_step(
+    f: &Fixture,
+    s: SessionId,
+    req: RequestId,
+    epoch: u64,
+    tags: &[BlockTag],
+    committed: u64,
+) -> Result<ManifestInfo> {
+    let keys: Vec<BlockKey> = tags
+        .iter()
+        .map(|t| BlockKey {
+            namespace: f.ns,
+            tag: *t,
+        })
+        .collect();
+    let hs: Vec<Handle> = f
+        .store
+        .alloc(
+            s,
+            &keys,
+            BlockClass::Checkpoint {
+                request: req,
+                epoch,
+            },
+            None,
+        )?
+        .into_iter()
+        .map(|a| a.map(|a| a.handle))
+        .collect::<Result<_>>()?;
+    for h in &hs {
+        f.store.write(s, h, 0, &bytes(h.slot as u8, 256))?;
+        f.store.seal(s, h, 256, None)?;
+    }
+    f.store.manifest_extend(s, req, epoch, &hs, committed)
+}
+
+#[test]
+fn a_checkpoint_grows_atomically_and_restores_its_longest_verified_prefix() {
+    let f = fixture(16);
+    let s = f.session();
+    let req = RequestId(42);
+    let tokens: Vec<u32> = (0..24).collect(); // 6 blocks of 4
+    let tags = block_tags(&f.ns, 4, &tokens).unwrap();
+    let m = f
+        .store
+        .manifest_begin(s, req, 1, f.ns, 6 * PAGE, 60_000)
+        .unwrap();
+    assert!(m.reservation.is_some());
+    checkpoint_step(&f, s, req, 1, &tags[..2], 8).unwrap();
+    let m = checkpoint_step(&f, s, req, 1, &tags[2..4], 14).unwrap();
+    assert_eq!((m.tags.len(), m.committed_tokens), (4, 14));
+
+    let r = f.store.restore_prefix(req, &tokens).unwrap();
+    assert_eq!((r.blocks.len(), r.tokens, r.committed_tokens), (4, 14, 14));
+    // A history that diverges in block 2 can use only blocks 0 and 1.
+    let mut diverged = tokens.clone();
+    diverged[9] = 7777;
+    assert_eq!(
+        f.store.restore_prefix(req, &diverged).unwrap().blocks.len(),
+        2
+    );
+    // A corrupt block ends the verified prefix and is quarantined.
+    f.corrupt(&r.blocks[1].handle);
+    let r2 = f.store.restore_prefix(req, &tokens).unwrap();
+    assert_eq!((r2.blocks.len(), r2.tokens), (1, 4));
+    assert_eq!(f.store.stats().accounting.quarantined, 1);
+    f.invariants();
+}
+
+#[test]
+fn a_newer_epoch_supersedes_the_checkpoint_and_older_writes_are_refused() {
+    let f = fixture(16);
+    let s = f.session();
+    let req = RequestId(1);
+    let tags = block_tags(&f.ns, 4, &(0..16).collect::<Vec<u32>>()).unwrap();
+    f.store.manifest_begin(s, req, 1, f.ns, 0, 60_000).unwrap();
+    checkpoint_step(&f, s, req, 1, &tags[..2], 8).unwrap();
+    // Epoch 1's writer still has a block in flight when epoch 2 begins.
+    let late = f
+        .store
+        .alloc(
+            s,
+            &[BlockKey {
+                namespace: f.ns,
+                tag: tags[2],
+            }],
+            BlockClass::Checkpoint {
+                request: req,
+                epoch: 1,
+            },
+            None,
+        )
+        .unwrap()[0]
+        .as_ref()
+        .unwrap()
+        .handle;
+    f.store.write(s, &late, 0, b"late").unwrap();
+    f.store.seal(s, &late, 4, None).unwrap();
+    f.store.manifest_begin(s, req, 2, f.ns, 0, 60_000).unwrap();
+    assert_eq!(
+        f.store.stats().accounting.published,
+        0,
+        "epoch 1's blocks were released"
+    );
+    let e = f.store.manifest_extend(s, req, 1, &[late], 12).unwrap_err();
+    assert!(matches!(e, Error::StaleEpoch { got: 1, current: 2 }), "{e}");
+    let e = f
+        .store
+        .manifest_begin(s, req, 1, f.ns, 0, 60_000)
+        .unwrap_err();
+    assert!(matches!(e, Error::StaleEpoch { .. }));
+    f.store.abort(s, &[late]).unwrap();
+    checkpoint_step(&f, s, req, 2, &tags[..3], 12).unwrap();
+    assert_eq!(f.store.manifest(req).unwrap().epoch, 2);
+    f.invariants();
+}
+
+#[test]
+fn finishing_or_expiring_a_request_releases_its_blocks_and_reservation() {
+    let f = fixture(16);
+    let s = f.session();
+    let tags = block_tags(&f.ns, 4, &(0..8).collect::<Vec<u32>>()).unwrap();
+    for (req, finish) in [(RequestId(1), true), (RequestId(2), false)] {
+        f.store
+            .manifest_begin(s, req, 1, f.ns, 4 * PAGE, 5_000)
+            .unwrap();
+        let t: Vec<BlockTag> = tags
+            .iter()
+            .map(|t| {
+                let mut t = *t;
+                t.0[0] ^= req.0 as u8;
+                t
+            })
+            .collect();
+        checkpoint_step(&f, s, req, 1, &t, 8).unwrap();
+        if finish {
+            f.store.manifest_end(req, 1).unwrap();
+            // Ending twice is harmless but says so.
+            assert!(f.store.manifest_end(req, 1).is_err());
+        }
+    }
+    assert_eq!(f.store.stats().manifests, 1);
+    f.clock.advance(5_000);
+    assert_eq!(f.store.reap(10).manifests_expired, 1);
+    let st = f.store.stats();
+    assert_eq!(
+        (
+            st.accounting.published,
+            st.reserved_unused_pages,
+            st.manifests
+        ),
+        (0, 0, 0)
+    );
+    assert_eq!(st.accounting.free, 16);
+    f.invariants();
+}
+
+#[test]
+fn committed_tokens_never_go_backwards_or_past_the_blocks() {
+    let f = fixture(8);
+    let s = f.session();
+    let req = RequestId(3);
+    let tags = block_tags(&f.ns, 4, &(0..12).collect::<Vec<u32>>()).unwrap();
+    f.store.manifest_begin(s, req, 1, f.ns, 0, 60_000).unwrap();
+    checkpoint_step(&f, s, req, 1, &tags[..1], 4).unwrap();
+    let e = checkpoint_step(&f, s, req, 1, &tags[1..2], 9).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let e = checkpoint_step(&f, s, req, 1, &tags[2..3], 3).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert_eq!(
+        f.store.manifest(req).unwrap().tags.len(),
+        1,
+        "refused steps published nothing"
+    );
+}
+
+#[test]
+fn bounds_give_explicit_errors() {
+    let f = fixture_with(4, |c| {
+        c.max_sessions = 2;
+        c.max_batch = 2;
+        c.max_pins_per_session = 1;
+    });
+    let a = f.session();
+    f.session();
+    assert!(matches!(
+        f.store.open_session("x", 1000),
+        Err(Error::Overloaded { .. })
+    ));
+    let e = f
+        .store
+        .alloc(
+            a,
+            &[key(f.ns, 1), key(f.ns, 2), key(f.ns, 3)],
+            BlockClass::Cache,
+            None,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("split"), "{e}");
+    f.put(a, key(f.ns, 1), b"1");
+    f.put(a, key(f.ns, 2), b"2");
+    let r = f
+        .store
+        .acquire(a, &[key(f.ns, 1), key(f.ns, 2)], None)
+        .unwrap();
+    assert!(r[0].is_ok());
+    assert!(matches!(r[1], Err(Error::Overloaded { .. })));
+    assert!(
+        matches!(f.store.open_session("x", 1), Err(Error::InvalidArgument(_))),
+        "lease too short"
+    );
+}
+
+#[test]
+fn the_reaper_does_bounded_work_per_tick() {
+    let f = fixture(4);
+    for _ in 0..10 {
+        f.store.open_session("s", 100).unwrap();
+    }
+    f.clock.advance(100);
+    let r = f.store.reap(4);
+    assert_eq!(r.sessions_expired, 4);
+    assert!(r.budget_exhausted);
+    assert_eq!(f.store.stats().sessions, 6);
+    assert_eq!(f.store.reap(100).sessions_expired, 6);
+}
+
+#[test]
+fn a_write_racing_an_abort_never_frees_a_page_being_copied() {
+    let f = fixture(2);
+    let s = f.session();
+    let h = f
+        .store
+        .alloc(s, &[key(f.ns, 1)], BlockClass::Cache, None)
+        .unwrap()[0]
+        .as_ref()
+        .unwrap()
+        .handle;
+    // Simulate the window between write_prepare and write_finish.
+    let t = f.store.lock().write_prepare(s, &h, 0, 4).unwrap();
+    f.store.close_session(s);
+    assert_eq!(
+        f.store.stats().accounting.retired,
+        1,
+        "held while the copy runs"
+    );
+    assert!(f.store.lock().write_finish(&t, 0, 4, None).is_err());
+    assert_eq!(f.store.stats().accounting.free, 2);
+    f.invariants();
+}

@@ -1,0 +1,262 @@
+//! The store's plain data types: identifiers, handles, and what operations return.
+//!
+//! Everything here is plain data (integers, fixed arrays, vectors of them) so that each type
+//! maps to a C struct without extra logic.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::BlockState;
+use crate::keys::{BlockKey, BlockTag};
+
+/// A client session (holder of a lease, of in-progress blocks, of pins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SessionId(pub u64);
+
+/// An inference request, as the engine or gateway numbers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RequestId(pub u64);
+
+/// A space reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ReservationId(pub u64);
+
+/// A reference to one version of one block: which node incarnation, which slot, which
+/// occupant of the slot. Every use checks both generations; a stale handle gets
+/// [`crate::Error::StaleGeneration`], never another block's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Handle {
+    /// The generation of the node (daemon start) that issued the handle.
+    pub node_generation: u64,
+    /// The slot (page index) the block lives in.
+    pub slot: u32,
+    /// The block's generation: unique per store, strictly increasing per slot.
+    pub generation: u64,
+}
+
+/// Which class of block to allocate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BlockClass {
+    /// A prefix-cache block: published with [`crate::store::Store::publish`], evictable (LRU)
+    /// when unpinned.
+    Cache,
+    /// A block of a request's checkpoint: published with
+    /// [`crate::store::Store::manifest_extend`] into that request's manifest at that epoch,
+    /// never evicted, freed when the manifest ends.
+    Checkpoint {
+        /// The request whose manifest the block will join.
+        request: RequestId,
+        /// The manifest's epoch.
+        epoch: u64,
+    },
+}
+
+/// A freshly allocated block: where to write it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Allocation {
+    /// The block's handle.
+    pub handle: Handle,
+    /// Byte offset of the block's page in the pool region.
+    pub offset: u64,
+    /// The page's size in bytes (the most the block can hold).
+    pub capacity: u64,
+}
+
+/// A PUBLISHED block as a lookup sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockInfo {
+    /// The block's key.
+    pub key: BlockKey,
+    /// The block's handle.
+    pub handle: Handle,
+    /// Byte offset of the block's page in the pool region.
+    pub offset: u64,
+    /// Valid bytes in the block.
+    pub len: u64,
+    /// CRC-32C of those bytes, recorded at SEAL.
+    pub checksum: u32,
+}
+
+/// The longest prefix of a chain of tags that is PUBLISHED here.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefixHit {
+    /// The blocks of the prefix, in chain order (pinned if the lookup asked to pin).
+    pub blocks: Vec<BlockInfo>,
+    /// Whether the blocks were pinned for the caller's session.
+    pub pinned: bool,
+}
+
+/// What a checkpoint holder can restore for a request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestorePrefix {
+    /// The manifest's epoch.
+    pub epoch: u64,
+    /// The verified blocks of the prefix, in order.
+    pub blocks: Vec<BlockInfo>,
+    /// Tokens those blocks cover (never more than the manifest's committed count).
+    pub tokens: u64,
+    /// The manifest's committed token count.
+    pub committed_tokens: u64,
+}
+
+/// A request's checkpoint manifest as published.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestInfo {
+    /// The request.
+    pub request: RequestId,
+    /// Its epoch.
+    pub epoch: u64,
+    /// The layout of its blocks.
+    pub namespace: crate::keys::NamespaceId,
+    /// The tags of its blocks, in order.
+    pub tags: Vec<BlockTag>,
+    /// Tokens committed (covered by the blocks).
+    pub committed_tokens: u64,
+    /// When the manifest expires unless renewed (store clock, ms).
+    pub expires_at_ms: u64,
+    /// The reservation that backs it, if one was asked for.
+    pub reservation: Option<ReservationId>,
+}
+
+/// What closing (or expiring) a session released.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionCleanup {
+    /// Unfinished blocks (ALLOCATED, WRITING, SEALED) aborted.
+    pub blocks_aborted: u32,
+    /// Pins dropped.
+    pub pins_dropped: u32,
+    /// Reservations released.
+    pub reservations_released: u32,
+}
+
+/// What one reaper tick did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReapReport {
+    /// Sessions whose lease had expired, closed.
+    pub sessions_expired: u32,
+    /// Pins whose TTL had passed, dropped.
+    pub pins_expired: u32,
+    /// Manifests whose TTL had passed, released.
+    pub manifests_expired: u32,
+    /// Quarantined pages returned to the pool after their hold.
+    pub quarantine_released: u32,
+    /// True if the budget ran out before everything due was done (the next tick continues).
+    pub budget_exhausted: bool,
+}
+
+/// Page counts per state. `free + allocated + writing + sealed + published + retired +
+/// quarantined == total` always (DESIGN invariant 3).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Accounting {
+    /// Pages in the pool.
+    pub total: u32,
+    /// Pages on the free list.
+    pub free: u32,
+    /// ALLOCATED blocks.
+    pub allocated: u32,
+    /// WRITING blocks.
+    pub writing: u32,
+    /// SEALED blocks.
+    pub sealed: u32,
+    /// PUBLISHED blocks.
+    pub published: u32,
+    /// Unlinked blocks waiting for their last pin or copy to finish.
+    pub retired: u32,
+    /// Blocks that failed their checksum, held apart.
+    pub quarantined: u32,
+}
+
+impl Accounting {
+    /// Whether the parts add up to the total.
+    pub fn balanced(&self) -> bool {
+        self.free as u64
+            + self.allocated as u64
+            + self.writing as u64
+            + self.sealed as u64
+            + self.published as u64
+            + self.retired as u64
+            + self.quarantined as u64
+            == self.total as u64
+    }
+
+    pub(crate) fn slot_count(&mut self, state: BlockState) -> &mut u32 {
+        match state {
+            BlockState::Allocated => &mut self.allocated,
+            BlockState::Writing => &mut self.writing,
+            BlockState::Sealed => &mut self.sealed,
+            BlockState::Published => &mut self.published,
+            BlockState::Retired => &mut self.retired,
+            BlockState::Quarantined => &mut self.quarantined,
+        }
+    }
+}
+
+/// Event counters since start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    /// Keys looked up (every key of every lookup, prefix lookups included).
+    pub lookups: u64,
+    /// Of those, found PUBLISHED.
+    pub hits: u64,
+    /// Handles refused because a generation did not match.
+    pub stale_generation_rejects: u64,
+    /// Blocks whose bytes failed their checksum.
+    pub checksum_failures: u64,
+    /// Cache blocks evicted to make room.
+    pub evictions: u64,
+    /// Operations refused because a bound was reached.
+    pub overload_rejects: u64,
+    /// Allocations refused for lack of space.
+    pub no_space_rejects: u64,
+    /// Sessions closed because their lease expired.
+    pub sessions_expired: u64,
+    /// Pins dropped because their TTL passed.
+    pub pins_expired: u64,
+    /// Manifests released because their TTL passed.
+    pub manifests_expired: u64,
+    /// Blocks published (cache and checkpoint).
+    pub blocks_published: u64,
+    /// Blocks aborted (explicitly or by session end).
+    pub blocks_aborted: u64,
+    /// Blocks removed by compare-and-delete.
+    pub blocks_removed: u64,
+}
+
+/// A point-in-time view of the store for metrics and `/status`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreStats {
+    /// This node's generation.
+    pub node_generation: u64,
+    /// Bytes per page.
+    pub page_size_bytes: u64,
+    /// Pages by state.
+    pub accounting: Accounting,
+    /// Pages reserved and not yet used.
+    pub reserved_unused_pages: u64,
+    /// Pin entries (session × block).
+    pub pins: u64,
+    /// Open sessions.
+    pub sessions: u32,
+    /// Live manifests.
+    pub manifests: u32,
+    /// Registered namespaces.
+    pub namespaces: u32,
+    /// Cache blocks that eviction could take now.
+    pub evictable: u32,
+    /// Counters since start.
+    pub counters: Counters,
+}
+
+/// One open session, for `/status`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionSummary {
+    /// The session.
+    pub id: SessionId,
+    /// The name the client gave.
+    pub name: String,
+    /// When its lease expires (store clock, ms).
+    pub expires_at_ms: u64,
+    /// Its unfinished blocks.
+    pub blocks_in_flight: u32,
+    /// Blocks it pins.
+    pub pins: u32,
+}
