@@ -16,6 +16,9 @@ enum Command {
     Demo,
     /// Run the control shim (checkpoint placement, recovery planning) as an HTTP/JSON service.
     Control(kvd::control::service::ControlArgs),
+    /// Simulate a serving cluster with failing workers and compare recovery policies.
+    #[cfg(feature = "sim")]
+    Sim(kvd::sim::cli::SimArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -26,5 +29,7 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::SUCCESS
         }
         Command::Control(args) => kvd::control::service::run(args),
+        #[cfg(feature = "sim")]
+        Command::Sim(args) => kvd::sim::cli::run(args),
     }
 }

@@ -856,11 +856,13 @@ impl<'a> Sim<'a> {
             };
             m.bystanders = recs.iter().filter(|r| bystander(r)).count();
             m.bystander_lat = Latencies::of(recs.iter(), bystander);
-            m.recovery_s = recs
+            let stalls: Vec<f64> = recs
                 .iter()
                 .filter_map(|r| r.resumed_us)
-                .max()
-                .map_or(0.0, |t| us_to_secs(t.saturating_sub(f)));
+                .map(|t| us_to_secs(t.saturating_sub(f)))
+                .collect();
+            m.recovery_s = stalls.iter().copied().fold(0.0, f64::max);
+            m.stall = super::metrics::Summary::of(stalls);
             m.capacity_restore_s = self
                 .capacity_restored_us
                 .map_or(f64::NAN, |t| us_to_secs(t - f));

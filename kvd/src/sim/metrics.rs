@@ -7,8 +7,10 @@
 //! - TPOT: (last token - first token) / (output tokens - 1); requests with one output token
 //!   have no TPOT.
 //! - End-to-end: arrival to last token.
+//! - Stall: for one interrupted request, failure to its next token (the first after the
+//!   failure).
 //! - Recovery time: failure to the moment the last interrupted request produced its next
-//!   token (the first after the failure).
+//!   token: the largest stall.
 //! - Capacity-restore time: failure to the moment the last failed worker serves the full model
 //!   again.
 
@@ -141,7 +143,10 @@ pub struct RunMetrics {
     pub interrupted_lat: Latencies,
     /// Bystanders.
     pub bystander_lat: Latencies,
-    /// Failure to the last interrupted request's next token, seconds (0 without failure).
+    /// Per interrupted request that resumed: failure to its next token, seconds.
+    pub stall: Summary,
+    /// Failure to the last interrupted request's next token, seconds (0 without failure):
+    /// the largest stall.
     pub recovery_s: f64,
     /// Failure to the last failed worker back in full service, seconds (0 without failure).
     pub capacity_restore_s: f64,

@@ -90,6 +90,8 @@ pub struct Slot {
     pub kv_reserved_tokens: u32,
     /// Prefill tokens this slot computes in the iteration in flight.
     pub prefill_in_flight: u32,
+    /// A restored request: its suffix prefill goes before new prompts.
+    pub resumed: bool,
 }
 
 /// What one request got from an iteration.
@@ -247,21 +249,26 @@ impl Worker {
                 to_generate: w.to_generate,
                 kv_reserved_tokens: w.kv_need_tokens,
                 prefill_in_flight: 0,
+                resumed: from_resumed,
             });
         }
         let mut budget = cfg.engine.prefill_chunk_tokens;
         let mut tokens = 0u64;
         let mut decode_context = 0u64;
-        for s in &mut self.batch {
-            if s.prefill_remaining == 0 {
-                tokens += 1;
-                decode_context += u64::from(s.context_tokens);
-                s.prefill_in_flight = 0;
-            } else {
-                let take = s.prefill_remaining.min(budget);
-                budget -= take;
-                tokens += u64::from(take);
-                s.prefill_in_flight = take;
+        // Restored requests' suffixes first (they are running requests), then new prompts in
+        // batch order.
+        for pass_resumed in [true, false] {
+            for s in self.batch.iter_mut().filter(|s| s.resumed == pass_resumed) {
+                if s.prefill_remaining == 0 {
+                    tokens += 1;
+                    decode_context += u64::from(s.context_tokens);
+                    s.prefill_in_flight = 0;
+                } else {
+                    let take = s.prefill_remaining.min(budget);
+                    budget -= take;
+                    tokens += u64::from(take);
+                    s.prefill_in_flight = take;
+                }
             }
         }
         if tokens == 0 {
