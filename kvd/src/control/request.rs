@@ -191,9 +191,10 @@ pub enum FrameVerdict {
 
 /// A gateway's view of one output stream: delivers every sequence number exactly once, in order.
 ///
-/// After a migration the new worker starts at the controller's `resume_seq` (= last acknowledged
-/// + 1): frames at or below what was delivered are duplicates and dropped; a frame beyond the
-/// next one is a gap, refused (a worker that skips would lose tokens).
+/// After a migration the new worker starts at the controller's `resume_seq`, the last
+/// acknowledged number plus one: frames at or below what was delivered are duplicates and
+/// dropped; a frame beyond the next one is a gap, refused (a worker that skips would lose
+/// tokens).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StreamCursor {
     next_seq: u64,
