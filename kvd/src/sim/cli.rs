@@ -72,6 +72,9 @@ struct RunArgs {
     /// Events one run may process before it stops with an error.
     #[arg(long, default_value_t = 200_000_000)]
     max_events: u64,
+    /// Run each scenario with this many seeds (seed, seed+1, ...) and report the means.
+    #[arg(long, default_value_t = 3)]
+    repeats: u32,
     /// Skip the PNG plots (CSV and Markdown only).
     #[arg(long)]
     no_plots: bool,
@@ -101,7 +104,10 @@ fn dispatch(args: SimArgs) -> crate::Result<()> {
                         s.cluster.workers,
                         s.cluster.model.name,
                         s.load * 100.0,
-                        s.failures.first().map(|f| f.workers.clone()).unwrap_or_default(),
+                        s.failures
+                            .first()
+                            .map(|f| f.workers.clone())
+                            .unwrap_or_default(),
                         s.failures.first().map_or(0.0, |f| f.at_s)
                     );
                 }
@@ -131,6 +137,12 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
             .map(|s| Experiment::parse(s.trim()))
             .collect::<crate::Result<_>>()?
     };
+    if !(1..=20).contains(&a.repeats) {
+        return Err(crate::Error::InvalidArgument(format!(
+            "--repeats {} is out of range; give 1 to 20 seeds per scenario",
+            a.repeats
+        )));
+    }
     if !(a.load > 0.0 && a.load <= 1.5) {
         return Err(crate::Error::InvalidArgument(format!(
             "--load {} is out of range; give a fraction of saturation such as 0.7",
@@ -150,6 +162,7 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
         load: a.load,
         max_workers_d: a.max_workers_d,
         max_events: a.max_events,
+        repeats: a.repeats,
         ..SweepConfig::default()
     };
     let started = std::time::Instant::now();

@@ -29,9 +29,7 @@
 use serde::Serialize;
 
 use super::config::ClusterConfig;
-use super::events::{
-    Event, EventQueue, ReqIdx, SimTime, WorkerIdx, secs_to_us, us_to_secs,
-};
+use super::events::{Event, EventQueue, ReqIdx, SimTime, WorkerIdx, secs_to_us, us_to_secs};
 use super::metrics::{Latencies, RequestRecord, RunMetrics, SeriesPoint};
 use super::shim::{Shim, ShimRestore};
 use super::worker::{Admitted, SlotOutcome, Waiting, Worker, WorkerPhase};
@@ -343,8 +341,15 @@ impl<'a> Sim<'a> {
 
     fn reserve_bytes(&self, r: ReqIdx) -> u64 {
         let spec = &self.workload[r];
-        u64::from(spec.prompt_tokens + self.cfg.cluster.engine.max_output_tokens.max(spec.output_tokens))
-            * self.kv_bytes
+        u64::from(
+            spec.prompt_tokens
+                + self
+                    .cfg
+                    .cluster
+                    .engine
+                    .max_output_tokens
+                    .max(spec.output_tokens),
+        ) * self.kv_bytes
     }
 
     fn admit(&mut self, r: ReqIdx, w: WorkerIdx) -> crate::Result<()> {
@@ -383,7 +388,8 @@ impl<'a> Sim<'a> {
         };
         for i in 0..self.admitted.len() {
             let a = self.admitted[i];
-            self.shim.prefill_started(a.req, self.reqs[a.req].epoch, now)?;
+            self.shim
+                .prefill_started(a.req, self.reqs[a.req].epoch, now)?;
         }
         let incarnation = self.workers[w].incarnation;
         self.q.push(
@@ -850,9 +856,7 @@ impl<'a> Sim<'a> {
         if let Some(f) = self.first_failure_us {
             let end = f + secs_to_us(self.cfg.bystander_window_s);
             let bystander = |r: &RequestRecord| {
-                !r.interrupted
-                    && r.arrival_us <= end
-                    && r.finish_us.is_some_and(|t| t >= f)
+                !r.interrupted && r.arrival_us <= end && r.finish_us.is_some_and(|t| t >= f)
             };
             m.bystanders = recs.iter().filter(|r| bystander(r)).count();
             m.bystander_lat = Latencies::of(recs.iter(), bystander);
@@ -863,9 +867,7 @@ impl<'a> Sim<'a> {
                 .collect();
             m.recovery_s = stalls.iter().copied().fold(0.0, f64::max);
             m.stall = super::metrics::Summary::of(stalls);
-            m.capacity_restore_s = self
-                .capacity_restored_us
-                .map_or(f64::NAN, |t| us_to_secs(t - f));
+            m.capacity_restore_s = self.capacity_restored_us.map_or(0.0, |t| us_to_secs(t - f));
         }
         m.peak_host_bytes_max = self.peak_host_bytes.iter().copied().max().unwrap_or(0);
         m.peak_host_bytes_mean = self.peak_host_bytes.iter().sum::<u64>() as f64

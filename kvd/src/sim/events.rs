@@ -16,7 +16,10 @@ pub const US_PER_S: f64 = 1e6;
 
 /// Seconds (a model's output) to simulated microseconds, rounded up, at least 1 when positive.
 pub fn secs_to_us(s: f64) -> SimTime {
-    debug_assert!(s.is_finite() && s >= 0.0, "a duration is finite and non-negative: {s}");
+    debug_assert!(
+        s.is_finite() && s >= 0.0,
+        "a duration is finite and non-negative: {s}"
+    );
     if s <= 0.0 {
         return 0;
     }

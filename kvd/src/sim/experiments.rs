@@ -110,6 +110,9 @@ pub struct SweepConfig {
     pub max_events: u64,
     /// Requests one workload may hold.
     pub max_requests: usize,
+    /// Each scenario runs with this many seeds (`seed`, `seed + 1`, ...; the failed workers
+    /// stay those drawn from `seed`), and reports the mean of each metric over them.
+    pub repeats: u32,
 }
 
 impl Default for SweepConfig {
@@ -122,6 +125,7 @@ impl Default for SweepConfig {
             max_workers_d: 64,
             max_events: 200_000_000,
             max_requests: 2_000_000,
+            repeats: 3,
         }
     }
 }
@@ -150,8 +154,10 @@ pub struct ScenarioResult {
     pub saturation_per_s: f64,
     /// The arrival rate used.
     pub rate_per_s: f64,
-    /// Requests in the workload.
+    /// Requests in one workload (the mean over the seeds).
     pub requests: usize,
+    /// Seeds the metrics are averaged over.
+    pub repeats: u32,
     /// One run per policy.
     pub runs: Vec<(PolicyKind, RunOutput)>,
 }
@@ -248,7 +254,8 @@ pub fn measure_saturation(model: &ModelConfig, seed: u64) -> crate::Result<f64> 
     Ok(done as f64 / (window_s - warmup_s) / 2.0)
 }
 
-/// Runs every policy of `scenario` on one workload at `load` x saturation.
+/// Runs every policy of `scenario` on the same workloads (one per seed) at `load` x
+/// saturation, and averages each policy's metrics and series over the seeds.
 ///
 /// # Errors
 /// Those of [`workload::generate`] and [`run`].
@@ -259,48 +266,86 @@ pub fn run_scenario(
 ) -> crate::Result<ScenarioResult> {
     let saturation = per_worker_saturation * f64::from(scenario.cluster.workers);
     let rate = saturation * scenario.load;
-    let wl = workload::generate(
-        &WorkloadConfig {
-            rate_per_s: rate,
-            duration_s: sweep.duration_s,
-            seed: sweep.seed,
-        },
-        sweep.max_requests,
-    )?;
-    let cfgs: Vec<RunConfig> = POLICIES
-        .iter()
-        .map(|&p| {
+    let repeats = sweep.repeats.max(1);
+    let workloads = (0..repeats)
+        .map(|i| {
+            workload::generate(
+                &WorkloadConfig {
+                    rate_per_s: rate,
+                    duration_s: sweep.duration_s,
+                    seed: sweep.seed.wrapping_add(u64::from(i)),
+                },
+                sweep.max_requests,
+            )
+        })
+        .collect::<crate::Result<Vec<_>>>()?;
+    let mut jobs: Vec<(PolicyKind, usize, RunConfig)> = Vec::new();
+    for &p in &POLICIES {
+        for w in 0..workloads.len() {
             let mut c = RunConfig::new(scenario.cluster.clone(), p, scenario.failures.clone());
             c.max_events = sweep.max_events;
-            c
+            jobs.push((p, w, c));
+        }
+    }
+    // Every (policy, seed) run is independent and deterministic on its own: run them on a few
+    // threads; the order of the results is the order of `jobs`, whatever the threads do.
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .clamp(1, 8);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut results: Vec<Option<crate::Result<RunOutput>>> = Vec::new();
+    results.resize_with(jobs.len(), || None);
+    let slots = std::sync::Mutex::new(&mut results);
+    std::thread::scope(|s| {
+        for _ in 0..threads.min(jobs.len()) {
+            s.spawn(|| {
+                // Bounded: each thread takes jobs until none is left.
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some((_, w, cfg)) = jobs.get(i) else {
+                        break;
+                    };
+                    let mut r = run(cfg, &workloads[*w]);
+                    if let Ok(out) = &mut r {
+                        out.records = Vec::new(); // reports use the metrics and the series
+                    }
+                    slots.lock().expect("no thread panics holding the lock")[i] = Some(r);
+                }
+            });
+        }
+    });
+    let mut by_policy: BTreeMap<usize, (Vec<RunMetrics>, Vec<Vec<super::metrics::SeriesPoint>>)> =
+        BTreeMap::new();
+    for ((p, _, _), r) in jobs.iter().zip(results) {
+        let out = r.expect("every job ran")?;
+        let idx = POLICIES
+            .iter()
+            .position(|q| q == p)
+            .expect("a known policy");
+        let e = by_policy.entry(idx).or_default();
+        e.0.push(out.metrics);
+        e.1.push(out.series);
+    }
+    let runs = by_policy
+        .into_iter()
+        .map(|(idx, (metrics, series))| {
+            (
+                POLICIES[idx],
+                RunOutput {
+                    metrics: super::metrics::mean_metrics(&metrics),
+                    records: Vec::new(),
+                    series: super::metrics::mean_series(&series),
+                },
+            )
         })
         .collect();
-    // The three policies are independent runs over the same workload: run them side by side.
-    // Each run is deterministic on its own, so threads change nothing in the numbers.
-    let results: Vec<crate::Result<RunOutput>> = std::thread::scope(|s| {
-        let handles: Vec<_> = cfgs
-            .iter()
-            .map(|c| {
-                let wl = &wl;
-                s.spawn(move || run(c, wl))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("a simulation thread panicked"))
-            .collect()
-    });
-    let mut runs = Vec::with_capacity(POLICIES.len());
-    for (p, r) in POLICIES.iter().zip(results) {
-        let mut out = r?;
-        out.records = Vec::new(); // the metrics and the series are what reports use
-        runs.push((*p, out));
-    }
+    let requests = workloads.iter().map(Vec::len).sum::<usize>() / workloads.len();
     Ok(ScenarioResult {
         scenario: scenario.clone(),
         saturation_per_s: saturation,
         rate_per_s: rate,
-        requests: wl.len(),
+        requests,
+        repeats,
         runs,
     })
 }
@@ -342,8 +387,9 @@ pub fn run_experiments(
             let started = std::time::Instant::now();
             let r = run_scenario(&sc, sweep, sat)?;
             progress(&format!(
-                "  {} requests x 3 policies in {:.1} s",
+                "  {} requests x 3 policies x {} seeds in {:.1} s",
                 r.requests,
+                r.repeats,
                 started.elapsed().as_secs_f64()
             ));
             results.push(r);

@@ -14,7 +14,7 @@
 //! - Capacity-restore time: failure to the moment the last failed worker serves the full model
 //!   again.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::events::{SimTime, us_to_secs};
 
@@ -64,7 +64,7 @@ impl RequestRecord {
 }
 
 /// Mean and 99th percentile of a sample (both 0 for an empty one).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     /// Values in the sample.
     pub count: usize,
@@ -94,7 +94,7 @@ impl Summary {
 }
 
 /// TTFT, TPOT and end-to-end latency of one group of requests.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Latencies {
     /// Time to first token, seconds.
     pub ttft: Summary,
@@ -125,7 +125,7 @@ impl Latencies {
 }
 
 /// Everything one run of one policy reports.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RunMetrics {
     /// Requests that arrived.
     pub requests: usize,
@@ -148,7 +148,8 @@ pub struct RunMetrics {
     /// Failure to the last interrupted request's next token, seconds (0 without failure):
     /// the largest stall.
     pub recovery_s: f64,
-    /// Failure to the last failed worker back in full service, seconds (0 without failure).
+    /// Failure to the last failed worker back in full service, seconds (0 without failure, or
+    /// when it was not back before the simulated-time cap).
     pub capacity_restore_s: f64,
     /// Tokens whose KV had been computed before a failure and was computed again.
     pub recomputed_tokens: u64,
@@ -176,7 +177,7 @@ pub struct RunMetrics {
 }
 
 /// One point of a time series (per simulated second).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct SeriesPoint {
     /// Start of the second.
     pub t_s: f64,
@@ -211,6 +212,36 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_mean_of_runs_averages_every_field() {
+        let a = RunMetrics {
+            requests: 10,
+            recovery_s: 1.0,
+            stall: Summary {
+                count: 2,
+                mean: 0.5,
+                p99: 1.0,
+            },
+            ..Default::default()
+        };
+        let b = RunMetrics {
+            requests: 13,
+            recovery_s: 2.0,
+            stall: Summary {
+                count: 4,
+                mean: 1.5,
+                p99: 2.0,
+            },
+            ..Default::default()
+        };
+        let m = mean_metrics(&[a, b]);
+        assert_eq!(m.requests, 12, "11.5 rounds to 12");
+        assert_eq!(m.recovery_s, 1.5);
+        assert_eq!(m.stall.count, 3);
+        assert_eq!(m.stall.mean, 1.0);
+        assert_eq!(m.stall.p99, 1.5);
+    }
+
+    #[test]
     fn the_p99_is_the_nearest_rank() {
         let s = Summary::of((1..=100).map(f64::from).collect());
         assert_eq!(s.count, 100);
@@ -235,4 +266,61 @@ mod tests {
         assert_eq!(r.tpot_s(), Some(0.1));
         assert_eq!(r.e2e_s(), Some(1.5));
     }
+}
+
+/// The field-by-field mean of several runs' metrics (integer fields rounded to the nearest
+/// integer): what a scenario repeated over several seeds reports.
+///
+/// # Panics
+/// If `runs` is empty.
+pub fn mean_metrics(runs: &[RunMetrics]) -> RunMetrics {
+    assert!(!runs.is_empty(), "the mean of no runs");
+    if runs.len() == 1 {
+        return runs[0].clone();
+    }
+    let values: Vec<serde_json::Value> = runs
+        .iter()
+        .map(|m| serde_json::to_value(m).expect("metrics serialize"))
+        .collect();
+    let mean = mean_value(&values);
+    serde_json::from_value(mean).expect("the mean has the shape of the metrics")
+}
+
+fn mean_value(vs: &[serde_json::Value]) -> serde_json::Value {
+    use serde_json::Value;
+    match &vs[0] {
+        Value::Object(first) => {
+            let mut out = serde_json::Map::new();
+            for k in first.keys() {
+                let field: Vec<Value> = vs.iter().map(|v| v[k.as_str()].clone()).collect();
+                out.insert(k.clone(), mean_value(&field));
+            }
+            Value::Object(out)
+        }
+        Value::Number(n) => {
+            let sum: f64 = vs.iter().map(|v| v.as_f64().unwrap_or(f64::NAN)).sum();
+            let mean = sum / vs.len() as f64;
+            if n.is_u64() {
+                Value::from(mean.round() as u64)
+            } else {
+                serde_json::Number::from_f64(mean).map_or(Value::Null, Value::Number)
+            }
+        }
+        other => other.clone(),
+    }
+}
+
+/// The point-by-point mean of several series (as long as the shortest).
+pub fn mean_series(series: &[Vec<SeriesPoint>]) -> Vec<SeriesPoint> {
+    let n = series.iter().map(Vec::len).min().unwrap_or(0);
+    let k = series.len().max(1) as f64;
+    (0..n)
+        .map(|i| SeriesPoint {
+            t_s: series[0][i].t_s,
+            ttft_mean_s: series.iter().map(|s| s[i].ttft_mean_s).sum::<f64>() / k,
+            queued: (series.iter().map(|s| s[i].queued as f64).sum::<f64>() / k).round() as usize,
+            host_bytes: (series.iter().map(|s| s[i].host_bytes as f64).sum::<f64>() / k).round()
+                as u64,
+        })
+        .collect()
 }

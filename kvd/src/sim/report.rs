@@ -21,7 +21,7 @@ use crate::control::PolicyKind;
 
 /// The CSV header of [`metrics_csv`].
 pub const CSV_HEADER: &str = "experiment,scenario,model,workers,load,failed_workers,policy,\
-rate_per_s,requests,completed,failed,interrupted,bystanders,\
+seeds,rate_per_s,requests,completed,failed,interrupted,bystanders,\
 ttft_mean_s,ttft_p99_s,tpot_mean_s,tpot_p99_s,e2e_mean_s,e2e_p99_s,\
 int_ttft_mean_s,int_ttft_p99_s,int_tpot_mean_s,int_tpot_p99_s,int_e2e_mean_s,int_e2e_p99_s,\
 bys_ttft_mean_s,bys_ttft_p99_s,bys_tpot_mean_s,bys_tpot_p99_s,bys_e2e_mean_s,bys_e2e_p99_s,\
@@ -50,7 +50,7 @@ pub fn metrics_csv(exp: Experiment, results: &[ScenarioResult]) -> String {
             let m = &o.metrics;
             let _ = write!(
                 out,
-                "{},{},{},{},{:.2},{},{},{:.4},{},{},{},{},{}",
+                "{},{},{},{},{:.2},{},{},{},{:.4},{},{},{},{},{}",
                 exp.name(),
                 sc.label,
                 sc.cluster.model.name,
@@ -58,6 +58,7 @@ pub fn metrics_csv(exp: Experiment, results: &[ScenarioResult]) -> String {
                 sc.load,
                 failed.join(" "),
                 policy_name(*p),
+                r.repeats,
                 r.rate_per_s,
                 m.requests,
                 m.completed,
@@ -386,13 +387,18 @@ fn bars_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> crate::
             let bars = results.iter().enumerate().filter_map(|(g, r)| {
                 let m = r.metrics(*p)?;
                 let x0 = g as i32 * 4 + pi as i32 + 1;
-                Some(Rectangle::new([(x0, 0.0), (x0 + 1, pick(m))], color.filled()))
+                Some(Rectangle::new(
+                    [(x0, 0.0), (x0 + 1, pick(m))],
+                    color.filled(),
+                ))
             });
             chart
                 .draw_series(bars)
                 .map_err(|e| plot_err(path, e))?
                 .label(policy_name(*p))
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled())
+                });
         }
         chart
             .configure_series_labels()
@@ -427,11 +433,7 @@ fn timeline_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> cra
         .map_err(|e| plot_err(path, e))?;
     let areas = root.split_evenly((1, picked.len().max(1)));
     for (area, r) in areas.iter().zip(picked) {
-        let fail_s = r
-            .scenario
-            .failures
-            .first()
-            .map_or(0.0, |f| f.at_s);
+        let fail_s = r.scenario.failures.first().map_or(0.0, |f| f.at_s);
         let (lo, hi) = ((fail_s - 20.0).max(0.0), fail_s + 100.0);
         let ymax = r
             .runs
@@ -474,7 +476,9 @@ fn timeline_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> cra
                 .draw_series(LineSeries::new(pts, color.stroke_width(2)))
                 .map_err(|e| plot_err(path, e))?
                 .label(policy_name(*p))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], color.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 14, y)], color.stroke_width(2))
+                });
         }
         chart
             .draw_series(std::iter::once(PathElement::new(

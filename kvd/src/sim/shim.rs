@@ -10,8 +10,7 @@ use super::events::{ReqIdx, SimTime, WorkerIdx};
 use super::workload::RequestSpec;
 use crate::control::controller::AdmitRequest;
 use crate::control::{
-    ControlConfig, Controller, Decision, PolicyKind, RequestId, WorkerId,
-    WorkerPhase,
+    ControlConfig, Controller, Decision, PolicyKind, RequestId, WorkerId, WorkerPhase,
 };
 
 /// An admission as the simulator uses it.
@@ -290,7 +289,8 @@ impl Shim {
             self.ctl.worker_recovered(id, ms(now))?;
             self.ctl
                 .worker_phase_done(id, WorkerPhase::LoadingDraft, ms(now))?;
-            self.ctl.worker_phase_done(id, WorkerPhase::Assist, ms(now))?;
+            self.ctl
+                .worker_phase_done(id, WorkerPhase::Assist, ms(now))?;
         }
         self.ctl
             .worker_phase_done(id, WorkerPhase::HotSwap, ms(now))

@@ -217,7 +217,11 @@ impl Worker {
         let cap = cfg.engine.max_batch_requests as usize;
         while self.batch.len() < cap {
             let from_resumed = !self.resumed.is_empty();
-            let queue = if from_resumed { &self.resumed } else { &self.waiting };
+            let queue = if from_resumed {
+                &self.resumed
+            } else {
+                &self.waiting
+            };
             let Some(head) = queue.front() else {
                 break;
             };
