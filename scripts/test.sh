@@ -54,4 +54,4 @@ else
 fi
 
 echo "== model-checked store concurrency (shuttle)"
-cargo test --locked -p kvd --features shuttle --test shuttle_store
+cargo test --locked -p kvd --no-default-features --features shuttle --test shuttle_store

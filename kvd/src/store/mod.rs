@@ -553,6 +553,19 @@ impl Store {
         v
     }
 
+    /// The slots on the eviction list, most recently used first (for model-based tests).
+    #[doc(hidden)]
+    pub fn debug_lru_slots(&self) -> Vec<u32> {
+        let g = self.lock();
+        let mut out = Vec::with_capacity(g.lru_len as usize);
+        let mut i = g.lru_head;
+        while i != table::NIL && out.len() <= g.lru_len as usize {
+            out.push(i);
+            i = g.slots[i as usize].lru_next;
+        }
+        out
+    }
+
     /// The store's configuration.
     pub fn config(&self) -> StoreConfig {
         self.lock().config
