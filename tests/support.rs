@@ -1,1 +1,0 @@
-//! Shared helpers for the integration tests (starting real daemons, free ports, waiting).
