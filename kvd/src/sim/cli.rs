@@ -73,8 +73,12 @@ struct RunArgs {
     #[arg(long, default_value_t = 200_000_000)]
     max_events: u64,
     /// Run each scenario with this many seeds (seed, seed+1, ...) and report the means.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 5)]
     repeats: u32,
+    /// Divisor of a survivor's iteration time while a recovering worker drafts for it
+    /// (Lumen's ASSIST phase; default 1.3). 1.0 turns the assist's effect off.
+    #[arg(long)]
+    assist_speedup: Option<f64>,
     /// Skip the PNG plots (CSV and Markdown only).
     #[arg(long)]
     no_plots: bool,
@@ -143,6 +147,13 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
             a.repeats
         )));
     }
+    if let Some(x) = a.assist_speedup
+        && !(1.0..=4.0).contains(&x)
+    {
+        return Err(crate::Error::InvalidArgument(format!(
+            "--assist-speedup {x} is out of range; give 1.0 (no effect) to 4.0"
+        )));
+    }
     if !(a.load > 0.0 && a.load <= 1.5) {
         return Err(crate::Error::InvalidArgument(format!(
             "--load {} is out of range; give a fraction of saturation such as 0.7",
@@ -163,6 +174,7 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
         max_workers_d: a.max_workers_d,
         max_events: a.max_events,
         repeats: a.repeats,
+        assist_speedup: a.assist_speedup,
         ..SweepConfig::default()
     };
     let started = std::time::Instant::now();

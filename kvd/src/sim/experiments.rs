@@ -113,6 +113,8 @@ pub struct SweepConfig {
     /// Each scenario runs with this many seeds (`seed`, `seed + 1`, ...; the failed workers
     /// stay those drawn from `seed`), and reports the mean of each metric over them.
     pub repeats: u32,
+    /// Overrides the hardware's assist speed-up (Lumen's ASSIST phase), for sensitivity runs.
+    pub assist_speedup: Option<f64>,
 }
 
 impl Default for SweepConfig {
@@ -125,7 +127,8 @@ impl Default for SweepConfig {
             max_workers_d: 64,
             max_events: 200_000_000,
             max_requests: 2_000_000,
-            repeats: 3,
+            repeats: 5,
+            assist_speedup: None,
         }
     }
 }
@@ -184,7 +187,10 @@ pub fn pick_failed(n: u32, k: u32, seed: u64, label: &str) -> Vec<usize> {
 
 /// The scenarios of `exp`.
 pub fn scenarios(exp: Experiment, sweep: &SweepConfig) -> Vec<Scenario> {
-    let one = |label: &str, cluster: ClusterConfig, load: f64, k: u32| {
+    let one = |label: &str, mut cluster: ClusterConfig, load: f64, k: u32| {
+        if let Some(a) = sweep.assist_speedup {
+            cluster.hardware.assist_speedup = a;
+        }
         let workers = pick_failed(cluster.workers, k, sweep.seed, label);
         Scenario {
             experiment: exp,
