@@ -17,7 +17,7 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use kvd::clock::MonotonicClock;
 use kvd::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor, NamespaceId, block_tags};
 use kvd::pool::{HugePages, PoolConfig};
-use kvd::store::{BlockClass, Store, StoreConfig};
+use kvd::store::{BlockClass, SessionId, Store, StoreConfig};
 
 const BLOCK: usize = 2560 * 1024;
 const WORKING_SET: usize = 256 * 1024 * 1024;
@@ -57,6 +57,21 @@ fn store(pages: u32) -> (Store, NamespaceId) {
     (s, ns)
 }
 
+/// Allocate, seal (with a supplied checksum: no data pass) and publish one block per key.
+fn publish_empty(st: &Store, sid: SessionId, keys: &[BlockKey]) {
+    let hs: Vec<_> = st
+        .alloc(sid, keys, BlockClass::Cache, None)
+        .unwrap()
+        .into_iter()
+        .map(|a| a.unwrap().handle)
+        .collect();
+    st.begin_write(sid, &hs).unwrap();
+    for h in &hs {
+        st.seal(sid, h, 4096, Some(0)).unwrap();
+    }
+    st.publish(sid, &hs).unwrap();
+}
+
 fn lifecycle(c: &mut Criterion) {
     let mut g = c.benchmark_group("lifecycle");
     for batch in [1usize, 64] {
@@ -79,17 +94,7 @@ fn lifecycle(c: &mut Criterion) {
                             }
                         })
                         .collect();
-                    let hs: Vec<_> = st
-                        .alloc(sid, &keys, BlockClass::Cache, None)
-                        .unwrap()
-                        .into_iter()
-                        .map(|a| a.unwrap().handle)
-                        .collect();
-                    st.begin_write(sid, &hs).unwrap();
-                    for h in &hs {
-                        st.seal(sid, h, 4096, Some(0)).unwrap();
-                    }
-                    st.publish(sid, &hs).unwrap();
+                    publish_empty(&st, sid, &keys);
                     let found = st.lookup(&keys).unwrap();
                     for (k, f) in keys.iter().zip(found) {
                         st.remove_if(k, f.unwrap().handle.generation).unwrap();
@@ -116,17 +121,7 @@ fn prefix(c: &mut Criterion) {
             tag: *t,
         })
         .collect();
-    let hs: Vec<_> = st
-        .alloc(sid, &keys, BlockClass::Cache, None)
-        .unwrap()
-        .into_iter()
-        .map(|a| a.unwrap().handle)
-        .collect();
-    st.begin_write(sid, &hs).unwrap();
-    for h in &hs {
-        st.seal(sid, h, 4096, Some(0)).unwrap();
-    }
-    st.publish(sid, &hs).unwrap();
+    publish_empty(&st, sid, &keys);
     g.throughput(Throughput::Elements(1));
     g.bench_function("tags_of_2048_tokens", |b| {
         b.iter(|| block_tags(&ns, 16, black_box(&tokens)).unwrap())

@@ -12,40 +12,13 @@ use std::sync::Arc;
 
 use kvd::Error;
 use kvd::clock::ManualClock;
-use kvd::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor, NamespaceId};
-use kvd::pool::{HugePages, PoolConfig};
-use kvd::store::{BlockClass, Store, StoreConfig};
+use kvd::keys::{BlockKey, BlockTag, NamespaceId};
+use kvd::store::{BlockClass, Store};
+
+mod common;
 
 fn store() -> (Arc<Store>, NamespaceId) {
-    let store = Store::new(
-        StoreConfig::new(PoolConfig {
-            page_size_bytes: 4096,
-            page_count: 2,
-            huge_pages: HugePages::Off,
-        }),
-        ManualClock::new(0),
-    )
-    .unwrap();
-    let ns = store
-        .register_namespace(&NamespaceDescriptor {
-            model_name: "m".into(),
-            model_revision: "r".into(),
-            tokenizer: "t".into(),
-            adapter: String::new(),
-            cache_salt: String::new(),
-            dtype: KvDtype::Bf16,
-            num_layers: 1,
-            num_kv_heads: 1,
-            head_dim: 8,
-            tokens_per_block: 4,
-            bytes_per_block: 4096,
-            tp_rank: 0,
-            tp_size: 1,
-            pp_rank: 0,
-            pp_size: 1,
-            rope: String::new(),
-        })
-        .unwrap();
+    let (store, ns) = common::store(common::config(4096, 2), ManualClock::new(0));
     (Arc::new(store), ns)
 }
 

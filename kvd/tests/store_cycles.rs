@@ -1,44 +1,16 @@
 //! A million lifecycle cycles leave the pool's accounting exactly as it started.
 
+mod common;
+
 use kvd::clock::ManualClock;
-use kvd::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor};
-use kvd::pool::{HugePages, PoolConfig};
-use kvd::store::{BlockClass, Store, StoreConfig};
+use kvd::keys::{BlockKey, BlockTag};
+use kvd::store::BlockClass;
 
 const CYCLES: u32 = 1_000_000;
 
 #[test]
 fn a_million_alloc_abort_and_alloc_publish_remove_cycles_leave_the_accounting_as_it_started() {
-    let clock = ManualClock::new(0);
-    let store = Store::new(
-        StoreConfig::new(PoolConfig {
-            page_size_bytes: 4096,
-            page_count: 64,
-            huge_pages: HugePages::Off,
-        }),
-        clock,
-    )
-    .unwrap();
-    let ns = store
-        .register_namespace(&NamespaceDescriptor {
-            model_name: "m".into(),
-            model_revision: "r".into(),
-            tokenizer: "t".into(),
-            adapter: String::new(),
-            cache_salt: String::new(),
-            dtype: KvDtype::Bf16,
-            num_layers: 1,
-            num_kv_heads: 1,
-            head_dim: 8,
-            tokens_per_block: 4,
-            bytes_per_block: 4096,
-            tp_rank: 0,
-            tp_size: 1,
-            pp_rank: 0,
-            pp_size: 1,
-            rope: String::new(),
-        })
-        .unwrap();
+    let (store, ns) = common::store(common::config(4096, 64), ManualClock::new(0));
     let before = store.audit();
     assert!(before.1);
     let s = store.open_session("cycles", 60_000).unwrap();

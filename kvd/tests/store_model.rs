@@ -13,9 +13,10 @@ use std::collections::{BTreeMap, HashMap};
 
 use kvd::Error;
 use kvd::clock::ManualClock;
-use kvd::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor, NamespaceId};
-use kvd::pool::{HugePages, PoolConfig};
-use kvd::store::{BlockClass, Handle, RequestId, SessionId, Store, StoreConfig};
+use kvd::keys::{BlockKey, BlockTag, NamespaceId};
+use kvd::store::{BlockClass, Handle, RequestId, SessionId, Store};
+
+mod common;
 use proptest::prelude::*;
 
 const PAGES: u32 = 6;
@@ -151,38 +152,12 @@ struct World {
     m: Model,
 }
 
-fn ns_descriptor() -> NamespaceDescriptor {
-    NamespaceDescriptor {
-        model_name: "m".into(),
-        model_revision: "r".into(),
-        tokenizer: "t".into(),
-        adapter: String::new(),
-        cache_salt: String::new(),
-        dtype: KvDtype::Bf16,
-        num_layers: 1,
-        num_kv_heads: 1,
-        head_dim: 8,
-        tokens_per_block: 4,
-        bytes_per_block: PAGE,
-        tp_rank: 0,
-        tp_size: 1,
-        pp_rank: 0,
-        pp_size: 1,
-        rope: String::new(),
-    }
-}
-
 impl World {
     fn new() -> World {
         let clock = ManualClock::new(0);
-        let mut cfg = StoreConfig::new(PoolConfig {
-            page_size_bytes: PAGE,
-            page_count: PAGES,
-            huge_pages: HugePages::Off,
-        });
+        let mut cfg = common::config(PAGE, PAGES);
         cfg.default_pin_ttl_ms = PIN_TTL_MS;
-        let store = Store::new(cfg, clock.clone()).unwrap();
-        let ns = store.register_namespace(&ns_descriptor()).unwrap();
+        let (store, ns) = common::store(cfg, clock.clone());
         let sids = [0, 1, 2].map(|_| store.open_session("model", LEASE_MS).unwrap());
         World {
             store,

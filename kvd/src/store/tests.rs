@@ -65,6 +65,17 @@ impl Fixture {
         h
     }
 
+    /// Allocate cache blocks for tags `ns`; every one must succeed.
+    fn alloc(&self, sid: SessionId, tags: &[u8]) -> Vec<Handle> {
+        let keys: Vec<BlockKey> = tags.iter().map(|&n| key(self.ns, n)).collect();
+        self.store
+            .alloc(sid, &keys, BlockClass::Cache, None)
+            .unwrap()
+            .into_iter()
+            .map(|a| a.unwrap().handle)
+            .collect()
+    }
+
     fn invariants(&self) {
         self.store.check_invariants().unwrap();
     }
@@ -215,13 +226,7 @@ fn every_illegal_transition_is_refused_and_changes_nothing() {
 fn bad_offsets_and_sizes_are_refused_with_a_clear_error() {
     let f = fixture(2);
     let s = f.session();
-    let h = f
-        .store
-        .alloc(s, &[key(f.ns, 1)], BlockClass::Cache, None)
-        .unwrap()[0]
-        .as_ref()
-        .unwrap()
-        .handle;
+    let h = f.alloc(s, &[1])[0];
     let e = f.store.write(s, &h, PAGE - 1, b"ab").unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     let e = f.store.write(s, &h, u64::MAX, b"ab").unwrap_err();
@@ -251,13 +256,7 @@ fn another_session_cannot_write_or_publish_my_block() {
     let f = fixture(2);
     let a = f.session();
     let b = f.session();
-    let h = f
-        .store
-        .alloc(a, &[key(f.ns, 1)], BlockClass::Cache, None)
-        .unwrap()[0]
-        .as_ref()
-        .unwrap()
-        .handle;
+    let h = f.alloc(a, &[1])[0];
     assert!(f.store.write(b, &h, 0, b"x").is_err());
     f.store.write(a, &h, 0, b"x").unwrap();
     f.store.seal(a, &h, 1, None).unwrap();
@@ -270,18 +269,7 @@ fn another_session_cannot_write_or_publish_my_block() {
 fn a_group_publishes_all_or_nothing() {
     let f = fixture(4);
     let s = f.session();
-    let hs: Vec<Handle> = f
-        .store
-        .alloc(
-            s,
-            &[key(f.ns, 1), key(f.ns, 2), key(f.ns, 3)],
-            BlockClass::Cache,
-            None,
-        )
-        .unwrap()
-        .into_iter()
-        .map(|a| a.unwrap().handle)
-        .collect();
+    let hs = f.alloc(s, &[1, 2, 3]);
     for h in &hs[..2] {
         f.store.write(s, h, 0, b"data").unwrap();
         f.store.seal(s, h, 4, None).unwrap();
@@ -418,18 +406,7 @@ fn a_dead_session_leaves_nothing_behind_within_its_lease_ttl() {
     let w = f.store.open_session("writer", 1_000).unwrap();
     let keep = f.session();
     let published = f.put(keep, key(f.ns, 9), b"shared");
-    let hs: Vec<Handle> = f
-        .store
-        .alloc(
-            w,
-            &[key(f.ns, 1), key(f.ns, 2), key(f.ns, 3)],
-            BlockClass::Cache,
-            None,
-        )
-        .unwrap()
-        .into_iter()
-        .map(|a| a.unwrap().handle)
-        .collect();
+    let hs = f.alloc(w, &[1, 2, 3]);
     f.store.write(w, &hs[1], 0, b"half").unwrap();
     f.store.write(w, &hs[2], 0, b"done").unwrap();
     f.store.seal(w, &hs[2], 4, None).unwrap();
@@ -628,13 +605,7 @@ fn a_checksum_mismatch_quarantines_the_block_and_reads_as_a_miss() {
 fn a_supplied_checksum_that_disagrees_with_the_bytes_is_refused() {
     let f = fixture_with(2, |c| c.verify_supplied_checksums = true);
     let s = f.session();
-    let h = f
-        .store
-        .alloc(s, &[key(f.ns, 1)], BlockClass::Cache, None)
-        .unwrap()[0]
-        .as_ref()
-        .unwrap()
-        .handle;
+    let h = f.alloc(s, &[1])[0];
     f.store.begin_write(s, &[h]).unwrap();
     f.store.write(s, &h, 0, b"hello").unwrap();
     let good = transport::local::crc32c(0, b"hello");
@@ -918,13 +889,7 @@ fn the_reaper_does_bounded_work_per_tick() {
 fn a_write_racing_an_abort_never_frees_a_page_being_copied() {
     let f = fixture(2);
     let s = f.session();
-    let h = f
-        .store
-        .alloc(s, &[key(f.ns, 1)], BlockClass::Cache, None)
-        .unwrap()[0]
-        .as_ref()
-        .unwrap()
-        .handle;
+    let h = f.alloc(s, &[1])[0];
     // Simulate the window between write_prepare and write_finish.
     let t = f.store.lock().write_prepare(s, &h, 0, 4).unwrap();
     f.store.close_session(s);
