@@ -70,6 +70,11 @@ impl Inner {
             }
         }
         r.budget_exhausted = left == 0;
+        r.accounting_balanced =
+            self.counts.balanced() && self.counts.free == self.pool.free_pages();
+        if !r.accounting_balanced {
+            tracing::error!(counts = ?self.counts, free_list = self.pool.free_pages(), "pool accounting does not balance");
+        }
         r
     }
 

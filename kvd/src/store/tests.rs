@@ -881,6 +881,7 @@ fn the_reaper_does_bounded_work_per_tick() {
     let r = f.store.reap(4);
     assert_eq!(r.sessions_expired, 4);
     assert!(r.budget_exhausted);
+    assert!(r.accounting_balanced);
     assert_eq!(f.store.stats().sessions, 6);
     assert_eq!(f.store.reap(100).sessions_expired, 6);
 }

@@ -141,6 +141,9 @@ pub struct ReapReport {
     pub quarantine_released: u32,
     /// True if the budget ran out before everything due was done (the next tick continues).
     pub budget_exhausted: bool,
+    /// The running page counts add up to the total and agree with the free list (an O(1) check
+    /// every tick; [`crate::store::Store::audit`] recounts every slot).
+    pub accounting_balanced: bool,
 }
 
 /// Page counts per state. `free + allocated + writing + sealed + published + retired +
