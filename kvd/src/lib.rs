@@ -8,12 +8,19 @@
 //!   reservations, eviction, integrity, and the reaper.
 //! - [`control`]: the control shim: load-aware checkpoint placement and recovery planning.
 //! - [`sim`] (feature `sim`): a deterministic cluster simulator driving [`control`].
+//! - [`protocol`]: the local protocol's frames and messages (engine ↔ daemon, Unix socket).
+//! - [`client`]: the Rust client of the local protocol, with the mapped pool.
+//! - [`daemon`] (feature `server`): `kvd serve`, the admin HTTP, drain, and `kvd status`.
 
+pub mod client;
 pub mod clock;
 pub mod control;
+#[cfg(feature = "server")]
+pub mod daemon;
 pub mod error;
 pub mod keys;
 pub mod pool;
+pub mod protocol;
 #[cfg(feature = "sim")]
 pub mod sim;
 pub mod store;

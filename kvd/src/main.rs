@@ -12,8 +12,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run a demonstration of the block store's lifecycle on an in-process pool.
-    Demo,
+    /// Run the block daemon: the pool, the local protocol on a Unix socket, the admin HTTP.
+    Serve(kvd::daemon::ServeArgs),
+    /// Print a running daemon's status (pool occupancy by state, sessions, rates).
+    Status(kvd::daemon::status::StatusArgs),
     /// Run the control shim (checkpoint placement, recovery planning) as an HTTP/JSON service.
     Control(kvd::control::service::ControlArgs),
     /// Simulate a serving cluster with failing workers and compare recovery policies.
@@ -24,10 +26,8 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Demo => {
-            println!("kvd {}", env!("CARGO_PKG_VERSION"));
-            std::process::ExitCode::SUCCESS
-        }
+        Command::Serve(args) => kvd::daemon::run(args),
+        Command::Status(args) => kvd::daemon::status::run(args),
         Command::Control(args) => kvd::control::service::run(args),
         #[cfg(feature = "sim")]
         Command::Sim(args) => kvd::sim::cli::run(args),

@@ -1,0 +1,592 @@
+//! The Rust client of the local protocol: what engines (through the FFI), the benches and the
+//! tests use to talk to `kvd serve` on the same node.
+//!
+//! ```no_run
+//! # fn main() -> kvd::Result<()> {
+//! use kvd::client::{Client, ClientOptions};
+//! # let (desc, keys): (kvd::keys::NamespaceDescriptor, Vec<kvd::keys::BlockKey>) = todo!();
+//! let mut c = Client::connect("/run/kvd/kvd.sock", &ClientOptions::named("engine-0"))?;
+//! let ns = c.register_namespace(&desc)?;
+//! // Write: allocate a batch, copy each page into the mapped pool, seal, publish the group.
+//! let allocs = c.alloc(&keys, kvd::store::BlockClass::Cache, None)?;
+//! let mut sealed = Vec::new();
+//! for a in allocs.into_iter().flatten() {
+//!     let crc = c.write_with_crc(&a.handle, 0, &[7u8; 4096], 0)?;
+//!     sealed.push(kvd::protocol::SealItem { handle: a.handle, len: 4096, checksum: Some(crc) });
+//! }
+//! c.seal(&sealed)?;
+//! c.publish(&sealed.iter().map(|s| s.handle).collect::<Vec<_>>())?;
+//! # Ok(()) }
+//! ```
+//!
+//! The client is synchronous and starts no thread: it lives inside the engine's process. Each
+//! call is one round trip for a whole batch. The session's lease is renewed by
+//! [`Client::heartbeat`], which the engine calls from its own loop more often than the lease.
+//!
+//! Safety of the mapped bytes: the client keeps a table of the blocks its session may touch
+//! (allocated and not yet sealed: writable; pinned: readable) and checks every range it is asked
+//! to copy against it, so a caller's bad offset or stale handle gets an error, not another
+//! block's page.
+
+mod mapping;
+
+use std::collections::HashMap;
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
+use crate::protocol::frame::{self, FRAME_HEADER_BYTES, MAX_FRAME_BYTES};
+use crate::protocol::{Hello, HelloReply, Op, Reply, Request, Response, SealItem, Welcome, bit};
+use crate::store::{
+    Allocation, BlockClass, BlockInfo, Handle, PrefixHit, ReservationId, StoreStats,
+};
+use crate::{Error, Result};
+
+use mapping::PoolMapping;
+
+/// How to open a session.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// A name for the daemon's logs and `/status`.
+    pub name: String,
+    /// The session's lease: heartbeat more often than this.
+    pub lease_ttl_ms: u64,
+    /// How long one round trip may take before the call fails with `Io`.
+    pub io_timeout_ms: u64,
+    /// Pre-fault the pool mapping at connect (faster first writes; costs time at connect).
+    pub populate: bool,
+}
+
+impl ClientOptions {
+    /// Defaults with a name: a 10 s lease, a 30 s I/O timeout, a populated mapping.
+    pub fn named(name: &str) -> ClientOptions {
+        ClientOptions {
+            name: name.to_owned(),
+            lease_ttl_ms: 10_000,
+            io_timeout_ms: 30_000,
+            populate: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Writable {
+    offset: u64,
+    capacity: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Readable {
+    offset: u64,
+    len: u64,
+    checksum: u32,
+    pins: u32,
+}
+
+/// A session with the local daemon and its mapped pool.
+#[derive(Debug)]
+pub struct Client {
+    stream: UnixStream,
+    welcome: Welcome,
+    pool: PoolMapping,
+    next_id: u64,
+    request: Option<u64>,
+    writable: HashMap<Handle, Writable>,
+    readable: HashMap<Handle, Readable>,
+}
+
+impl Client {
+    /// Connect to the daemon's socket, open a session and map the pool.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the socket cannot be reached; the daemon's refusal as its error
+    /// ([`Error::Unavailable`] while draining, [`Error::Overloaded`] with a retry hint when the
+    /// session limit is reached, [`Error::Protocol`] for another protocol version).
+    pub fn connect(path: impl AsRef<Path>, opts: &ClientOptions) -> Result<Client> {
+        let path = path.as_ref();
+        let stream = UnixStream::connect(path)
+            .map_err(|e| Error::Io(format!("connecting to {}: {e}", path.display())))?;
+        let timeout = Some(Duration::from_millis(opts.io_timeout_ms.max(1)));
+        stream.set_read_timeout(timeout)?;
+        stream.set_write_timeout(timeout)?;
+        frame::write_frame(&mut &stream, &Hello::new(&opts.name, opts.lease_ttl_ms))?;
+        let (reply, fd) = read_handshake(&stream)?;
+        let welcome = match reply {
+            HelloReply::Welcome(w) => w,
+            HelloReply::Refused(e) => return Err(e.into()),
+        };
+        let fd = fd.ok_or_else(|| {
+            Error::Protocol("the daemon's welcome came without the pool's file descriptor".into())
+        })?;
+        let pool = PoolMapping::new(fd, welcome.pool_bytes, opts.populate)?;
+        tracing::debug!(
+            session = welcome.session.0,
+            node_generation = welcome.node_generation,
+            pool_bytes = pool.len(),
+            "connected to kvd"
+        );
+        Ok(Client {
+            stream,
+            welcome,
+            pool,
+            next_id: 1,
+            request: None,
+            writable: HashMap::new(),
+            readable: HashMap::new(),
+        })
+    }
+
+    /// What the daemon told us at the handshake.
+    pub fn welcome(&self) -> &Welcome {
+        &self.welcome
+    }
+
+    /// The daemon incarnation's generation.
+    pub fn node_generation(&self) -> u64 {
+        self.welcome.node_generation
+    }
+
+    /// Bytes per page.
+    pub fn page_size(&self) -> u64 {
+        self.welcome.page_size_bytes
+    }
+
+    /// The engine request the next calls serve (for the daemon's traces), or `None`.
+    pub fn set_request(&mut self, request: Option<u64>) {
+        self.request = request;
+    }
+
+    /// Send one operation and wait for its answer. The typed methods below are built on this;
+    /// it is public for tools and tests.
+    ///
+    /// # Errors
+    /// The daemon's error for the call, or [`Error::Io`] / [`Error::Protocol`] when the
+    /// connection fails.
+    pub fn call(&mut self, op: Op) -> Result<Reply> {
+        let id = self.next_id;
+        self.next_id += 1;
+        frame::write_frame(
+            &mut &self.stream,
+            &Request {
+                id,
+                request: self.request,
+                op,
+            },
+        )?;
+        let resp: Response = frame::read_frame(&mut &self.stream)?;
+        if resp.id != id {
+            return match resp.result {
+                Err(e) => Err(e.into()),
+                Ok(_) => Err(Error::Protocol(format!(
+                    "answer to request {} while waiting for {id}",
+                    resp.id
+                ))),
+            };
+        }
+        resp.result.map_err(Error::from)
+    }
+
+    fn check_batch(&self, n: usize) -> Result<()> {
+        if n > self.welcome.max_batch as usize {
+            return Err(Error::InvalidArgument(format!(
+                "batch of {n} exceeds the daemon's limit of {}; split it",
+                self.welcome.max_batch
+            )));
+        }
+        Ok(())
+    }
+
+    /// Register a KV layout; returns its id. Idempotent.
+    pub fn register_namespace(&mut self, d: &NamespaceDescriptor) -> Result<NamespaceId> {
+        match self.call(Op::RegisterNamespace(d.clone()))? {
+            Reply::Namespace(id) => Ok(id),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// The longest PUBLISHED prefix of `tags`; with `pin`, the blocks are pinned for this
+    /// session (release them with [`Client::release`]).
+    pub fn lookup_prefix(
+        &mut self,
+        namespace: &NamespaceId,
+        tags: &[BlockTag],
+        pin: bool,
+        pin_ttl_ms: Option<u64>,
+    ) -> Result<PrefixHit> {
+        self.check_batch(tags.len())?;
+        match self.call(Op::LookupPrefix {
+            namespace: *namespace,
+            tags: tags.to_vec(),
+            pin,
+            pin_ttl_ms,
+        })? {
+            Reply::Prefix(hit) => {
+                if hit.pinned {
+                    for b in &hit.blocks {
+                        self.note_pin(b);
+                    }
+                }
+                Ok(hit)
+            }
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Which keys are PUBLISHED.
+    pub fn exists(&mut self, keys: &[BlockKey]) -> Result<Vec<bool>> {
+        self.check_batch(keys.len())?;
+        match self.call(Op::Exists {
+            keys: keys.to_vec(),
+        })? {
+            Reply::Exists(bits) => Ok((0..keys.len()).map(|i| bit(&bits, i)).collect()),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Pin PUBLISHED blocks for reading; each key gets its own result.
+    pub fn acquire(
+        &mut self,
+        keys: &[BlockKey],
+        ttl_ms: Option<u64>,
+    ) -> Result<Vec<Result<BlockInfo>>> {
+        self.check_batch(keys.len())?;
+        match self.call(Op::Acquire {
+            keys: keys.to_vec(),
+            ttl_ms,
+        })? {
+            Reply::Acquired(v) => Ok(v
+                .into_iter()
+                .map(|r| {
+                    let b = r.map_err(Error::from)?;
+                    self.note_pin(&b);
+                    Ok(b)
+                })
+                .collect()),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    fn note_pin(&mut self, b: &BlockInfo) {
+        let e = self.readable.entry(b.handle).or_insert(Readable {
+            offset: b.offset,
+            len: b.len,
+            checksum: b.checksum,
+            pins: 0,
+        });
+        e.pins += 1;
+    }
+
+    /// Release pins; a stale or unpinned handle gets its error in its place (the pin it named
+    /// is gone either way).
+    pub fn release(&mut self, handles: &[Handle]) -> Result<Vec<Result<()>>> {
+        self.check_batch(handles.len())?;
+        let r = self.call(Op::Release {
+            handles: handles.to_vec(),
+        })?;
+        for h in handles {
+            if let Some(e) = self.readable.get_mut(h) {
+                e.pins -= 1;
+                if e.pins == 0 {
+                    self.readable.remove(h);
+                }
+            }
+        }
+        each(r)
+    }
+
+    /// Allocate blocks to write through the mapping. Each allocated block is WRITING and owned
+    /// by this session until it is sealed or aborted; existing keys get `AlreadyExists`.
+    pub fn alloc(
+        &mut self,
+        keys: &[BlockKey],
+        class: BlockClass,
+        reservation: Option<ReservationId>,
+    ) -> Result<Vec<Result<Allocation>>> {
+        self.check_batch(keys.len())?;
+        match self.call(Op::Alloc {
+            keys: keys.to_vec(),
+            class,
+            reservation,
+        })? {
+            Reply::Allocated(v) => Ok(v
+                .into_iter()
+                .map(|r| {
+                    let a = r.map_err(Error::from)?;
+                    self.writable.insert(
+                        a.handle,
+                        Writable {
+                            offset: a.offset,
+                            capacity: a.capacity,
+                        },
+                    );
+                    Ok(a)
+                })
+                .collect()),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    fn writable_range(&self, h: &Handle, offset: u64, len: usize) -> Result<u64> {
+        let w = self.writable.get(h).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "block {h:?} is not being written by this session (allocate it first; sealed \
+                 blocks are immutable)"
+            ))
+        })?;
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > w.capacity)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "write of {len} bytes at offset {offset} exceeds the {}-byte page",
+                w.capacity
+            )));
+        }
+        Ok(w.offset + offset)
+    }
+
+    fn readable_range(&self, h: &Handle, offset: u64, len: usize) -> Result<(u64, Readable)> {
+        let r = self.readable.get(h).copied().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "block {h:?} is not pinned by this session: acquire it first"
+            ))
+        })?;
+        if offset.checked_add(len as u64).is_none_or(|end| end > r.len) {
+            return Err(Error::InvalidArgument(format!(
+                "read of {len} bytes at offset {offset} exceeds the block's {} bytes",
+                r.len
+            )));
+        }
+        Ok((r.offset + offset, r))
+    }
+
+    /// Copy `data` into a block this session is writing, at `offset` within it (non-temporal
+    /// stores for large copies).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the block is not being written by this session or the range
+    /// leaves its page.
+    pub fn write(&mut self, h: &Handle, offset: u64, data: &[u8]) -> Result<()> {
+        let at = self.writable_range(h, offset, data.len())?;
+        // SAFETY: the block is WRITING and owned by this session (it is in `writable`), so no
+        // other process touches its page; `&mut self` keeps other slices of it out.
+        let dst = unsafe { self.pool.bytes_mut(at, data.len())? };
+        transport::local::copy(dst, data);
+        Ok(())
+    }
+
+    /// As [`Client::write`], computing the CRC-32C of `data` in the same pass, continuing from
+    /// `crc` (0 to start). Write a block front to back and pass the result to [`Client::seal`].
+    pub fn write_with_crc(
+        &mut self,
+        h: &Handle,
+        offset: u64,
+        data: &[u8],
+        crc: u32,
+    ) -> Result<u32> {
+        let at = self.writable_range(h, offset, data.len())?;
+        // SAFETY: as in `write`.
+        let dst = unsafe { self.pool.bytes_mut(at, data.len())? };
+        Ok(transport::local::copy_with_crc32c(dst, data, crc))
+    }
+
+    /// Copy bytes of a block this session pins, from `offset` within it, into `dst`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the block is not pinned by this session or the range leaves
+    /// the block.
+    pub fn read(&self, h: &Handle, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let (at, _) = self.readable_range(h, offset, dst.len())?;
+        // SAFETY: pinned by this session (in `readable`) and SEALED or later: immutable, and
+        // the page is not reused while the pin holds.
+        let src = unsafe { self.pool.bytes(at, dst.len())? };
+        transport::local::copy(dst, src);
+        Ok(())
+    }
+
+    /// Copy a whole pinned block into `dst` (which must be at least its length) and check its
+    /// checksum in the same pass. Returns the block's length.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] when the bytes do not match the checksum recorded at SEAL (treat as a
+    /// miss); [`Error::InvalidArgument`] as [`Client::read`].
+    pub fn read_verified(&self, h: &Handle, dst: &mut [u8]) -> Result<u64> {
+        let len = self
+            .readable
+            .get(h)
+            .map(|r| r.len)
+            .ok_or_else(|| Error::InvalidArgument(format!("block {h:?} is not pinned")))?;
+        let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("block too big".into()))?;
+        if dst.len() < n {
+            return Err(Error::InvalidArgument(format!(
+                "destination of {} bytes is smaller than the {n}-byte block",
+                dst.len()
+            )));
+        }
+        let (at, r) = self.readable_range(h, 0, n)?;
+        // SAFETY: as in `read`.
+        let src = unsafe { self.pool.bytes(at, n)? };
+        let found = transport::local::copy_with_crc32c(&mut dst[..n], src, 0);
+        if found != r.checksum {
+            return Err(Error::Corrupt {
+                expected: r.checksum,
+                found,
+            });
+        }
+        Ok(len)
+    }
+
+    /// A pinned block's bytes, in place in the pool (no copy).
+    pub fn block(&self, h: &Handle) -> Result<&[u8]> {
+        let len = self.readable.get(h).map_or(0, |r| r.len) as usize;
+        let (at, _) = self.readable_range(h, 0, len)?;
+        // SAFETY: as in `read`; the slice borrows `self`, so the pin cannot be released (that
+        // takes `&mut self`) while it lives.
+        unsafe { self.pool.bytes(at, len) }
+    }
+
+    /// A writable block's whole page, in place in the pool (no copy): for producers that fill
+    /// it themselves (for example a DMA engine through a registered mapping).
+    pub fn block_mut(&mut self, h: &Handle) -> Result<&mut [u8]> {
+        let cap = self.writable.get(h).map_or(0, |w| w.capacity) as usize;
+        let at = self.writable_range(h, 0, cap)?;
+        // SAFETY: as in `write`; the slice borrows `self` mutably, so it is the only one.
+        unsafe { self.pool.bytes_mut(at, cap) }
+    }
+
+    /// Seal written blocks: from here their bytes are immutable. Each gets the checksum recorded
+    /// or its own error.
+    pub fn seal(&mut self, items: &[SealItem]) -> Result<Vec<Result<u32>>> {
+        self.check_batch(items.len())?;
+        match self.call(Op::Seal {
+            blocks: items.to_vec(),
+        })? {
+            Reply::Sealed(v) => Ok(v
+                .into_iter()
+                .zip(items)
+                .map(|(r, it)| {
+                    let c = r.map_err(Error::from)?;
+                    self.writable.remove(&it.handle);
+                    Ok(c)
+                })
+                .collect()),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Publish SEALED cache blocks as one group: all or none.
+    pub fn publish(&mut self, handles: &[Handle]) -> Result<()> {
+        self.check_batch(handles.len())?;
+        match self.call(Op::Publish {
+            handles: handles.to_vec(),
+        })? {
+            Reply::Done => Ok(()),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Abort unfinished blocks; their pages return to the pool.
+    pub fn abort(&mut self, handles: &[Handle]) -> Result<Vec<Result<()>>> {
+        self.check_batch(handles.len())?;
+        let r = self.call(Op::Abort {
+            handles: handles.to_vec(),
+        })?;
+        for h in handles {
+            self.writable.remove(h);
+        }
+        each(r)
+    }
+
+    /// Compare-and-delete each `(key, generation)`.
+    pub fn remove_if(&mut self, items: &[(BlockKey, u64)]) -> Result<Vec<Result<()>>> {
+        self.check_batch(items.len())?;
+        let r = self.call(Op::RemoveIf {
+            items: items.to_vec(),
+        })?;
+        each(r)
+    }
+
+    /// Mark blocks recently used.
+    pub fn touch(&mut self, keys: &[BlockKey]) -> Result<()> {
+        self.check_batch(keys.len())?;
+        match self.call(Op::Touch {
+            keys: keys.to_vec(),
+        })? {
+            Reply::Done => Ok(()),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Renew the session's lease; returns the milliseconds until it expires.
+    pub fn heartbeat(&mut self) -> Result<u64> {
+        match self.call(Op::Heartbeat)? {
+            Reply::Lease { expires_in_ms } => Ok(expires_in_ms),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// The store's counts.
+    pub fn stats(&mut self) -> Result<StoreStats> {
+        match self.call(Op::Stats)? {
+            Reply::Stats(s) => Ok(s),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Close the session cleanly: the daemon aborts unfinished blocks and drops pins.
+    pub fn close(mut self) -> Result<()> {
+        self.call(Op::Goodbye).map(|_| ())
+    }
+}
+
+fn each(r: Reply) -> Result<Vec<Result<()>>> {
+    match r {
+        Reply::Each(v) => Ok(v.into_iter().map(|r| r.map_err(Error::from)).collect()),
+        r => Err(unexpected(&r)),
+    }
+}
+
+fn unexpected(r: &Reply) -> Error {
+    Error::Protocol(format!("unexpected reply {r:?}"))
+}
+
+/// Read the handshake reply, which carries the pool's fd with its first byte.
+fn read_handshake(stream: &UnixStream) -> Result<(HelloReply, Option<std::os::fd::OwnedFd>)> {
+    let mut buf = vec![0u8; 4096];
+    let mut have = 0;
+    let mut fd = None;
+    loop {
+        let (n, got) = crate::protocol::fdpass::recv_with_fd(stream.as_fd(), &mut buf[have..])
+            .map_err(|e| Error::Io(format!("reading the daemon's welcome: {e}")))?;
+        if got.is_some() {
+            fd = got;
+        }
+        if n == 0 {
+            return Err(Error::Io(
+                "the daemon closed the connection during the handshake".into(),
+            ));
+        }
+        have += n;
+        if have >= FRAME_HEADER_BYTES {
+            let h: &[u8; FRAME_HEADER_BYTES] = buf[..FRAME_HEADER_BYTES]
+                .try_into()
+                .expect("length checked");
+            let h = frame::decode_header(h, MAX_FRAME_BYTES)?;
+            let total = FRAME_HEADER_BYTES + h.body_len as usize;
+            if total > buf.len() {
+                buf.resize(total, 0);
+            }
+            if have >= total {
+                if have > total {
+                    return Err(Error::Protocol(
+                        "unexpected bytes after the daemon's welcome".into(),
+                    ));
+                }
+                let reply = frame::decode_body(&buf[FRAME_HEADER_BYTES..total])?;
+                return Ok((reply, fd));
+            }
+        }
+    }
+}

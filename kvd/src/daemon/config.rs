@@ -1,0 +1,323 @@
+//! `kvd serve`'s configuration: command-line flags over an optional TOML file over embedded
+//! defaults. Every bound the daemon enforces is here, with its unit in its name.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::pool::HugePages;
+use crate::{Error, Result};
+
+/// `kvd serve` flags. Each overrides the same key of the `--config` file.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServeArgs {
+    /// A TOML file with any of the keys below (flags win over the file).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Where the node generation is persisted (created 0700; increased at every start).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// The local protocol's Unix socket (default: <data-dir>/kvd.sock).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Group (name or numeric id) given access to the socket (mode 0660); default: the
+    /// daemon's own group.
+    #[arg(long)]
+    pub socket_group: Option<String>,
+    /// The admin HTTP address (/healthz, /readyz, /metrics, /status, /drain); port 0 picks one.
+    #[arg(long)]
+    pub admin_listen: Option<SocketAddr>,
+    /// Allow the admin HTTP to listen on a non-loopback address (read-only endpoints only;
+    /// /drain stays loopback-only unless --allow-remote-drain).
+    #[arg(long)]
+    pub allow_remote_admin: bool,
+    /// Accept /drain from other hosts (needs --allow-remote-admin).
+    #[arg(long)]
+    pub allow_remote_drain: bool,
+    /// The pool's size in MiB (rounded down to whole pages).
+    #[arg(long)]
+    pub pool_mib: Option<u64>,
+    /// Bytes per page in KiB (one KV block; a multiple of 4).
+    #[arg(long)]
+    pub page_kib: Option<u64>,
+    /// Huge pages for the pool: off, try, require.
+    #[arg(long)]
+    pub huge_pages: Option<String>,
+    /// Sessions (client connections) open at most.
+    #[arg(long)]
+    pub max_sessions: Option<u32>,
+    /// Unanswered requests one session may have; more are answered Overloaded.
+    #[arg(long)]
+    pub max_inflight: Option<u32>,
+    /// Items in one batched request at most.
+    #[arg(long)]
+    pub max_batch: Option<u32>,
+    /// How long a drain lets in-flight work finish before aborting it, ms.
+    #[arg(long)]
+    pub drain_deadline_ms: Option<u64>,
+    /// When a stuck drain gives up and exits non-zero, ms after it began.
+    #[arg(long)]
+    pub hard_deadline_ms: Option<u64>,
+    /// The reaper's tick (expired leases and pins), ms.
+    #[arg(long)]
+    pub reap_interval_ms: Option<u64>,
+    /// Recompute writer-supplied checksums at seal (one more pass over every block).
+    #[arg(long)]
+    pub verify_supplied_checksums: bool,
+    /// Runtime worker threads.
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// The same keys as a TOML file.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)]
+pub struct FileConfig {
+    pub data_dir: Option<PathBuf>,
+    pub socket: Option<PathBuf>,
+    pub socket_group: Option<String>,
+    pub admin_listen: Option<SocketAddr>,
+    pub allow_remote_admin: Option<bool>,
+    pub allow_remote_drain: Option<bool>,
+    pub pool_mib: Option<u64>,
+    pub page_kib: Option<u64>,
+    pub huge_pages: Option<String>,
+    pub max_sessions: Option<u32>,
+    pub max_inflight: Option<u32>,
+    pub max_batch: Option<u32>,
+    pub drain_deadline_ms: Option<u64>,
+    pub hard_deadline_ms: Option<u64>,
+    pub reap_interval_ms: Option<u64>,
+    pub verify_supplied_checksums: Option<bool>,
+    pub threads: Option<usize>,
+}
+
+/// The resolved configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DaemonConfig {
+    /// Where the generation file lives.
+    pub data_dir: PathBuf,
+    /// The Unix socket.
+    pub socket: PathBuf,
+    /// The socket's group, if given.
+    pub socket_group: Option<String>,
+    /// The admin HTTP address.
+    pub admin_listen: SocketAddr,
+    /// Whether /drain is accepted from other hosts.
+    pub allow_remote_drain: bool,
+    /// Pool bytes.
+    pub pool_bytes: u64,
+    /// Page bytes.
+    pub page_bytes: u64,
+    /// Huge-page policy.
+    pub huge_pages: HugePages,
+    /// Sessions at most.
+    pub max_sessions: u32,
+    /// Connections being set up (handshake) at most, beyond the sessions.
+    pub max_pending_connections: u32,
+    /// How long a handshake may take, ms.
+    pub handshake_timeout_ms: u64,
+    /// Unanswered requests per session.
+    pub max_inflight: u32,
+    /// Items per batch.
+    pub max_batch: u32,
+    /// Body bytes per frame.
+    pub max_frame_bytes: u32,
+    /// How long the rest of a frame may take once its header arrived, ms.
+    pub frame_timeout_ms: u64,
+    /// Drain deadline, ms.
+    pub drain_deadline_ms: u64,
+    /// Hard deadline, ms.
+    pub hard_deadline_ms: u64,
+    /// Reaper tick, ms.
+    pub reap_interval_ms: u64,
+    /// Items the reaper handles per tick at most.
+    pub reap_budget: u32,
+    /// Recompute supplied checksums at seal.
+    pub verify_supplied_checksums: bool,
+    /// Runtime threads.
+    pub threads: usize,
+}
+
+/// The embedded defaults: a laptop-sized single node.
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:7460";
+
+impl DaemonConfig {
+    /// Resolve flags over the file over the defaults, and check the result.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an unreadable or malformed file, a bad value, or a
+    /// non-loopback admin address without `--allow-remote-admin`.
+    pub fn resolve(args: &ServeArgs) -> Result<DaemonConfig> {
+        let file = match &args.config {
+            Some(p) => load_file(p)?,
+            None => FileConfig::default(),
+        };
+        let data_dir = args
+            .data_dir
+            .clone()
+            .or(file.data_dir)
+            .unwrap_or_else(|| PathBuf::from("kvd-data"));
+        let socket = args
+            .socket
+            .clone()
+            .or(file.socket)
+            .unwrap_or_else(|| data_dir.join("kvd.sock"));
+        let admin_listen = args
+            .admin_listen
+            .or(file.admin_listen)
+            .unwrap_or_else(|| DEFAULT_ADMIN_LISTEN.parse().expect("a valid literal"));
+        let allow_remote_admin = args.allow_remote_admin || file.allow_remote_admin == Some(true);
+        let allow_remote_drain = args.allow_remote_drain || file.allow_remote_drain == Some(true);
+        if !admin_listen.ip().is_loopback() && !allow_remote_admin {
+            return Err(Error::InvalidArgument(format!(
+                "admin address {admin_listen} is not loopback; pass --allow-remote-admin to \
+                 expose the read-only endpoints"
+            )));
+        }
+        if allow_remote_drain && !allow_remote_admin {
+            return Err(Error::InvalidArgument(
+                "--allow-remote-drain needs --allow-remote-admin".into(),
+            ));
+        }
+        let huge = args
+            .huge_pages
+            .clone()
+            .or(file.huge_pages)
+            .unwrap_or_else(|| "try".into());
+        let huge_pages = match huge.as_str() {
+            "off" => HugePages::Off,
+            "try" => HugePages::Try,
+            "require" => HugePages::Require,
+            h => {
+                return Err(Error::InvalidArgument(format!(
+                    "huge_pages must be off, try or require, not {h:?}"
+                )));
+            }
+        };
+        let page_kib = args.page_kib.or(file.page_kib).unwrap_or(2560);
+        let pool_mib = args.pool_mib.or(file.pool_mib).unwrap_or(256);
+        let c = DaemonConfig {
+            data_dir,
+            socket,
+            socket_group: args.socket_group.clone().or(file.socket_group),
+            admin_listen,
+            allow_remote_drain,
+            pool_bytes: pool_mib.saturating_mul(1 << 20),
+            page_bytes: page_kib.saturating_mul(1024),
+            huge_pages,
+            max_sessions: args.max_sessions.or(file.max_sessions).unwrap_or(256),
+            max_pending_connections: 32,
+            handshake_timeout_ms: 5_000,
+            max_inflight: args.max_inflight.or(file.max_inflight).unwrap_or(32),
+            max_batch: args.max_batch.or(file.max_batch).unwrap_or(1024),
+            max_frame_bytes: crate::protocol::MAX_FRAME_BYTES,
+            frame_timeout_ms: 10_000,
+            drain_deadline_ms: args
+                .drain_deadline_ms
+                .or(file.drain_deadline_ms)
+                .unwrap_or(30_000),
+            hard_deadline_ms: args
+                .hard_deadline_ms
+                .or(file.hard_deadline_ms)
+                .unwrap_or(45_000),
+            reap_interval_ms: args
+                .reap_interval_ms
+                .or(file.reap_interval_ms)
+                .unwrap_or(100),
+            reap_budget: 4096,
+            verify_supplied_checksums: args.verify_supplied_checksums
+                || file.verify_supplied_checksums == Some(true),
+            threads: args.threads.or(file.threads).unwrap_or(2),
+        };
+        c.check()?;
+        Ok(c)
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidArgument(m));
+        if self.page_bytes == 0 || self.pool_bytes < self.page_bytes {
+            return bad(format!(
+                "the pool ({} bytes) must hold at least one page ({} bytes)",
+                self.pool_bytes, self.page_bytes
+            ));
+        }
+        if self.max_sessions == 0 || self.max_inflight == 0 || self.max_batch == 0 {
+            return bad("max_sessions, max_inflight and max_batch must be at least 1".into());
+        }
+        if self.max_batch > 4096 {
+            return bad(format!(
+                "max_batch {} exceeds 4096 (a batch's reply must fit one frame)",
+                self.max_batch
+            ));
+        }
+        if self.hard_deadline_ms <= self.drain_deadline_ms {
+            return bad(format!(
+                "the hard deadline ({} ms) must come after the drain deadline ({} ms)",
+                self.hard_deadline_ms, self.drain_deadline_ms
+            ));
+        }
+        if self.reap_interval_ms == 0 || self.threads == 0 {
+            return bad("reap_interval_ms and threads must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+fn load_file(p: &Path) -> Result<FileConfig> {
+    let text = std::fs::read_to_string(p)
+        .map_err(|e| Error::InvalidArgument(format!("reading {}: {e}", p.display())))?;
+    toml::from_str(&text).map_err(|e| Error::InvalidArgument(format!("{}: {e}", p.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_win_over_the_file_and_the_file_over_the_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("kvd.toml");
+        std::fs::write(&f, "pool_mib = 64\nmax_sessions = 8\npage_kib = 160\n").unwrap();
+        let args = ServeArgs {
+            config: Some(f),
+            max_sessions: Some(4),
+            ..ServeArgs::default()
+        };
+        let c = DaemonConfig::resolve(&args).unwrap();
+        assert_eq!(c.pool_bytes, 64 << 20);
+        assert_eq!(c.page_bytes, 160 * 1024);
+        assert_eq!(c.max_sessions, 4);
+        assert_eq!(c.max_inflight, 32);
+        assert_eq!(c.socket, PathBuf::from("kvd-data/kvd.sock"));
+    }
+
+    #[test]
+    fn a_non_loopback_admin_address_needs_an_explicit_flag() {
+        let args = ServeArgs {
+            admin_listen: Some("0.0.0.0:7460".parse().unwrap()),
+            ..ServeArgs::default()
+        };
+        assert!(DaemonConfig::resolve(&args).is_err());
+        let args = ServeArgs {
+            allow_remote_admin: true,
+            ..args
+        };
+        let c = DaemonConfig::resolve(&args).unwrap();
+        assert!(!c.allow_remote_drain);
+    }
+
+    #[test]
+    fn an_unknown_key_in_the_file_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("kvd.toml");
+        std::fs::write(&f, "pool_gib = 1\n").unwrap();
+        let args = ServeArgs {
+            config: Some(f),
+            ..ServeArgs::default()
+        };
+        assert!(DaemonConfig::resolve(&args).is_err());
+    }
+}

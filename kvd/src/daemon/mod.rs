@@ -1,0 +1,156 @@
+//! `kvd serve`: the daemon that runs on every GPU node beside the serving engine.
+//!
+//! Start-up, in order: resolve the [`config`], open the [`datadir`] (lock it, increase the node
+//! generation), create the store and its pool, seal the pool's memfd against resizing (a client
+//! that truncates it could otherwise make the daemon fault), bind the Unix socket (0660) and the
+//! admin HTTP (loopback), then serve: the [`server`] (local protocol), the reaper, and [`admin`].
+//! A signal or `/drain` runs the [`drain`], after which the process exits 0.
+//!
+//! Read `docs/DAEMON.md` for the protocol, the limits and the reasons behind them.
+
+pub mod admin;
+pub mod config;
+pub mod datadir;
+pub mod drain;
+pub mod metrics;
+pub mod server;
+pub mod status;
+
+use std::io::Write as _;
+use std::sync::Arc;
+use std::time::Instant;
+
+pub use config::{DaemonConfig, ServeArgs};
+
+use crate::clock::MonotonicClock;
+use crate::pool::PoolConfig;
+use crate::store::{Store, StoreConfig};
+use crate::{Error, Result};
+
+/// Run `kvd serve` to its end.
+pub fn run(args: ServeArgs) -> std::process::ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let config = match DaemonConfig::resolve(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvd serve: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.threads)
+        .thread_name("kvd")
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvd serve: starting the runtime: {e}");
+            return std::process::ExitCode::from(1);
+        }
+    };
+    let result = rt.block_on(serve(config));
+    // Connection tasks may still be parked on sockets; do not wait for them.
+    rt.shutdown_background();
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvd serve: {e}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
+/// Start everything, serve until a drain ends.
+async fn serve(config: DaemonConfig) -> Result<()> {
+    let datadir = datadir::DataDir::open(&config.data_dir)?;
+    let generation = datadir.generation();
+    let pool = PoolConfig {
+        huge_pages: config.huge_pages,
+        ..PoolConfig::with_total(config.page_bytes, config.pool_bytes)
+    };
+    let mut sc = StoreConfig::new(pool);
+    sc.node_generation = generation;
+    sc.max_sessions = config.max_sessions;
+    sc.max_batch = config.max_batch;
+    sc.verify_supplied_checksums = config.verify_supplied_checksums;
+    let clock = Arc::new(MonotonicClock::new());
+    let store = Arc::new(Store::new(sc, clock.clone())?);
+    // Clients map the memfd read-write; sealing it stops any of them from shrinking it under
+    // the daemon's own mapping (which would fault the daemon).
+    if let Err(e) = rustix::fs::fcntl_add_seals(
+        store.pool_fd(),
+        rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW | rustix::fs::SealFlags::SEAL,
+    ) {
+        tracing::warn!(error = %e, "could not seal the pool memfd against resizing");
+    }
+    let listener = server::bind_socket(&config.socket, config.socket_group.as_deref())?;
+    let listener = tokio::net::UnixListener::from_std(listener)
+        .map_err(|e| Error::Io(format!("registering the socket: {e}")))?;
+    let admin = tokio::net::TcpListener::bind(config.admin_listen)
+        .await
+        .map_err(|e| {
+            Error::Io(format!(
+                "binding the admin address {}: {e}",
+                config.admin_listen
+            ))
+        })?;
+    let admin_addr = admin.local_addr().map_err(|e| Error::Io(e.to_string()))?;
+    let (shutdown, _) = tokio::sync::watch::channel(false);
+    let d = Arc::new(server::Daemon {
+        store,
+        clock,
+        config,
+        metrics: metrics::Metrics::default(),
+        drain: drain::DrainState::default(),
+        shutdown,
+        started: Instant::now(),
+        admin_addr,
+    });
+    tokio::spawn(server::accept_loop(d.clone(), listener));
+    tokio::spawn(server::reaper(d.clone()));
+    tokio::spawn(admin::serve(d.clone(), admin));
+    tracing::info!(
+        node_generation = generation,
+        socket = %d.config.socket.display(),
+        admin = %admin_addr,
+        pool_bytes = d.store.pool_bytes(),
+        page_bytes = d.store.page_size(),
+        backing = ?d.store.backing(),
+        data_dir = %datadir.path().display(),
+        "kvd serving"
+    );
+    // One machine-readable line on stdout for scripts and tests (the admin port may be 0).
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(
+            out,
+            "kvd ready generation={generation} socket={} admin={admin_addr}",
+            d.config.socket.display()
+        );
+        let _ = out.flush();
+    }
+    wait_for_drain(&d).await?;
+    drain::run(&d).await;
+    let _ = std::fs::remove_file(&d.config.socket);
+    drop(datadir);
+    Ok(())
+}
+
+async fn wait_for_drain(d: &server::Daemon) -> Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).map_err(|e| Error::Io(e.to_string()))?;
+    let mut int = signal(SignalKind::interrupt()).map_err(|e| Error::Io(e.to_string()))?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: draining"),
+        _ = int.recv() => tracing::info!("SIGINT: draining"),
+        _ = d.drain.requested() => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,555 @@
+//! The local protocol server: a Unix listener, one task per connection, a bounded pipeline per
+//! session.
+//!
+//! ```text
+//! accept ──(connection permit, else close)──▶ handshake (≤ handshake_timeout_ms)
+//!        ──▶ reader ──try_send──▶ [queue: max_inflight] ──▶ worker (store calls) ──▶ writer
+//!                   └─ full: answer Overloaded{retry_after_ms} at once
+//! ```
+//!
+//! Each connection is one store session: when the connection ends (the client closed it, was
+//! killed, sent garbage, or went silent past its lease) the session is closed, which aborts its
+//! unfinished blocks and drops its pins. One client's end never touches another's session.
+//! Store calls are short critical sections and run on the worker task; the one call that can
+//! take a pass over a block (a seal without a client checksum) runs in `block_in_place`.
+
+use std::os::fd::AsFd;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tracing::Instrument;
+
+use crate::clock::{Clock, MonotonicClock};
+use crate::protocol::frame::{self, FRAME_HEADER_BYTES};
+use crate::protocol::{
+    Hello, HelloReply, Op, PROTOCOL_VERSION, Reply, Request, Response, Welcome, WireError, fdpass,
+    pack_bits,
+};
+use crate::store::{Handle, SessionId, Store};
+use crate::{Error, Result};
+
+use super::config::DaemonConfig;
+use super::drain::DrainState;
+use super::metrics::Metrics;
+
+/// Everything the daemon's tasks share.
+#[derive(Debug)]
+pub struct Daemon {
+    /// The block store.
+    pub store: Arc<Store>,
+    /// The store's clock.
+    pub clock: Arc<MonotonicClock>,
+    /// The resolved configuration.
+    pub config: DaemonConfig,
+    /// The daemon's counters and histograms.
+    pub metrics: Metrics,
+    /// Drain state.
+    pub drain: DrainState,
+    /// Set to true to close every connection.
+    pub shutdown: watch::Sender<bool>,
+    /// When the daemon started.
+    pub started: Instant,
+    /// The admin address actually bound.
+    pub admin_addr: std::net::SocketAddr,
+}
+
+/// Bind the Unix socket: owner and group may connect (0660), others not. A stale socket file
+/// from a dead daemon is replaced; a live daemon on the path is an error.
+///
+/// # Errors
+/// [`Error::Unavailable`] if a daemon answers on the path; [`Error::Io`] for file system errors;
+/// [`Error::InvalidArgument`] for an unknown group.
+pub fn bind_socket(path: &Path, group: Option<&str>) -> Result<std::os::unix::net::UnixListener> {
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(Error::Unavailable(format!(
+                "a daemon already listens on {}",
+                path.display()
+            )));
+        }
+        std::fs::remove_file(path)
+            .map_err(|e| Error::Io(format!("removing stale socket {}: {e}", path.display())))?;
+    }
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| Error::Io(format!("creating {}: {e}", parent.display())))?;
+    }
+    // The socket is created with mode 0660 from the start (no window in which others could
+    // connect): the umask is narrowed around bind.
+    let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o117));
+    let bound = std::os::unix::net::UnixListener::bind(path);
+    rustix::process::umask(old);
+    let listener = bound.map_err(|e| Error::Io(format!("binding {}: {e}", path.display())))?;
+    if let Some(g) = group {
+        let gid = resolve_group(g)?;
+        rustix::fs::chown(path, None, Some(rustix::fs::Gid::from_raw(gid)))
+            .map_err(|e| Error::Io(format!("giving {} to group {g}: {e}", path.display())))?;
+    }
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| Error::Io(e.to_string()))?;
+    Ok(listener)
+}
+
+fn resolve_group(g: &str) -> Result<u32> {
+    if let Ok(gid) = g.parse::<u32>() {
+        return Ok(gid);
+    }
+    let groups = std::fs::read_to_string("/etc/group").unwrap_or_default();
+    groups
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split(':');
+            let name = f.next()?;
+            let gid = f.nth(1)?.parse::<u32>().ok()?;
+            (name == g).then_some(gid)
+        })
+        .next()
+        .ok_or_else(|| Error::InvalidArgument(format!("unknown group {g:?}")))
+}
+
+/// Accept connections until the process ends.
+pub async fn accept_loop(d: Arc<Daemon>, listener: tokio::net::UnixListener) {
+    let permits = Arc::new(Semaphore::new(
+        (d.config.max_sessions + d.config.max_pending_connections) as usize,
+    ));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // For example EMFILE: back off instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        d.metrics
+            .connections_accepted
+            .fetch_add(1, Ordering::Relaxed);
+        match permits.clone().try_acquire_owned() {
+            Ok(permit) => {
+                tokio::spawn(connection(d.clone(), stream, permit));
+            }
+            Err(_) => {
+                d.metrics
+                    .connections_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                drop(stream);
+            }
+        }
+    }
+}
+
+/// Why reading a frame stopped.
+enum ReadEnd {
+    /// The peer closed, the socket failed, or it went silent too long: just close.
+    Closed,
+    /// A malformed frame: answer with this error, then close.
+    Bad(Error),
+}
+
+async fn read_frame<R: AsyncRead + Unpin, T: serde::de::DeserializeOwned>(
+    r: &mut R,
+    max_body: u32,
+    idle: Duration,
+    frame_timeout: Duration,
+) -> std::result::Result<T, ReadEnd> {
+    let mut h = [0u8; FRAME_HEADER_BYTES];
+    match tokio::time::timeout(idle, r.read_exact(&mut h)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(ReadEnd::Closed),
+        Ok(Err(_)) | Err(_) => return Err(ReadEnd::Closed),
+    }
+    let h = frame::decode_header(&h, max_body).map_err(ReadEnd::Bad)?;
+    let mut body = vec![0u8; h.body_len as usize];
+    match tokio::time::timeout(frame_timeout, r.read_exact(&mut body)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(_)) => return Err(ReadEnd::Closed),
+        Err(_) => {
+            return Err(ReadEnd::Bad(Error::Protocol(format!(
+                "truncated frame: {} body bytes announced, not all arrived within {} ms",
+                h.body_len,
+                frame_timeout.as_millis()
+            ))));
+        }
+    }
+    frame::decode_body(&body).map_err(ReadEnd::Bad)
+}
+
+async fn refuse(d: &Daemon, stream: &mut UnixStream, e: Error) {
+    d.metrics.sessions_refused.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(error = %e, "session refused");
+    if let Ok(bytes) = frame::encode(&HelloReply::Refused(e.into())) {
+        let _ = tokio::time::timeout(Duration::from_millis(500), stream.write_all(&bytes)).await;
+    }
+}
+
+async fn send_welcome(stream: &UnixStream, bytes: &[u8], store: &Store) -> std::io::Result<()> {
+    let sent = loop {
+        stream.writable().await?;
+        match stream.try_io(tokio::io::Interest::WRITABLE, || {
+            fdpass::send_with_fd(stream.as_fd(), bytes, store.pool_fd())
+        }) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    let mut rest = &bytes[sent..];
+    while !rest.is_empty() {
+        stream.writable().await?;
+        match stream.try_write(rest) {
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+async fn connection(d: Arc<Daemon>, mut stream: UnixStream, _permit: OwnedSemaphorePermit) {
+    let c = &d.config;
+    let hello: Hello = match read_frame(
+        &mut stream,
+        c.max_frame_bytes,
+        Duration::from_millis(c.handshake_timeout_ms),
+        Duration::from_millis(c.handshake_timeout_ms),
+    )
+    .await
+    {
+        Ok(h) => h,
+        Err(ReadEnd::Closed) => {
+            d.metrics.sessions_refused.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        Err(ReadEnd::Bad(e)) => {
+            d.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
+            refuse(&d, &mut stream, e).await;
+            return;
+        }
+    };
+    if hello.protocol_version != PROTOCOL_VERSION {
+        let e = Error::Protocol(format!(
+            "client speaks protocol version {}, this daemon speaks {PROTOCOL_VERSION}",
+            hello.protocol_version
+        ));
+        refuse(&d, &mut stream, e).await;
+        return;
+    }
+    if d.drain.is_draining() {
+        let e = Error::Unavailable("this node is draining; connect to another node".into());
+        refuse(&d, &mut stream, e).await;
+        return;
+    }
+    let sid = match d.store.open_session(&hello.client_name, hello.lease_ttl_ms) {
+        Ok(s) => s,
+        Err(e) => {
+            refuse(&d, &mut stream, e).await;
+            return;
+        }
+    };
+    let span = tracing::info_span!(
+        "session",
+        session = sid.0,
+        client = %hello.client_name,
+        node_generation = d.store.node_generation()
+    );
+    let cfg = d.store.config();
+    let welcome = Welcome {
+        protocol_version: PROTOCOL_VERSION,
+        session: sid,
+        node_generation: d.store.node_generation(),
+        page_size_bytes: d.store.page_size(),
+        page_count: cfg.pool.page_count,
+        pool_bytes: d.store.pool_bytes(),
+        lease_ttl_ms: hello.lease_ttl_ms,
+        max_batch: c.max_batch,
+        max_frame_bytes: c.max_frame_bytes,
+        max_inflight: c.max_inflight,
+    };
+    let bytes = frame::encode(&HelloReply::Welcome(welcome)).expect("a welcome is small");
+    if let Err(e) = send_welcome(&stream, &bytes, &d.store).await {
+        tracing::info!(parent: &span, error = %e, "client left during the handshake");
+        d.store.close_session(sid);
+        return;
+    }
+    d.metrics.sessions_open.fetch_add(1, Ordering::SeqCst);
+    tracing::info!(parent: &span, lease_ttl_ms = hello.lease_ttl_ms, "session open");
+    session(d.clone(), stream, sid, hello.lease_ttl_ms)
+        .instrument(span.clone())
+        .await;
+    let cleanup = d.store.close_session(sid);
+    d.metrics.sessions_open.fetch_sub(1, Ordering::SeqCst);
+    tracing::info!(
+        parent: &span,
+        blocks_aborted = cleanup.blocks_aborted,
+        pins_dropped = cleanup.pins_dropped,
+        "session closed"
+    );
+}
+
+async fn session(d: Arc<Daemon>, stream: UnixStream, sid: SessionId, lease_ttl_ms: u64) {
+    let (rd, mut wr) = stream.into_split();
+    // Buffered: a pipelining client's frames are decoded from one read, not two syscalls each.
+    let mut rd = tokio::io::BufReader::with_capacity(64 * 1024, rd);
+    let max_inflight = d.config.max_inflight as usize;
+    let (work_tx, mut work_rx) = mpsc::channel::<Request>(max_inflight);
+    let (out_tx, mut out_rx) = mpsc::channel::<Vec<u8>>(max_inflight + 8);
+    let writer = tokio::spawn(async move {
+        while let Some(b) = out_rx.recv().await {
+            if wr.write_all(&b).await.is_err() {
+                break;
+            }
+        }
+    });
+    let worker = {
+        let d = d.clone();
+        let out_tx = out_tx.clone();
+        tokio::spawn(
+            async move {
+                let mut renewed = Instant::now();
+                while let Some(req) = work_rx.recv().await {
+                    let goodbye = matches!(req.op, Op::Goodbye);
+                    let resp = serve_request(&d, sid, lease_ttl_ms, &mut renewed, req);
+                    let bytes = frame::encode(&resp).unwrap_or_else(|e| {
+                        frame::encode(&Response {
+                            id: resp.id,
+                            result: Err(e.into()),
+                        })
+                        .expect("an error reply is small")
+                    });
+                    if out_tx.send(bytes).await.is_err() || goodbye {
+                        break;
+                    }
+                }
+            }
+            .instrument(tracing::Span::current()),
+        )
+    };
+    let mut shutdown = d.shutdown.subscribe();
+    let idle = Duration::from_millis(lease_ttl_ms.saturating_add(5_000));
+    let frame_timeout = Duration::from_millis(d.config.frame_timeout_ms);
+    loop {
+        let next = tokio::select! {
+            r = read_frame::<_, Request>(&mut rd, d.config.max_frame_bytes, idle, frame_timeout) => r,
+            _ = shutdown.changed() => break,
+        };
+        match next {
+            Ok(req) => match work_tx.try_send(req) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(req)) => {
+                    d.metrics.inflight_rejects.fetch_add(1, Ordering::Relaxed);
+                    let e = Error::Overloaded {
+                        what: format!(
+                            "{max_inflight} requests in flight on this session (the limit)"
+                        ),
+                        retry_after_ms: 1,
+                    };
+                    let bytes = frame::encode(&Response {
+                        id: req.id,
+                        result: Err(e.into()),
+                    })
+                    .expect("an error reply is small");
+                    // Wait for the writer (bounded): a client that reads none of its answers
+                    // stops being read, and is dropped if it stays stuck.
+                    let sent = tokio::time::timeout(frame_timeout, out_tx.send(bytes)).await;
+                    if !matches!(sent, Ok(Ok(()))) {
+                        break;
+                    }
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => break,
+            },
+            Err(ReadEnd::Closed) => break,
+            Err(ReadEnd::Bad(e)) => {
+                d.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, "malformed frame; closing the connection");
+                if let Ok(bytes) = frame::encode(&Response {
+                    id: 0,
+                    result: Err(e.into()),
+                }) {
+                    let _ = out_tx.try_send(bytes);
+                }
+                break;
+            }
+        }
+    }
+    drop(work_tx);
+    let _ = worker.await;
+    drop(out_tx);
+    let _ = tokio::time::timeout(Duration::from_millis(1000), writer).await;
+}
+
+fn serve_request(
+    d: &Daemon,
+    sid: SessionId,
+    lease_ttl_ms: u64,
+    renewed: &mut Instant,
+    req: Request,
+) -> Response {
+    let name = req.op.name();
+    let span = tracing::debug_span!("op", op = name, id = req.id, request = ?req.request);
+    let _g = span.enter();
+    let t0 = Instant::now();
+    // Any request renews the lease (at most every quarter lease, to keep it off the hot path).
+    let renew = if renewed.elapsed() >= Duration::from_millis(lease_ttl_ms / 4) {
+        *renewed = t0;
+        d.store.heartbeat(sid).map(|_| ())
+    } else {
+        Ok(())
+    };
+    let result = renew.and_then(|()| execute(d, sid, req.op));
+    let us = t0.elapsed().as_micros() as u64;
+    d.metrics.op(name).observe(us, result.is_ok());
+    if let Err(e) = &result {
+        tracing::debug!(error = %e, code = e.code(), "request failed");
+    }
+    Response {
+        id: req.id,
+        result: result.map_err(WireError::from),
+    }
+}
+
+fn each(v: Vec<Result<()>>) -> Reply {
+    Reply::Each(v.into_iter().map(|r| r.map_err(WireError::from)).collect())
+}
+
+fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
+    let max = d.config.max_batch as usize;
+    if op.batch_len() > max {
+        return Err(Error::InvalidArgument(format!(
+            "batch of {} exceeds the limit of {max}; split it",
+            op.batch_len()
+        )));
+    }
+    let s = &d.store;
+    Ok(match op {
+        Op::RegisterNamespace(desc) => Reply::Namespace(s.register_namespace(&desc)?),
+        Op::LookupPrefix {
+            namespace,
+            tags,
+            pin,
+            pin_ttl_ms,
+        } => Reply::Prefix(s.lookup_prefix(&namespace, &tags, pin.then_some((sid, pin_ttl_ms)))?),
+        Op::Exists { keys } => {
+            Reply::Exists(pack_bits(s.lookup(&keys)?.iter().map(Option::is_some)))
+        }
+        Op::Acquire { keys, ttl_ms } => Reply::Acquired(
+            s.acquire(sid, &keys, ttl_ms)?
+                .into_iter()
+                .map(|r| r.map_err(WireError::from))
+                .collect(),
+        ),
+        Op::Release { handles } => each(s.release(sid, &handles)?),
+        Op::Alloc {
+            keys,
+            class,
+            reservation,
+        } => {
+            if d.drain.is_draining() {
+                return Err(Error::Unavailable(
+                    "this node is draining: no new allocations; write to another node".into(),
+                ));
+            }
+            let allocs = s.alloc(sid, &keys, class, reservation)?;
+            let handles: Vec<Handle> = allocs
+                .iter()
+                .filter_map(|r| r.as_ref().ok().map(|a| a.handle))
+                .collect();
+            // The client writes through its mapping: the blocks start WRITING.
+            let begun = match s.begin_write(sid, &handles) {
+                Ok(b) => b,
+                Err(e) => {
+                    let _ = s.abort(sid, &handles);
+                    return Err(e);
+                }
+            };
+            tracing::trace!(handles = ?handles, "allocated");
+            let mut begun = begun.into_iter();
+            Reply::Allocated(
+                allocs
+                    .into_iter()
+                    .map(|r| match r {
+                        Ok(_) => begun
+                            .next()
+                            .expect("one begin_write result per allocation")
+                            .map_err(WireError::from),
+                        Err(e) => Err(e.into()),
+                    })
+                    .collect(),
+            )
+        }
+        Op::Seal { blocks } => {
+            let run = || -> Vec<std::result::Result<u32, WireError>> {
+                blocks
+                    .iter()
+                    .map(|b| {
+                        s.seal(sid, &b.handle, b.len, b.checksum)
+                            .map_err(WireError::from)
+                    })
+                    .collect()
+            };
+            let needs_pass = blocks.iter().any(|b| b.checksum.is_none());
+            Reply::Sealed(if needs_pass {
+                tokio::task::block_in_place(run)
+            } else {
+                run()
+            })
+        }
+        Op::Publish { handles } => {
+            s.publish(sid, &handles)?;
+            tracing::trace!(handles = ?handles, "published");
+            Reply::Done
+        }
+        Op::Abort { handles } => each(s.abort(sid, &handles)?),
+        Op::RemoveIf { items } => each(items.iter().map(|(k, g)| s.remove_if(k, *g)).collect()),
+        Op::Touch { keys } => {
+            s.touch(&keys);
+            Reply::Done
+        }
+        Op::Heartbeat => {
+            let expires_at_ms = s.heartbeat(sid)?;
+            Reply::Lease {
+                expires_in_ms: expires_at_ms.saturating_sub(d.clock.now_ms()),
+            }
+        }
+        Op::Stats => Reply::Stats(s.stats()),
+        Op::Goodbye => Reply::Done,
+    })
+}
+
+/// The reaper: expired leases and pins, every `reap_interval_ms`; an accounting audit every
+/// second.
+pub async fn reaper(d: Arc<Daemon>) {
+    let every = Duration::from_millis(d.config.reap_interval_ms);
+    let audit_every = (1000 / d.config.reap_interval_ms).max(1);
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut n: u64 = 0;
+    loop {
+        tick.tick().await;
+        let r = d.store.reap(d.config.reap_budget);
+        if r.sessions_expired + r.pins_expired + r.manifests_expired > 0 {
+            tracing::info!(
+                sessions_expired = r.sessions_expired,
+                pins_expired = r.pins_expired,
+                manifests_expired = r.manifests_expired,
+                "reaped"
+            );
+        }
+        n += 1;
+        if n % audit_every == 0 {
+            let (a, ok) = d.store.audit();
+            d.metrics
+                .accounting_balanced
+                .store(ok as u64, Ordering::Relaxed);
+            if !ok {
+                tracing::error!(?a, "pool accounting does not balance");
+            }
+        }
+    }
+}

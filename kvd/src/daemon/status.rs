@@ -1,0 +1,198 @@
+//! `kvd status`: read a daemon's `/status` and print a short human summary (or the JSON).
+//!
+//! Also the tiny HTTP/1.1 client the CLI and the integration tests use: one request per
+//! connection, `Connection: close`, bounded by a timeout and a body limit.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use super::admin::StatusReport;
+use crate::{Error, Result};
+
+/// `kvd status` arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StatusArgs {
+    /// The daemon's admin address.
+    #[arg(long, default_value = super::config::DEFAULT_ADMIN_LISTEN)]
+    pub admin: SocketAddr,
+    /// Print the raw JSON of /status instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+    /// Sample twice this many ms apart to show current rates (0: averages since start).
+    #[arg(long, default_value_t = 1000)]
+    pub sample_ms: u64,
+}
+
+/// Largest answer read, bytes.
+pub const MAX_HTTP_BODY_BYTES: usize = 16 << 20;
+
+/// One HTTP request to a local admin endpoint; returns the status code and the body.
+///
+/// # Errors
+/// [`Error::Io`] when the address cannot be reached or answers garbage within 5 s.
+pub fn http(addr: SocketAddr, method: &str, path: &str) -> Result<(u16, String)> {
+    let timeout = Duration::from_secs(5);
+    let mut s = TcpStream::connect_timeout(&addr, timeout)
+        .map_err(|e| Error::Io(format!("connecting to {addr}: {e}")))?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut raw = Vec::new();
+    s.take(MAX_HTTP_BODY_BYTES as u64).read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| Error::Io(format!("{addr}{path}: not an HTTP answer")))?;
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse::<u16>().ok())
+        .ok_or_else(|| Error::Io(format!("{addr}{path}: no status code")))?;
+    Ok((code, body.to_owned()))
+}
+
+/// Fetch and parse `/status`.
+///
+/// # Errors
+/// As [`http`], and [`Error::Protocol`] for an answer that is not a status report.
+pub fn fetch(addr: SocketAddr) -> Result<StatusReport> {
+    let (code, body) = http(addr, "GET", "/status")?;
+    if code != 200 {
+        return Err(Error::Io(format!("/status answered {code}: {body}")));
+    }
+    serde_json::from_str(&body).map_err(|e| Error::Protocol(format!("/status: {e}")))
+}
+
+/// Run `kvd status`.
+pub fn run(args: StatusArgs) -> std::process::ExitCode {
+    match run_inner(&args) {
+        Ok(text) => {
+            print!("{text}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("kvd status: {e}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
+fn run_inner(args: &StatusArgs) -> Result<String> {
+    if args.json {
+        let (code, body) = http(args.admin, "GET", "/status")?;
+        if code != 200 {
+            return Err(Error::Io(format!("/status answered {code}")));
+        }
+        return Ok(format!("{body}\n"));
+    }
+    let first = fetch(args.admin)?;
+    let (now, earlier) = if args.sample_ms > 0 {
+        std::thread::sleep(Duration::from_millis(args.sample_ms));
+        (fetch(args.admin)?, Some(first))
+    } else {
+        (first, None)
+    };
+    Ok(summary(&now, earlier.as_ref()))
+}
+
+/// The human summary of a report; with an earlier report, rates are over the interval between
+/// them, otherwise averages since start.
+pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let s = &r.stats;
+    let a = &s.accounting;
+    let mib = |pages: u32| pages as f64 * s.page_size_bytes as f64 / (1 << 20) as f64;
+    let pct = |pages: u32| 100.0 * pages as f64 / a.total.max(1) as f64;
+    let _ = writeln!(
+        o,
+        "kvd {} — node generation {}, up {:.1} s, {}",
+        r.version,
+        r.node_generation,
+        r.uptime_ms as f64 / 1000.0,
+        if r.draining {
+            "DRAINING (not ready)"
+        } else {
+            "ready"
+        }
+    );
+    let _ = writeln!(
+        o,
+        "pool: {} pages x {:.2} MiB = {:.0} MiB ({}), socket {}",
+        a.total,
+        s.page_size_bytes as f64 / (1 << 20) as f64,
+        mib(a.total),
+        r.backing,
+        r.socket
+    );
+    let _ = writeln!(
+        o,
+        "  {:<12} {:>8} {:>10} {:>6}",
+        "state", "pages", "MiB", "%"
+    );
+    for (name, n) in [
+        ("free", a.free),
+        ("allocated", a.allocated),
+        ("writing", a.writing),
+        ("sealed", a.sealed),
+        ("published", a.published),
+        ("retired", a.retired),
+        ("quarantined", a.quarantined),
+    ] {
+        let _ = writeln!(o, "  {name:<12} {n:>8} {:>10.1} {:>5.1}%", mib(n), pct(n));
+    }
+    let _ = writeln!(
+        o,
+        "sessions: {} open, {} pins, {} manifests, {} namespaces, {} evictable blocks",
+        s.sessions, s.pins, s.manifests, s.namespaces, s.evictable
+    );
+    let c = &s.counters;
+    let (secs, base) = match earlier {
+        Some(e) => (
+            (r.uptime_ms.saturating_sub(e.uptime_ms)) as f64 / 1000.0,
+            e.stats.counters,
+        ),
+        None => (r.uptime_ms as f64 / 1000.0, Default::default()),
+    };
+    let secs = secs.max(1e-3);
+    let rate = |now: u64, then: u64| now.saturating_sub(then) as f64 / secs;
+    let lookups = c.lookups.saturating_sub(base.lookups);
+    let hits = c.hits.saturating_sub(base.hits);
+    let _ = writeln!(
+        o,
+        "rates ({}): lookups {:.1}/s (hit ratio {}), published {:.1}/s, aborted {:.1}/s, \
+         evicted {:.1}/s, overload rejects {:.1}/s",
+        if earlier.is_some() {
+            format!("last {secs:.1} s")
+        } else {
+            "since start".to_owned()
+        },
+        rate(c.lookups, base.lookups),
+        if lookups == 0 {
+            "-".to_owned()
+        } else {
+            format!("{:.2}", hits as f64 / lookups as f64)
+        },
+        rate(c.blocks_published, base.blocks_published),
+        rate(c.blocks_aborted, base.blocks_aborted),
+        rate(c.evictions, base.evictions),
+        rate(
+            c.overload_rejects + r.daemon.inflight_rejects,
+            base.overload_rejects + earlier.map_or(0, |e| e.daemon.inflight_rejects)
+        ),
+    );
+    let _ = writeln!(
+        o,
+        "totals: stale-generation rejects {}, checksum failures {}, sessions expired {}, \
+         protocol errors {}",
+        c.stale_generation_rejects,
+        c.checksum_failures,
+        c.sessions_expired,
+        r.daemon.protocol_errors
+    );
+    o
+}

@@ -1,0 +1,504 @@
+//! What the frames carry.
+//!
+//! The first frame each way is the handshake ([`Hello`] → [`HelloReply`], the latter sent with
+//! the pool's file descriptor). After it, the client sends [`Request`]s and the daemon answers
+//! each with one [`Response`] carrying the same `id`, in order. Every data operation takes a
+//! batch (at most [`Welcome::max_batch`] items) and answers per item where items can fail apart.
+//!
+//! No message carries a raw address: blocks are named by [`Handle`]s (both generations checked
+//! on every use) or keys; offsets in replies are offsets into the pool mapping, valid for the
+//! handle they came with.
+
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+use crate::error::BlockState;
+use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
+use crate::store::{
+    Allocation, BlockClass, BlockInfo, Handle, PrefixHit, ReservationId, SessionId, StoreStats,
+};
+
+use super::frame::PROTOCOL_VERSION;
+
+/// The client's first frame.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The version the client speaks (also in every frame header).
+    pub protocol_version: u16,
+    /// A name for logs and `/status` (at most 128 bytes).
+    pub client_name: String,
+    /// The session's heartbeat lease: without a heartbeat (or any request) for this long, the
+    /// daemon aborts the session's unfinished blocks and drops its pins.
+    pub lease_ttl_ms: u64,
+}
+
+impl Hello {
+    /// A hello in this build's protocol version.
+    pub fn new(client_name: &str, lease_ttl_ms: u64) -> Hello {
+        Hello {
+            protocol_version: PROTOCOL_VERSION,
+            client_name: client_name.to_owned(),
+            lease_ttl_ms,
+        }
+    }
+}
+
+/// The daemon's answer to [`Hello`]. `Welcome` comes with the pool's memfd attached.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HelloReply {
+    /// The session is open; the pool's fd is attached to this frame.
+    Welcome(Welcome),
+    /// No session (draining, too many sessions, bad version or lease); the connection closes.
+    Refused(WireError),
+}
+
+/// What a client needs to know about the node and its session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    /// The version the daemon speaks.
+    pub protocol_version: u16,
+    /// The session opened for this connection.
+    pub session: SessionId,
+    /// This daemon incarnation's generation; every handle carries it.
+    pub node_generation: u64,
+    /// Bytes per page (the largest block).
+    pub page_size_bytes: u64,
+    /// Pages in the pool.
+    pub page_count: u32,
+    /// The pool mapping's length in bytes.
+    pub pool_bytes: u64,
+    /// The lease granted.
+    pub lease_ttl_ms: u64,
+    /// Items in one batched request at most.
+    pub max_batch: u32,
+    /// Body bytes in one frame at most.
+    pub max_frame_bytes: u32,
+    /// Requests the client may have unanswered at once; more are answered `Overloaded`.
+    pub max_inflight: u32,
+}
+
+/// One request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    /// Chosen by the client; the response carries it back.
+    pub id: u64,
+    /// The engine's request id, when the operation serves one (for tracing only).
+    pub request: Option<u64>,
+    /// What to do.
+    pub op: Op,
+}
+
+/// One item of a [`Op::Seal`] batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SealItem {
+    /// The block.
+    pub handle: Handle,
+    /// Valid bytes written from the page's start.
+    pub len: u64,
+    /// CRC-32C of those bytes, computed by the writer during its copy; `None` makes the daemon
+    /// compute it (one pass over the block).
+    pub checksum: Option<u32>,
+}
+
+/// The operations. Batches hold at most `max_batch` items.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    /// Register a KV layout → [`Reply::Namespace`].
+    RegisterNamespace(NamespaceDescriptor),
+    /// The longest PUBLISHED prefix of a tag chain, optionally pinned → [`Reply::Prefix`].
+    LookupPrefix {
+        /// The layout.
+        namespace: NamespaceId,
+        /// The chain, first block first.
+        tags: Vec<BlockTag>,
+        /// Pin the blocks found for this session.
+        pin: bool,
+        /// The pins' TTL (the daemon's default when `None`).
+        pin_ttl_ms: Option<u64>,
+    },
+    /// Which keys are PUBLISHED → [`Reply::Exists`] (a bitmap, bit i = key i).
+    Exists {
+        /// The keys.
+        keys: Vec<BlockKey>,
+    },
+    /// Pin PUBLISHED blocks → [`Reply::Acquired`], one result per key.
+    Acquire {
+        /// The keys.
+        keys: Vec<BlockKey>,
+        /// The pins' TTL (the daemon's default when `None`).
+        ttl_ms: Option<u64>,
+    },
+    /// Release pins → [`Reply::Each`]; a stale or unpinned handle gets its error in place.
+    Release {
+        /// The handles acquired.
+        handles: Vec<Handle>,
+    },
+    /// Allocate blocks to write through the mapping (they start WRITING) →
+    /// [`Reply::Allocated`], one result per key; existing keys get `AlreadyExists`.
+    Alloc {
+        /// The keys.
+        keys: Vec<BlockKey>,
+        /// Cache or checkpoint.
+        class: BlockClass,
+        /// Draw from this reservation.
+        reservation: Option<ReservationId>,
+    },
+    /// Seal written blocks → [`Reply::Sealed`], the recorded checksum per block.
+    Seal {
+        /// The blocks.
+        blocks: Vec<SealItem>,
+    },
+    /// Publish SEALED cache blocks as one group, all or none → [`Reply::Done`].
+    Publish {
+        /// The group.
+        handles: Vec<Handle>,
+    },
+    /// Abort unfinished blocks → [`Reply::Each`].
+    Abort {
+        /// The blocks.
+        handles: Vec<Handle>,
+    },
+    /// Compare-and-delete each `(key, generation)` → [`Reply::Each`].
+    RemoveIf {
+        /// The versions to remove.
+        items: Vec<(BlockKey, u64)>,
+    },
+    /// Mark blocks recently used → [`Reply::Done`].
+    Touch {
+        /// The keys.
+        keys: Vec<BlockKey>,
+    },
+    /// Renew the lease → [`Reply::Lease`].
+    Heartbeat,
+    /// The store's counts → [`Reply::Stats`].
+    Stats,
+    /// Close the session cleanly (the daemon answers [`Reply::Done`] and closes).
+    Goodbye,
+}
+
+impl Op {
+    /// The operation's name, for metrics and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::RegisterNamespace(_) => "register_namespace",
+            Op::LookupPrefix { .. } => "lookup_prefix",
+            Op::Exists { .. } => "exists",
+            Op::Acquire { .. } => "acquire",
+            Op::Release { .. } => "release",
+            Op::Alloc { .. } => "alloc",
+            Op::Seal { .. } => "seal",
+            Op::Publish { .. } => "publish",
+            Op::Abort { .. } => "abort",
+            Op::RemoveIf { .. } => "remove_if",
+            Op::Touch { .. } => "touch",
+            Op::Heartbeat => "heartbeat",
+            Op::Stats => "stats",
+            Op::Goodbye => "goodbye",
+        }
+    }
+
+    /// Items in the batch (1 for single operations).
+    pub fn batch_len(&self) -> usize {
+        match self {
+            Op::LookupPrefix { tags, .. } => tags.len(),
+            Op::Exists { keys } | Op::Acquire { keys, .. } | Op::Touch { keys } => keys.len(),
+            Op::Alloc { keys, .. } => keys.len(),
+            Op::Release { handles } | Op::Publish { handles } | Op::Abort { handles } => {
+                handles.len()
+            }
+            Op::Seal { blocks } => blocks.len(),
+            Op::RemoveIf { items } => items.len(),
+            Op::RegisterNamespace(_) | Op::Heartbeat | Op::Stats | Op::Goodbye => 1,
+        }
+    }
+
+    /// Every operation names in [`Op`], for metrics.
+    pub const NAMES: [&'static str; 14] = [
+        "register_namespace",
+        "lookup_prefix",
+        "exists",
+        "acquire",
+        "release",
+        "alloc",
+        "seal",
+        "publish",
+        "abort",
+        "remove_if",
+        "touch",
+        "heartbeat",
+        "stats",
+        "goodbye",
+    ];
+}
+
+/// The answer to one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Response {
+    /// The request's id (0 for an error about a frame that could not be decoded).
+    pub id: u64,
+    /// The outcome of the whole call; per-item outcomes are inside the reply.
+    pub result: Result<Reply, WireError>,
+}
+
+/// Replies, by operation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    /// Nothing to report.
+    Done,
+    /// A namespace's id.
+    Namespace(NamespaceId),
+    /// A prefix lookup's hit.
+    Prefix(PrefixHit),
+    /// Bit i (of byte i / 8, least significant first) is set when key i is PUBLISHED.
+    Exists(Vec<u8>),
+    /// Per key: the pinned block or why not.
+    Acquired(Vec<Result<BlockInfo, WireError>>),
+    /// Per key: where to write, or why not.
+    Allocated(Vec<Result<Allocation, WireError>>),
+    /// Per block: the checksum recorded, or why not.
+    Sealed(Vec<Result<u32, WireError>>),
+    /// Per item: done or why not.
+    Each(Vec<Result<(), WireError>>),
+    /// The lease's new expiry, in ms from now.
+    Lease {
+        /// Milliseconds until the lease expires without another heartbeat.
+        expires_in_ms: u64,
+    },
+    /// The store's counts.
+    Stats(StoreStats),
+}
+
+/// [`Error`] as it travels: the same variants and fields, with owned strings (so that a reply
+/// decodes from any buffer). Converts both ways.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireError {
+    StaleGeneration {
+        handle_node: u64,
+        handle_slot: u64,
+        current_node: u64,
+        current_slot: u64,
+    },
+    IllegalTransition {
+        from: BlockState,
+        op: String,
+    },
+    NoSpace {
+        requested_bytes: u64,
+        free_bytes: u64,
+    },
+    Overloaded {
+        what: String,
+        retry_after_ms: u64,
+    },
+    NotFound(String),
+    AlreadyExists(String),
+    Corrupt {
+        expected: u32,
+        found: u32,
+    },
+    InvalidArgument(String),
+    LeaseExpired(String),
+    StaleEpoch {
+        got: u64,
+        current: u64,
+    },
+    Deadline(String),
+    Unavailable(String),
+    Protocol(String),
+    Io(String),
+}
+
+impl From<Error> for WireError {
+    fn from(e: Error) -> WireError {
+        match e {
+            Error::StaleGeneration {
+                handle_node,
+                handle_slot,
+                current_node,
+                current_slot,
+            } => WireError::StaleGeneration {
+                handle_node,
+                handle_slot,
+                current_node,
+                current_slot,
+            },
+            Error::IllegalTransition { from, op } => WireError::IllegalTransition {
+                from,
+                op: op.to_owned(),
+            },
+            Error::NoSpace {
+                requested_bytes,
+                free_bytes,
+            } => WireError::NoSpace {
+                requested_bytes,
+                free_bytes,
+            },
+            Error::Overloaded {
+                what,
+                retry_after_ms,
+            } => WireError::Overloaded {
+                what,
+                retry_after_ms,
+            },
+            Error::NotFound(s) => WireError::NotFound(s),
+            Error::AlreadyExists(s) => WireError::AlreadyExists(s),
+            Error::Corrupt { expected, found } => WireError::Corrupt { expected, found },
+            Error::InvalidArgument(s) => WireError::InvalidArgument(s),
+            Error::LeaseExpired(s) => WireError::LeaseExpired(s),
+            Error::StaleEpoch { got, current } => WireError::StaleEpoch { got, current },
+            Error::Deadline(s) => WireError::Deadline(s),
+            Error::Unavailable(s) => WireError::Unavailable(s),
+            Error::Protocol(s) => WireError::Protocol(s),
+            Error::Io(s) => WireError::Io(s),
+        }
+    }
+}
+
+/// The operation names the store uses in `IllegalTransition`, so that the error keeps its
+/// `&'static str` on the client side.
+fn static_op(op: &str) -> &'static str {
+    const KNOWN: [&str; 10] = [
+        "write",
+        "write to",
+        "begin writing",
+        "seal",
+        "publish",
+        "abort",
+        "remove",
+        "read",
+        "extend",
+        "restore",
+    ];
+    KNOWN
+        .iter()
+        .find(|k| **k == op)
+        .copied()
+        .unwrap_or("operate on")
+}
+
+impl From<WireError> for Error {
+    fn from(e: WireError) -> Error {
+        match e {
+            WireError::StaleGeneration {
+                handle_node,
+                handle_slot,
+                current_node,
+                current_slot,
+            } => Error::StaleGeneration {
+                handle_node,
+                handle_slot,
+                current_node,
+                current_slot,
+            },
+            WireError::IllegalTransition { from, op } => Error::IllegalTransition {
+                from,
+                op: static_op(&op),
+            },
+            WireError::NoSpace {
+                requested_bytes,
+                free_bytes,
+            } => Error::NoSpace {
+                requested_bytes,
+                free_bytes,
+            },
+            WireError::Overloaded {
+                what,
+                retry_after_ms,
+            } => Error::Overloaded {
+                what,
+                retry_after_ms,
+            },
+            WireError::NotFound(s) => Error::NotFound(s),
+            WireError::AlreadyExists(s) => Error::AlreadyExists(s),
+            WireError::Corrupt { expected, found } => Error::Corrupt { expected, found },
+            WireError::InvalidArgument(s) => Error::InvalidArgument(s),
+            WireError::LeaseExpired(s) => Error::LeaseExpired(s),
+            WireError::StaleEpoch { got, current } => Error::StaleEpoch { got, current },
+            WireError::Deadline(s) => Error::Deadline(s),
+            WireError::Unavailable(s) => Error::Unavailable(s),
+            WireError::Protocol(s) => Error::Protocol(s),
+            WireError::Io(s) => Error::Io(s),
+        }
+    }
+}
+
+/// Pack booleans into a bitmap (bit i of byte i / 8, least significant first).
+pub fn pack_bits(bits: impl IntoIterator<Item = bool>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, b) in bits.into_iter().enumerate() {
+        if i % 8 == 0 {
+            out.push(0);
+        }
+        if b {
+            *out.last_mut().expect("pushed above") |= 1 << (i % 8);
+        }
+    }
+    out
+}
+
+/// Bit `i` of a bitmap from [`pack_bits`].
+pub fn bit(bitmap: &[u8], i: usize) -> bool {
+    bitmap.get(i / 8).is_some_and(|b| b & (1 << (i % 8)) != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_survives_the_wire_with_its_code() {
+        let errors = vec![
+            Error::StaleGeneration {
+                handle_node: 1,
+                handle_slot: 2,
+                current_node: 3,
+                current_slot: 4,
+            },
+            Error::IllegalTransition {
+                from: BlockState::Sealed,
+                op: "publish",
+            },
+            Error::NoSpace {
+                requested_bytes: 1,
+                free_bytes: 0,
+            },
+            Error::Overloaded {
+                what: "x".into(),
+                retry_after_ms: 5,
+            },
+            Error::NotFound("k".into()),
+            Error::AlreadyExists("k".into()),
+            Error::Corrupt {
+                expected: 1,
+                found: 2,
+            },
+            Error::InvalidArgument("a".into()),
+            Error::LeaseExpired("l".into()),
+            Error::StaleEpoch { got: 1, current: 2 },
+            Error::Deadline("d".into()),
+            Error::Unavailable("u".into()),
+            Error::Protocol("p".into()),
+            Error::Io("i".into()),
+        ];
+        for e in errors {
+            let w = WireError::from(e.clone());
+            let bytes = crate::protocol::frame::encode(&w).unwrap();
+            let back: WireError = crate::protocol::frame::decode_frame(&bytes).unwrap();
+            let back = Error::from(back);
+            assert_eq!(back, e);
+            assert_eq!(back.code(), e.code());
+        }
+    }
+
+    #[test]
+    fn the_exists_bitmap_packs_least_significant_bit_first() {
+        let bits = [true, false, false, true, false, false, false, false, true];
+        let m = pack_bits(bits);
+        assert_eq!(m, vec![0b0000_1001, 0b1]);
+        for (i, b) in bits.iter().enumerate() {
+            assert_eq!(bit(&m, i), *b);
+        }
+        assert!(!bit(&m, 100));
+    }
+}

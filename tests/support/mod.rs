@@ -1,0 +1,269 @@
+//! Shared helpers for the daemon integration tests: start the real `kvd` binary on a temporary
+//! data dir, socket and free loopback port; talk to it; wait with a deadline; stop it on drop.
+//!
+//! Every wait is bounded, with margins meant for a loaded 2-core machine.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use kvd::client::{Client, ClientOptions};
+use kvd::daemon::admin::StatusReport;
+use kvd::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor, NamespaceId};
+
+/// How long a daemon may take to start on a loaded machine.
+pub const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A running `kvd serve`, killed on drop.
+#[derive(Debug)]
+pub struct Daemon {
+    child: Option<Child>,
+    /// The data dir (kept alive by `_tmp` when the daemon made it).
+    pub dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+    /// The local protocol's socket.
+    pub socket: PathBuf,
+    /// The admin HTTP address.
+    pub admin: SocketAddr,
+    /// The node generation the daemon announced.
+    pub generation: u64,
+}
+
+/// The flags every test daemon gets: a small pool of 256 KiB pages, no huge pages, a fast
+/// reaper.
+pub fn base_args(dir: &Path) -> Vec<String> {
+    [
+        "serve",
+        "--data-dir",
+        dir.to_str().unwrap(),
+        "--socket",
+        dir.join("kvd.sock").to_str().unwrap(),
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--pool-mib",
+        "16",
+        "--page-kib",
+        "256",
+        "--huge-pages",
+        "off",
+        "--reap-interval-ms",
+        "20",
+        "--threads",
+        "2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+impl Daemon {
+    /// Start a daemon on a fresh temporary data dir.
+    pub fn start(extra: &[&str]) -> Daemon {
+        let tmp = tempfile::tempdir().expect("a temp dir");
+        let mut d = Daemon::start_in(tmp.path(), extra);
+        d._tmp = Some(tmp);
+        d
+    }
+
+    /// Start a daemon on `dir` (which may hold a previous run's generation).
+    pub fn start_in(dir: &Path, extra: &[&str]) -> Daemon {
+        let mut args = base_args(dir);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("daemon.log"))
+            .expect("a log file");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvd"))
+            .args(&args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .expect("starting kvd");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + START_TIMEOUT;
+        let ready = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(l) if l.starts_with("kvd ready") => break l,
+                Ok(_) => continue,
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!(
+                        "kvd did not start within {START_TIMEOUT:?}; log:\n{}",
+                        std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default()
+                    );
+                }
+            }
+        };
+        let field = |k: &str| {
+            ready
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(k))
+                .unwrap_or_else(|| panic!("no {k} in {ready:?}"))
+                .to_owned()
+        };
+        Daemon {
+            child: Some(child),
+            dir: dir.to_owned(),
+            _tmp: None,
+            socket: PathBuf::from(field("socket=")),
+            admin: field("admin=").parse().unwrap(),
+            generation: field("generation=").parse().unwrap(),
+        }
+    }
+
+    /// A client session with a lease of `lease_ttl_ms`.
+    pub fn client(&self, name: &str, lease_ttl_ms: u64) -> Client {
+        Client::connect(&self.socket, &options(name, lease_ttl_ms)).expect("connecting")
+    }
+
+    /// `/status`.
+    pub fn status(&self) -> StatusReport {
+        kvd::daemon::status::fetch(self.admin).expect("/status")
+    }
+
+    /// `GET path` on the admin port: (status code, body).
+    pub fn get(&self, path: &str) -> (u16, String) {
+        kvd::daemon::status::http(self.admin, "GET", path).expect("admin GET")
+    }
+
+    /// `POST path` on the admin port.
+    pub fn post(&self, path: &str) -> (u16, String) {
+        kvd::daemon::status::http(self.admin, "POST", path).expect("admin POST")
+    }
+
+    /// The daemon's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    /// Send SIGTERM.
+    pub fn sigterm(&self) {
+        signal(self.pid(), rustix::process::Signal::TERM);
+    }
+
+    /// Wait for the process to exit, at most `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let child = self.child.as_mut().unwrap();
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM and wait (bounded) for a clean exit; returns the exit status.
+    pub fn stop(&mut self) -> ExitStatus {
+        self.sigterm();
+        self.wait_exit(Duration::from_secs(60))
+            .expect("kvd did not exit within 60 s of SIGTERM")
+    }
+
+    /// The daemon's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Client options with a name and lease.
+pub fn options(name: &str, lease_ttl_ms: u64) -> ClientOptions {
+    ClientOptions {
+        lease_ttl_ms,
+        io_timeout_ms: 30_000,
+        ..ClientOptions::named(name)
+    }
+}
+
+/// Send a signal to a process.
+pub fn signal(pid: u32, sig: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(pid as i32).expect("a positive pid");
+    rustix::process::kill_process(pid, sig).expect("kill");
+}
+
+/// Poll `f` until it holds or `timeout` passes; panic with `what` then.
+pub fn wait_until(timeout: Duration, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return;
+        }
+        if Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting until {what}");
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// A small test layout: blocks of 64 KiB (the test daemon's pages are 256 KiB).
+pub fn namespace() -> NamespaceDescriptor {
+    NamespaceDescriptor {
+        model_name: "test/tiny".into(),
+        model_revision: "r1".into(),
+        tokenizer: "tok-1".into(),
+        adapter: String::new(),
+        cache_salt: String::new(),
+        dtype: KvDtype::Bf16,
+        num_layers: 2,
+        num_kv_heads: 2,
+        head_dim: 64,
+        tokens_per_block: 16,
+        bytes_per_block: 64 * 1024,
+        tp_rank: 0,
+        tp_size: 1,
+        pp_rank: 0,
+        pp_size: 1,
+        rope: "theta=1e6".into(),
+    }
+}
+
+/// `n` distinct keys in `ns`, derived from `seed`.
+pub fn keys(ns: NamespaceId, seed: u64, n: usize) -> Vec<BlockKey> {
+    (0..n)
+        .map(|i| {
+            let mut h = blake3::Hasher::new();
+            h.update(&seed.to_le_bytes());
+            h.update(&(i as u64).to_le_bytes());
+            BlockKey {
+                namespace: ns,
+                tag: BlockTag(*h.finalize().as_bytes()),
+            }
+        })
+        .collect()
+}
+
+/// Deterministic page bytes.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(151).wrapping_add(seed) ^ (i >> 9) as u8)
+        .collect()
+}
