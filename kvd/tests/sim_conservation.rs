@@ -1,8 +1,7 @@
 //! Every request is accounted for, whatever the policy and however many workers fail.
 
-use kvd::control::PolicyKind;
 use kvd::sim::workload::{WorkloadConfig, generate};
-use kvd::sim::{ClusterConfig, FailureSpec, ModelConfig, RunConfig, run};
+use kvd::sim::{ClusterConfig, FailureSpec, ModelConfig, RunConfig, SimPolicy, run};
 
 fn small_cluster() -> ClusterConfig {
     let mut c = ClusterConfig::new(4, ModelConfig::qwen3_14b());

@@ -79,6 +79,10 @@ struct RunArgs {
     /// (Lumen's ASSIST phase; default 1.3). 1.0 turns the assist's effect off.
     #[arg(long)]
     assist_speedup: Option<f64>,
+    /// Also run a what-if variant of Lumen whose placement score grows with the checkpoints a
+    /// worker already holds (lumen_sum_placement; see docs/SIMULATION.md).
+    #[arg(long)]
+    what_if_sum_placement: bool,
     /// Skip the PNG plots (CSV and Markdown only).
     #[arg(long)]
     no_plots: bool,
@@ -175,6 +179,7 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
         max_events: a.max_events,
         repeats: a.repeats,
         assist_speedup: a.assist_speedup,
+        what_if_sum_placement: a.what_if_sum_placement,
         ..SweepConfig::default()
     };
     let started = std::time::Instant::now();

@@ -29,6 +29,7 @@
 use serde::Serialize;
 
 use super::config::ClusterConfig;
+use super::contenders::SimPolicy;
 use super::events::{Event, EventQueue, ReqIdx, SimTime, WorkerIdx, secs_to_us, us_to_secs};
 use super::metrics::{Latencies, RequestRecord, RunMetrics, SeriesPoint};
 use super::shim::{Shim, ShimRestore};
@@ -51,8 +52,7 @@ pub struct RunConfig {
     /// The cluster.
     pub cluster: ClusterConfig,
     /// The policy the control shim runs.
-    #[serde(skip)]
-    pub policy: PolicyKind,
+    pub policy: SimPolicy,
     /// Failures, in any order.
     pub failures: Vec<FailureSpec>,
     /// Non-interrupted requests in the system during `[failure, failure + window]` are the
@@ -68,10 +68,14 @@ pub struct RunConfig {
 
 impl RunConfig {
     /// A run of `policy` on `cluster` with `failures` and default limits.
-    pub fn new(cluster: ClusterConfig, policy: PolicyKind, failures: Vec<FailureSpec>) -> Self {
+    pub fn new(
+        cluster: ClusterConfig,
+        policy: impl Into<SimPolicy>,
+        failures: Vec<FailureSpec>,
+    ) -> Self {
         RunConfig {
             cluster,
-            policy,
+            policy: policy.into(),
             failures,
             bystander_window_s: 60.0,
             drain_cap_s: 600.0,
@@ -356,7 +360,7 @@ impl<'a> Sim<'a> {
         let spec = self.workload[r];
         let now = self.now();
         let adm = self.shim.admit(r, w, &spec, self.reserve_bytes(r), now)?;
-        if adm.holder.is_none() && self.cfg.policy != PolicyKind::StopRestart {
+        if adm.holder.is_none() && self.cfg.policy.kind() != PolicyKind::StopRestart {
             self.m.unplaced += 1;
         }
         let st = &mut self.reqs[r];

@@ -19,25 +19,16 @@ use serde::Serialize;
 
 use super::cluster::{FailureSpec, RunConfig, RunOutput, run};
 use super::config::{ClusterConfig, ModelConfig};
+use super::contenders::SimPolicy;
 use super::metrics::RunMetrics;
 use super::workload::{self, WorkloadConfig};
-use crate::control::PolicyKind;
 
 /// The policies every experiment compares, in table order (the baseline last).
-pub const POLICIES: [PolicyKind; 3] = [
-    PolicyKind::Lumen,
-    PolicyKind::FixedRing,
-    PolicyKind::StopRestart,
+pub const POLICIES: [SimPolicy; 3] = [
+    SimPolicy::Lumen,
+    SimPolicy::FixedRing,
+    SimPolicy::StopRestart,
 ];
-
-/// The name of a policy in tables and files.
-pub fn policy_name(p: PolicyKind) -> &'static str {
-    match p {
-        PolicyKind::Lumen => "lumen",
-        PolicyKind::FixedRing => "fixed_ring",
-        PolicyKind::StopRestart => "stop_restart",
-    }
-}
 
 /// Which experiment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -115,6 +106,19 @@ pub struct SweepConfig {
     pub repeats: u32,
     /// Overrides the hardware's assist speed-up (Lumen's ASSIST phase), for sensitivity runs.
     pub assist_speedup: Option<f64>,
+    /// Also run the what-if [`SimPolicy::LumenSumPlacement`] (not in the default comparison).
+    pub what_if_sum_placement: bool,
+}
+
+impl SweepConfig {
+    /// The policies this sweep runs, in table order.
+    pub fn policies(&self) -> Vec<SimPolicy> {
+        let mut v = POLICIES.to_vec();
+        if self.what_if_sum_placement {
+            v.insert(1, SimPolicy::LumenSumPlacement);
+        }
+        v
+    }
 }
 
 impl Default for SweepConfig {
@@ -129,6 +133,7 @@ impl Default for SweepConfig {
             max_requests: 2_000_000,
             repeats: 5,
             assist_speedup: None,
+            what_if_sum_placement: false,
         }
     }
 }
@@ -148,7 +153,7 @@ pub struct Scenario {
     pub failures: Vec<FailureSpec>,
 }
 
-/// A scenario's results: one run per policy, in [`POLICIES`] order.
+/// A scenario's results: one run per policy, in [`SweepConfig::policies`] order.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ScenarioResult {
     /// The scenario.
@@ -162,12 +167,12 @@ pub struct ScenarioResult {
     /// Seeds the metrics are averaged over.
     pub repeats: u32,
     /// One run per policy.
-    pub runs: Vec<(PolicyKind, RunOutput)>,
+    pub runs: Vec<(SimPolicy, RunOutput)>,
 }
 
 impl ScenarioResult {
     /// The metrics of `policy`.
-    pub fn metrics(&self, policy: PolicyKind) -> Option<&RunMetrics> {
+    pub fn metrics(&self, policy: SimPolicy) -> Option<&RunMetrics> {
         self.runs
             .iter()
             .find(|(p, _)| *p == policy)
@@ -247,7 +252,7 @@ pub fn measure_saturation(model: &ModelConfig, seed: u64) -> crate::Result<f64> 
         },
         1_000_000,
     )?;
-    let mut cfg = RunConfig::new(cluster, PolicyKind::StopRestart, vec![]);
+    let mut cfg = RunConfig::new(cluster, SimPolicy::StopRestart, vec![]);
     cfg.drain_cap_s = 0.0;
     let out = run(&cfg, &wl)?;
     let lo = (warmup_s * 1e6) as u64;
@@ -285,8 +290,9 @@ pub fn run_scenario(
             )
         })
         .collect::<crate::Result<Vec<_>>>()?;
-    let mut jobs: Vec<(PolicyKind, usize, RunConfig)> = Vec::new();
-    for &p in &POLICIES {
+    let policies = sweep.policies();
+    let mut jobs: Vec<(SimPolicy, usize, RunConfig)> = Vec::new();
+    for &p in &policies {
         for w in 0..workloads.len() {
             let mut c = RunConfig::new(scenario.cluster.clone(), p, scenario.failures.clone());
             c.max_events = sweep.max_events;
@@ -324,7 +330,7 @@ pub fn run_scenario(
         BTreeMap::new();
     for ((p, _, _), r) in jobs.iter().zip(results) {
         let out = r.expect("every job ran")?;
-        let idx = POLICIES
+        let idx = policies
             .iter()
             .position(|q| q == p)
             .expect("a known policy");
@@ -336,7 +342,7 @@ pub fn run_scenario(
         .into_iter()
         .map(|(idx, (metrics, series))| {
             (
-                POLICIES[idx],
+                policies[idx],
                 RunOutput {
                     metrics: super::metrics::mean_metrics(&metrics),
                     records: Vec::new(),
@@ -393,8 +399,9 @@ pub fn run_experiments(
             let started = std::time::Instant::now();
             let r = run_scenario(&sc, sweep, sat)?;
             progress(&format!(
-                "  {} requests x 3 policies x {} seeds in {:.1} s",
+                "  {} requests x {} policies x {} seeds in {:.1} s",
                 r.requests,
+                r.runs.len(),
                 r.repeats,
                 started.elapsed().as_secs_f64()
             ));

@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
-use super::experiments::{Experiment, POLICIES, ScenarioResult, policy_name};
+use super::contenders::SimPolicy;
+use super::experiments::{Experiment, ScenarioResult};
 use super::metrics::{Latencies, RunMetrics};
-use crate::control::PolicyKind;
 
 /// The CSV header of [`metrics_csv`].
 pub const CSV_HEADER: &str = "experiment,scenario,model,workers,load,failed_workers,policy,\
@@ -57,7 +57,7 @@ pub fn metrics_csv(exp: Experiment, results: &[ScenarioResult]) -> String {
                 sc.cluster.workers,
                 sc.load,
                 failed.join(" "),
-                policy_name(*p),
+                p.name(),
                 r.repeats,
                 r.rate_per_s,
                 m.requests,
@@ -105,7 +105,7 @@ pub fn series_csv(exp: Experiment, results: &[ScenarioResult]) -> String {
                     "{},{},{},{:.3},{:.6},{},{}",
                     exp.name(),
                     r.scenario.label,
-                    policy_name(*p),
+                    p.name(),
                     s.t_s,
                     s.ttft_mean_s,
                     s.queued,
@@ -144,17 +144,17 @@ pub fn summary_markdown(all: &BTreeMap<Experiment, Vec<ScenarioResult>>) -> Stri
         );
         out.push_str("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n");
         for r in results {
-            let Some(base) = r.metrics(PolicyKind::StopRestart) else {
+            let Some(base) = r.metrics(SimPolicy::BASELINE) else {
                 continue;
             };
             for (p, o) in &r.runs {
                 let m: &RunMetrics = &o.metrics;
-                let b = *p == PolicyKind::StopRestart;
+                let b = *p == SimPolicy::BASELINE;
                 let _ = writeln!(
                     out,
                     "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.2} |",
                     r.scenario.label,
-                    policy_name(*p),
+                    p.name(),
                     m.interrupted,
                     vs(m.stall.mean, base.stall.mean, b, 3),
                     vs(m.recovery_s, base.recovery_s, b, 2),
@@ -192,23 +192,23 @@ pub fn summary_markdown(all: &BTreeMap<Experiment, Vec<ScenarioResult>>) -> Stri
 /// recovery time, and their change against StopRestart.
 pub fn terminal_table(all: &BTreeMap<Experiment, Vec<ScenarioResult>>) -> String {
     let mut out = format!(
-        "{:<4} {:<8} {:<13} {:>6} {:>16} {:>16} {:>16}\n",
+        "{:<4} {:<8} {:<19} {:>6} {:>16} {:>16} {:>16}\n",
         "exp", "scenario", "policy", "inter.", "stall mean (s)", "recovery (s)", "TTFT p99 all (s)"
     );
     for (exp, results) in all {
         for r in results {
-            let Some(base) = r.metrics(PolicyKind::StopRestart) else {
+            let Some(base) = r.metrics(SimPolicy::BASELINE) else {
                 continue;
             };
             for (p, o) in &r.runs {
                 let m = &o.metrics;
-                let b = *p == PolicyKind::StopRestart;
+                let b = *p == SimPolicy::BASELINE;
                 let _ = writeln!(
                     out,
-                    "{:<4} {:<8} {:<13} {:>6} {:>16} {:>16} {:>16}",
+                    "{:<4} {:<8} {:<19} {:>6} {:>16} {:>16} {:>16}",
                     exp.name(),
                     r.scenario.label,
-                    policy_name(*p),
+                    p.name(),
                     m.interrupted,
                     vs(m.stall.mean, base.stall.mean, b, 3),
                     vs(m.recovery_s, base.recovery_s, b, 2),
@@ -312,11 +312,12 @@ fn ensure_font() -> Result<(), String> {
     .clone()
 }
 
-fn policy_color(p: PolicyKind) -> RGBColor {
+fn policy_color(p: SimPolicy) -> RGBColor {
     match p {
-        PolicyKind::Lumen => RGBColor(31, 119, 180),
-        PolicyKind::FixedRing => RGBColor(255, 127, 14),
-        PolicyKind::StopRestart => RGBColor(127, 127, 127),
+        SimPolicy::Lumen => RGBColor(31, 119, 180),
+        SimPolicy::FixedRing => RGBColor(255, 127, 14),
+        SimPolicy::StopRestart => RGBColor(127, 127, 127),
+        SimPolicy::LumenSumPlacement => RGBColor(44, 160, 44),
     }
 }
 
@@ -350,6 +351,12 @@ fn bars_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> crate::
         ),
     ];
     let groups = results.len().max(1) as i32;
+    // Each scenario is a group of one bar per policy and a gap: `width` x units.
+    let policies: Vec<SimPolicy> = results
+        .first()
+        .map(|r| r.runs.iter().map(|(p, _)| *p).collect())
+        .unwrap_or_default();
+    let width = policies.len() as i32 + 1;
     let labels: Vec<String> = results.iter().map(|r| r.scenario.label.clone()).collect();
     for (area, title, pick) in panels {
         let ymax = results
@@ -363,11 +370,14 @@ fn bars_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> crate::
             .margin(10)
             .x_label_area_size(30)
             .y_label_area_size(50)
-            .build_cartesian_2d(0..groups * 4, 0.0..ymax)
+            .build_cartesian_2d(0..groups * width, 0.0..ymax)
             .map_err(|e| plot_err(path, e))?;
         let fmt = |x: &i32| {
-            if x.rem_euclid(4) == 2 {
-                labels.get((x / 4) as usize).cloned().unwrap_or_default()
+            if x.rem_euclid(width) == width / 2 {
+                labels
+                    .get((x / width) as usize)
+                    .cloned()
+                    .unwrap_or_default()
             } else {
                 String::new()
             }
@@ -376,17 +386,17 @@ fn bars_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> crate::
             .configure_mesh()
             .disable_x_mesh()
             .light_line_style(WHITE)
-            .x_labels((groups * 4) as usize + 1)
+            .x_labels((groups * width) as usize + 1)
             .x_label_formatter(&fmt)
             .y_label_style(("sans-serif", 12))
             .x_label_style(("sans-serif", 12))
             .draw()
             .map_err(|e| plot_err(path, e))?;
-        for (pi, p) in POLICIES.iter().enumerate() {
+        for (pi, p) in policies.iter().enumerate() {
             let color = policy_color(*p);
             let bars = results.iter().enumerate().filter_map(|(g, r)| {
                 let m = r.metrics(*p)?;
-                let x0 = g as i32 * 4 + pi as i32 + 1;
+                let x0 = g as i32 * width + pi as i32 + 1;
                 Some(Rectangle::new(
                     [(x0, 0.0), (x0 + 1, pick(m))],
                     color.filled(),
@@ -395,7 +405,7 @@ fn bars_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> crate::
             chart
                 .draw_series(bars)
                 .map_err(|e| plot_err(path, e))?
-                .label(policy_name(*p))
+                .label(p.name())
                 .legend(move |(x, y)| {
                     Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled())
                 });
@@ -475,7 +485,7 @@ fn timeline_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> cra
             chart
                 .draw_series(LineSeries::new(pts, color.stroke_width(2)))
                 .map_err(|e| plot_err(path, e))?
-                .label(policy_name(*p))
+                .label(p.name())
                 .legend(move |(x, y)| {
                     PathElement::new(vec![(x, y), (x + 14, y)], color.stroke_width(2))
                 });
