@@ -27,9 +27,10 @@ fn workload(rate: f64, seconds: f64, seed: u64) -> Vec<kvd::sim::workload::Reque
 fn every_request_completes_or_is_reported_failed_and_tokens_delivered_equal_tokens_requested() {
     let wl = workload(20.0, 20.0, 5);
     for policy in [
-        PolicyKind::Lumen,
-        PolicyKind::FixedRing,
-        PolicyKind::StopRestart,
+        SimPolicy::Lumen,
+        SimPolicy::FixedRing,
+        SimPolicy::StopRestart,
+        SimPolicy::LumenSumPlacement,
     ] {
         for failed in [vec![1], vec![0, 1], vec![0, 1, 2]] {
             let cfg = RunConfig::new(
