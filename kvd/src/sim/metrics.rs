@@ -207,6 +207,63 @@ pub fn ttft_by_arrival_second(records: &[RequestRecord], seconds: usize) -> Vec<
         .collect()
 }
 
+/// The field-by-field mean of several runs' metrics (integer fields rounded to the nearest
+/// integer): what a scenario repeated over several seeds reports.
+///
+/// # Panics
+/// If `runs` is empty.
+pub fn mean_metrics(runs: &[RunMetrics]) -> RunMetrics {
+    assert!(!runs.is_empty(), "the mean of no runs");
+    if runs.len() == 1 {
+        return runs[0].clone();
+    }
+    let values: Vec<serde_json::Value> = runs
+        .iter()
+        .map(|m| serde_json::to_value(m).expect("metrics serialize"))
+        .collect();
+    let mean = mean_value(&values);
+    serde_json::from_value(mean).expect("the mean has the shape of the metrics")
+}
+
+fn mean_value(vs: &[serde_json::Value]) -> serde_json::Value {
+    use serde_json::Value;
+    match &vs[0] {
+        Value::Object(first) => {
+            let mut out = serde_json::Map::new();
+            for k in first.keys() {
+                let field: Vec<Value> = vs.iter().map(|v| v[k.as_str()].clone()).collect();
+                out.insert(k.clone(), mean_value(&field));
+            }
+            Value::Object(out)
+        }
+        Value::Number(n) => {
+            let sum: f64 = vs.iter().map(|v| v.as_f64().unwrap_or(f64::NAN)).sum();
+            let mean = sum / vs.len() as f64;
+            if n.is_u64() {
+                Value::from(mean.round() as u64)
+            } else {
+                serde_json::Number::from_f64(mean).map_or(Value::Null, Value::Number)
+            }
+        }
+        other => other.clone(),
+    }
+}
+
+/// The point-by-point mean of several series (as long as the shortest).
+pub fn mean_series(series: &[Vec<SeriesPoint>]) -> Vec<SeriesPoint> {
+    let n = series.iter().map(Vec::len).min().unwrap_or(0);
+    let k = series.len().max(1) as f64;
+    (0..n)
+        .map(|i| SeriesPoint {
+            t_s: series[0][i].t_s,
+            ttft_mean_s: series.iter().map(|s| s[i].ttft_mean_s).sum::<f64>() / k,
+            queued: (series.iter().map(|s| s[i].queued as f64).sum::<f64>() / k).round() as usize,
+            host_bytes: (series.iter().map(|s| s[i].host_bytes as f64).sum::<f64>() / k).round()
+                as u64,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -266,61 +323,4 @@ mod tests {
         assert_eq!(r.tpot_s(), Some(0.1));
         assert_eq!(r.e2e_s(), Some(1.5));
     }
-}
-
-/// The field-by-field mean of several runs' metrics (integer fields rounded to the nearest
-/// integer): what a scenario repeated over several seeds reports.
-///
-/// # Panics
-/// If `runs` is empty.
-pub fn mean_metrics(runs: &[RunMetrics]) -> RunMetrics {
-    assert!(!runs.is_empty(), "the mean of no runs");
-    if runs.len() == 1 {
-        return runs[0].clone();
-    }
-    let values: Vec<serde_json::Value> = runs
-        .iter()
-        .map(|m| serde_json::to_value(m).expect("metrics serialize"))
-        .collect();
-    let mean = mean_value(&values);
-    serde_json::from_value(mean).expect("the mean has the shape of the metrics")
-}
-
-fn mean_value(vs: &[serde_json::Value]) -> serde_json::Value {
-    use serde_json::Value;
-    match &vs[0] {
-        Value::Object(first) => {
-            let mut out = serde_json::Map::new();
-            for k in first.keys() {
-                let field: Vec<Value> = vs.iter().map(|v| v[k.as_str()].clone()).collect();
-                out.insert(k.clone(), mean_value(&field));
-            }
-            Value::Object(out)
-        }
-        Value::Number(n) => {
-            let sum: f64 = vs.iter().map(|v| v.as_f64().unwrap_or(f64::NAN)).sum();
-            let mean = sum / vs.len() as f64;
-            if n.is_u64() {
-                Value::from(mean.round() as u64)
-            } else {
-                serde_json::Number::from_f64(mean).map_or(Value::Null, Value::Number)
-            }
-        }
-        other => other.clone(),
-    }
-}
-
-/// The point-by-point mean of several series (as long as the shortest).
-pub fn mean_series(series: &[Vec<SeriesPoint>]) -> Vec<SeriesPoint> {
-    let n = series.iter().map(Vec::len).min().unwrap_or(0);
-    let k = series.len().max(1) as f64;
-    (0..n)
-        .map(|i| SeriesPoint {
-            t_s: series[0][i].t_s,
-            ttft_mean_s: series.iter().map(|s| s[i].ttft_mean_s).sum::<f64>() / k,
-            queued: (series.iter().map(|s| s[i].queued as f64).sum::<f64>() / k).round() as usize,
-            host_bytes: (series.iter().map(|s| s[i].host_bytes as f64).sum::<f64>() / k).round()
-                as u64,
-        })
-        .collect()
 }
