@@ -35,6 +35,7 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
     let config = match DaemonConfig::resolve(&args) {
         Ok(c) => c,
