@@ -55,7 +55,7 @@ impl Bystander {
     }
 
     fn still_fine(&mut self, d: &Daemon) {
-        assert_eq!(self.c.heartbeat().unwrap() > 0, true);
+        assert!(self.c.heartbeat().unwrap() > 0);
         assert_eq!(d.get("/healthz").0, 200);
         let st = d.status();
         assert!(st.stats.accounting.writing >= 1);
