@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 #   protobuf-compiler libprotobuf-dev   the etcd client's gRPC code generation
 #   cmake libclang-dev pkg-config        bindgen-based -sys crates (RDMA verbs)
 #   libibverbs-dev     RDMA verbs headers (the rdma feature is compiled, not run, here)
-APT_PACKAGES=(etcd-server protobuf-compiler libprotobuf-dev cmake libclang-dev pkg-config libibverbs-dev)
+#   fonts-dejavu-core  the font `kvd sim` renders plot text with (sim_cli test draws the PNGs)
+APT_PACKAGES=(etcd-server protobuf-compiler libprotobuf-dev cmake libclang-dev pkg-config libibverbs-dev fonts-dejavu-core)
 
 install_missing() {
     [ "${KVD_SKIP_INSTALL:-0}" = 1 ] && return 0

@@ -142,6 +142,12 @@ struct Piece {
 /// the event cap is reached, and any error the control shim returns (a bug in the driver).
 pub fn run(cfg: &RunConfig, workload: &[RequestSpec]) -> crate::Result<RunOutput> {
     cfg.cluster.validate()?;
+    if !(cfg.sample_every_s.is_finite() && cfg.sample_every_s >= 0.001) {
+        return Err(crate::Error::InvalidArgument(format!(
+            "sample_every_s {} must be at least 0.001 s",
+            cfg.sample_every_s
+        )));
+    }
     for f in &cfg.failures {
         if f.workers.iter().any(|&w| w >= cfg.cluster.workers as usize) {
             return Err(crate::Error::InvalidArgument(format!(
@@ -882,9 +888,13 @@ impl<'a> Sim<'a> {
             .max()
             .map_or(0.0, us_to_secs);
         m.events = self.q.popped();
-        // TTFT by arrival second into the series.
+        // TTFT by arrival period (one per sample) into the series.
         let seconds = self.series.len();
-        let by_second = super::metrics::ttft_by_arrival_second(recs, seconds);
+        let by_second = super::metrics::ttft_by_arrival_period(
+            recs,
+            secs_to_us(self.cfg.sample_every_s),
+            seconds,
+        );
         for (p, t) in self.series.iter_mut().zip(by_second) {
             p.ttft_mean_s = t;
         }

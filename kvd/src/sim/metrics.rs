@@ -181,8 +181,8 @@ pub struct RunMetrics {
 pub struct SeriesPoint {
     /// Start of the second.
     pub t_s: f64,
-    /// Mean TTFT of the requests that arrived in this second (seconds; 0 when none produced
-    /// a token).
+    /// Mean TTFT of the requests that arrived in this sample period (seconds; 0 when none
+    /// produced a token).
     pub ttft_mean_s: f64,
     /// Requests waiting in queues, cluster-wide, at the sample.
     pub queued: usize,
@@ -190,12 +190,19 @@ pub struct SeriesPoint {
     pub host_bytes: u64,
 }
 
-/// Mean TTFT by arrival second, for the time-series plot.
-pub fn ttft_by_arrival_second(records: &[RequestRecord], seconds: usize) -> Vec<f64> {
+/// Mean TTFT of the requests arriving in each of `buckets` periods of `period_us`, for the
+/// time-series plot.
+pub fn ttft_by_arrival_period(
+    records: &[RequestRecord],
+    period_us: SimTime,
+    buckets: usize,
+) -> Vec<f64> {
+    let seconds = buckets;
+    let period_us = period_us.max(1);
     let mut sum = vec![0.0f64; seconds];
     let mut n = vec![0u32; seconds];
     for r in records {
-        let s = (r.arrival_us / 1_000_000) as usize;
+        let s = (r.arrival_us / period_us) as usize;
         if let (Some(t), true) = (r.ttft_s(), s < seconds) {
             sum[s] += t;
             n[s] += 1;
