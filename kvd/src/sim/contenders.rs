@@ -132,7 +132,7 @@ mod tests {
         reserve_bytes: u64,
     ) -> Option<WorkerId> {
         c.admit(
-            crate::control::controller::AdmitRequest {
+            crate::control::AdmitRequest {
                 request_id: id,
                 serving,
                 prompt_tokens: 1000,

@@ -9,9 +9,8 @@ use super::config::ClusterConfig;
 use super::contenders::SimPolicy;
 use super::events::{ReqIdx, SimTime, WorkerIdx};
 use super::workload::RequestSpec;
-use crate::control::controller::AdmitRequest;
 use crate::control::{
-    ControlConfig, Controller, Decision, PolicyKind, RequestId, WorkerId, WorkerPhase,
+    AdmitRequest, ControlConfig, Controller, Decision, PolicyKind, RequestId, WorkerId, WorkerPhase,
 };
 
 /// An admission as the simulator uses it.
