@@ -1,1 +1,44 @@
-fn main() {}
+//! `kvd-bench`: throughput and latency of kvd's data paths, measured against the machine's own
+//! bounds in the same run.
+//!
+//! Subcommands (one per data path; more come with the remote transports):
+//!
+//! - `local`: engine ↔ daemon on one node, through the Unix socket and the mapped pool.
+//!
+//! Progress goes to stderr, the summary table to stdout. Every loop is bounded in count and
+//! time.
+
+mod local;
+
+use clap::{Parser, Subcommand};
+
+/// kvd-bench: measure kvd's data paths against the machine's bounds.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Put and get throughput through a local daemon (zero-copy mapped pool), as GB/s and as a
+    /// ratio to one large memcpy measured in the same run; and batched-lookup latency.
+    ///
+    /// By default it starts its own `kvd serve` for each page size (the `kvd` binary beside
+    /// this one: build both with `cargo build --release -p kvd -p kvd-bench`). With `--socket`
+    /// it measures a running daemon at that daemon's page size.
+    Local(local::LocalArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    match Cli::parse().command {
+        Command::Local(args) => match local::run(&args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvd-bench local: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+    }
+}

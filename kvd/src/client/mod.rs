@@ -89,6 +89,8 @@ struct Readable {
 #[derive(Debug)]
 pub struct Client {
     stream: UnixStream,
+    /// The same socket, buffered for reading: one `read` per answer, not two.
+    reader: std::io::BufReader<UnixStream>,
     welcome: Welcome,
     pool: PoolMapping,
     next_id: u64,
@@ -127,8 +129,10 @@ impl Client {
             pool_bytes = pool.len(),
             "connected to kvd"
         );
+        let reader = std::io::BufReader::with_capacity(64 * 1024, stream.try_clone()?);
         Ok(Client {
             stream,
+            reader,
             welcome,
             pool,
             next_id: 1,
@@ -175,7 +179,7 @@ impl Client {
                 op,
             },
         )?;
-        let resp: Response = frame::read_frame(&mut &self.stream)?;
+        let resp: Response = frame::read_frame(&mut self.reader)?;
         if resp.id != id {
             return match resp.result {
                 Err(e) => Err(e.into()),
