@@ -260,11 +260,15 @@ async fn connection(d: Arc<Daemon>, mut stream: UnixStream, _permit: OwnedSemaph
             return;
         }
     };
+    // Who connected, as the kernel saw it (the socket's mode already decided whether they may).
+    let peer = rustix::net::sockopt::socket_peercred(&stream).ok();
     let span = tracing::info_span!(
         "session",
         session = sid.0,
         client = %hello.client_name,
-        node_generation = d.store.node_generation()
+        node_generation = d.store.node_generation(),
+        peer_pid = peer.map(|p| p.pid.as_raw_nonzero().get()),
+        peer_uid = peer.map(|p| p.uid.as_raw()),
     );
     let cfg = d.store.config();
     let welcome = Welcome {
