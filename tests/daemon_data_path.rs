@@ -270,3 +270,100 @@ fn a_batch_over_the_limit_is_refused_whole() {
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     assert_eq!(c.exists(&keys(ns, 5, 16)).unwrap(), vec![false; 16]);
 }
+
+#[test]
+fn a_checkpoint_is_published_into_its_manifest_and_restored_by_another_client() {
+    use kvd::keys::{BlockKey, block_tags};
+    use kvd::store::RequestId;
+    let d = Daemon::start(&[]);
+    let mut holder = d.client("checkpoint-writer", 10_000);
+    let desc = namespace();
+    let ns = holder.register_namespace(&desc).unwrap();
+    let req = RequestId(77);
+    let tokens: Vec<u32> = (0..3 * desc.tokens_per_block).collect();
+    let tags = block_tags(&ns, desc.tokens_per_block, &tokens).unwrap();
+    let keys: Vec<BlockKey> = tags
+        .iter()
+        .map(|t| BlockKey {
+            namespace: ns,
+            tag: *t,
+        })
+        .collect();
+    let m = holder
+        .manifest_begin(req, 1, &ns, 3 * PAGE as u64, 60_000)
+        .unwrap();
+    assert_eq!(m.committed_tokens, 0);
+    // Two of the three blocks are checkpointed.
+    let allocs: Vec<_> = holder
+        .alloc(
+            &keys[..2],
+            BlockClass::Checkpoint {
+                request: req,
+                epoch: 1,
+            },
+            None,
+        )
+        .unwrap()
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    let mut seals = Vec::new();
+    for (i, a) in allocs.iter().enumerate() {
+        let data = pattern(65_536, 40 + i as u8);
+        let crc = holder.write_with_crc(&a.handle, 0, &data, 0).unwrap();
+        seals.push(SealItem {
+            handle: a.handle,
+            len: data.len() as u64,
+            checksum: Some(crc),
+        });
+    }
+    assert!(holder.seal(&seals).unwrap().iter().all(|r| r.is_ok()));
+    let handles: Vec<Handle> = allocs.iter().map(|a| a.handle).collect();
+    let committed = 2 * desc.tokens_per_block as u64;
+    let m = holder.manifest_extend(req, 1, &handles, committed).unwrap();
+    assert_eq!(m.tags, tags[..2].to_vec());
+    // An older epoch is dropped.
+    let e = holder
+        .manifest_extend(req, 0, &handles, committed)
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::StaleEpoch { .. } | Error::NotFound(_)),
+        "{e}"
+    );
+    assert!(holder.manifest_renew(req, 1, 60_000).unwrap() > 0);
+
+    // The recovering worker asks with the token history.
+    let mut survivor = d.client("survivor", 10_000);
+    let r = survivor.restore_prefix(req, &tokens).unwrap();
+    assert_eq!(r.epoch, 1);
+    assert_eq!(r.tokens, committed);
+    assert_eq!(r.blocks.len(), 2);
+    let got = survivor.acquire(&keys[..2], None).unwrap();
+    let mut buf = vec![0u8; PAGE];
+    for (i, b) in got.into_iter().enumerate() {
+        let b = b.unwrap();
+        let n = survivor.read_verified(&b.handle, &mut buf).unwrap() as usize;
+        assert_eq!(&buf[..n], &pattern(65_536, 40 + i as u8)[..]);
+        survivor.release(&[b.handle]).unwrap().remove(0).unwrap();
+    }
+    assert_eq!(survivor.manifest(req).unwrap().committed_tokens, committed);
+    // The request ends: its checkpoint is released.
+    holder.manifest_end(req, 1).unwrap();
+    wait_until(
+        std::time::Duration::from_secs(10),
+        "the checkpoint's pages return",
+        || d.status().stats.accounting.published == 0,
+    );
+    assert_eq!(survivor.exists(&keys).unwrap(), vec![false; 3]);
+}
+
+#[test]
+fn a_reservation_fails_fast_when_it_does_not_fit() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client("reserver", 10_000);
+    let r = c.reserve(4 * PAGE as u64).unwrap();
+    let e = c.reserve(1 << 40).unwrap_err();
+    assert!(e.is_retryable(), "{e}");
+    assert!(matches!(e, Error::NoSpace { .. }), "{e}");
+    c.release_reservation(r).unwrap();
+}

@@ -463,11 +463,7 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
             class,
             reservation,
         } => {
-            if d.drain.is_draining() {
-                return Err(Error::Unavailable(
-                    "this node is draining: no new allocations; write to another node".into(),
-                ));
-            }
+            refuse_new_work(d, "allocations")?;
             let allocs = s.alloc(sid, &keys, class, reservation)?;
             let handles: Vec<Handle> = allocs
                 .iter()
@@ -532,7 +528,69 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
         }
         Op::Stats => Reply::Stats(s.stats()),
         Op::Goodbye => Reply::Done,
+        Op::Reserve { bytes } => {
+            refuse_new_work(d, "reservations")?;
+            Reply::Reservation(s.reserve(sid, bytes)?)
+        }
+        Op::ReleaseReservation { reservation } => {
+            s.release_reservation(reservation);
+            Reply::Done
+        }
+        Op::ManifestBegin {
+            request,
+            epoch,
+            namespace,
+            reserve_bytes,
+            ttl_ms,
+        } => {
+            refuse_new_work(d, "checkpoints")?;
+            Reply::Manifest(s.manifest_begin(
+                sid,
+                request,
+                epoch,
+                namespace,
+                reserve_bytes,
+                ttl_ms,
+            )?)
+        }
+        Op::ManifestExtend {
+            request,
+            epoch,
+            handles,
+            committed_tokens,
+        } => Reply::Manifest(s.manifest_extend(sid, request, epoch, &handles, committed_tokens)?),
+        Op::ManifestRenew {
+            request,
+            epoch,
+            ttl_ms,
+        } => {
+            let expires_at_ms = s.manifest_renew(request, epoch, ttl_ms)?;
+            Reply::Lease {
+                expires_in_ms: expires_at_ms.saturating_sub(d.clock.now_ms()),
+            }
+        }
+        Op::ManifestEnd { request, epoch } => {
+            s.manifest_end(request, epoch)?;
+            Reply::Done
+        }
+        Op::ManifestGet { request } => Reply::Manifest(s.manifest(request)?),
+        // Checks every block's checksum: a pass over each, so off the runtime's hot path.
+        Op::RestorePrefix { request, tokens } => {
+            Reply::Restore(tokio::task::block_in_place(|| {
+                s.restore_prefix(request, &tokens)
+            })?)
+        }
     })
+}
+
+/// While draining, new work (allocations, reservations, checkpoints) is refused.
+fn refuse_new_work(d: &Daemon, what: &str) -> Result<()> {
+    if d.drain.is_draining() {
+        return Err(Error::Unavailable(format!(
+            "this node is draining: no new {what}; go to another node"
+        )));
+    }
+    Ok(())
 }
 
 /// The reaper: expired leases and pins, every `reap_interval_ms`; an accounting audit every

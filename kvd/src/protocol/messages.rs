@@ -15,7 +15,8 @@ use crate::Error;
 use crate::error::BlockState;
 use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
 use crate::store::{
-    Allocation, BlockClass, BlockInfo, Handle, PrefixHit, ReservationId, SessionId, StoreStats,
+    Allocation, BlockClass, BlockInfo, Handle, ManifestInfo, PrefixHit, RequestId, ReservationId,
+    RestorePrefix, SessionId, StoreStats,
 };
 
 use super::frame::PROTOCOL_VERSION;
@@ -174,6 +175,72 @@ pub enum Op {
     Stats,
     /// Close the session cleanly (the daemon answers [`Reply::Done`] and closes).
     Goodbye,
+    /// Reserve space for this session's future allocations → [`Reply::Reservation`]; refused
+    /// while draining.
+    Reserve {
+        /// Bytes to set aside.
+        bytes: u64,
+    },
+    /// Give a reservation's unused space back → [`Reply::Done`].
+    ReleaseReservation {
+        /// The reservation.
+        reservation: ReservationId,
+    },
+    /// Begin (or supersede with a newer epoch) a request's checkpoint manifest →
+    /// [`Reply::Manifest`]; refused while draining.
+    ManifestBegin {
+        /// The request.
+        request: RequestId,
+        /// Its epoch.
+        epoch: u64,
+        /// The layout of its blocks.
+        namespace: NamespaceId,
+        /// Space to reserve for its blocks (0 for none).
+        reserve_bytes: u64,
+        /// The manifest's TTL.
+        ttl_ms: u64,
+    },
+    /// Publish SEALED checkpoint blocks into the manifest with the new committed token count,
+    /// atomically → [`Reply::Manifest`].
+    ManifestExtend {
+        /// The request.
+        request: RequestId,
+        /// Its epoch (an older one gets `StaleEpoch`).
+        epoch: u64,
+        /// The blocks, in order.
+        handles: Vec<Handle>,
+        /// Tokens now covered.
+        committed_tokens: u64,
+    },
+    /// Renew a manifest's TTL → [`Reply::Lease`].
+    ManifestRenew {
+        /// The request.
+        request: RequestId,
+        /// Its epoch.
+        epoch: u64,
+        /// The new TTL.
+        ttl_ms: u64,
+    },
+    /// The request ended: release its checkpoint → [`Reply::Done`].
+    ManifestEnd {
+        /// The request.
+        request: RequestId,
+        /// Its epoch.
+        epoch: u64,
+    },
+    /// A request's manifest → [`Reply::Manifest`].
+    ManifestGet {
+        /// The request.
+        request: RequestId,
+    },
+    /// Recovery's question: the longest verified checkpoint prefix of `tokens` held here →
+    /// [`Reply::Restore`] (every block's checksum checked just now; not pinned: acquire them).
+    RestorePrefix {
+        /// The request.
+        request: RequestId,
+        /// Its token history.
+        tokens: Vec<u32>,
+    },
 }
 
 impl Op {
@@ -194,6 +261,14 @@ impl Op {
             Op::Heartbeat => "heartbeat",
             Op::Stats => "stats",
             Op::Goodbye => "goodbye",
+            Op::Reserve { .. } => "reserve",
+            Op::ReleaseReservation { .. } => "release_reservation",
+            Op::ManifestBegin { .. } => "manifest_begin",
+            Op::ManifestExtend { .. } => "manifest_extend",
+            Op::ManifestRenew { .. } => "manifest_renew",
+            Op::ManifestEnd { .. } => "manifest_end",
+            Op::ManifestGet { .. } => "manifest_get",
+            Op::RestorePrefix { .. } => "restore_prefix",
         }
     }
 
@@ -203,17 +278,29 @@ impl Op {
             Op::LookupPrefix { tags, .. } => tags.len(),
             Op::Exists { keys } | Op::Acquire { keys, .. } | Op::Touch { keys } => keys.len(),
             Op::Alloc { keys, .. } => keys.len(),
-            Op::Release { handles } | Op::Publish { handles } | Op::Abort { handles } => {
-                handles.len()
-            }
+            Op::Release { handles }
+            | Op::Publish { handles }
+            | Op::Abort { handles }
+            | Op::ManifestExtend { handles, .. } => handles.len(),
             Op::Seal { blocks } => blocks.len(),
             Op::RemoveIf { items } => items.len(),
-            Op::RegisterNamespace(_) | Op::Heartbeat | Op::Stats | Op::Goodbye => 1,
+            // A token history is bounded by the frame size; its blocks are not a batch.
+            Op::RegisterNamespace(_)
+            | Op::Heartbeat
+            | Op::Stats
+            | Op::Goodbye
+            | Op::Reserve { .. }
+            | Op::ReleaseReservation { .. }
+            | Op::ManifestBegin { .. }
+            | Op::ManifestRenew { .. }
+            | Op::ManifestEnd { .. }
+            | Op::ManifestGet { .. }
+            | Op::RestorePrefix { .. } => 1,
         }
     }
 
     /// Every operation names in [`Op`], for metrics.
-    pub const NAMES: [&'static str; 14] = [
+    pub const NAMES: [&'static str; 22] = [
         "register_namespace",
         "lookup_prefix",
         "exists",
@@ -228,6 +315,14 @@ impl Op {
         "heartbeat",
         "stats",
         "goodbye",
+        "reserve",
+        "release_reservation",
+        "manifest_begin",
+        "manifest_extend",
+        "manifest_renew",
+        "manifest_end",
+        "manifest_get",
+        "restore_prefix",
     ];
 }
 
@@ -266,6 +361,12 @@ pub enum Reply {
     },
     /// The store's counts.
     Stats(StoreStats),
+    /// A reservation.
+    Reservation(ReservationId),
+    /// A manifest as published.
+    Manifest(ManifestInfo),
+    /// What a checkpoint holder can restore.
+    Restore(RestorePrefix),
 }
 
 /// [`Error`] as it travels: the same variants and fields, with owned strings (so that a reply
