@@ -62,7 +62,7 @@ pub mod snapshot;
 pub use controller::{Admission, AdmitRequest, ControlConfig, Controller, Decision, Event, Stats};
 pub use load::{LoadTable, WorkerLoad, WorkerPhase};
 pub use policy::{FixedRing, Lumen, Policy, PolicyKind, StopRestart};
-pub use recovery::{Dispatch, Interrupted, RecoveryPlan, RestorePlan};
+pub use recovery::{Dispatch, Dispatched, Interrupted, RecoveryPlan, RestorePlan};
 pub use request::{RequestRecord, RequestState, StreamCursor};
 pub use snapshot::ControllerSnapshot;
 
