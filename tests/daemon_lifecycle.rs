@@ -296,12 +296,12 @@ fn the_admin_endpoints_report_health_readiness_metrics_and_status() {
         "kvd_sessions 1",
         "kvd_pins 0",
         "kvd_lookups_total 4",
-        "kvd_lookup_hit_ratio 0.000000",
+        "kvd_lookup_hit_ratio 0.0",
         "kvd_checksum_failures_total 0",
         "kvd_evictions_total 0",
         "kvd_overload_rejections_total 0",
         "kvd_op_duration_seconds_count{op=\"alloc\"} 1",
-        "kvd_op_duration_seconds_bucket{op=\"exists\",le=\"+Inf\"} 1",
+        "kvd_op_duration_seconds_bucket{le=\"+Inf\",op=\"exists\"} 1",
         "kvd_accounting_balanced 1",
     ] {
         assert!(m.contains(needle), "no {needle:?} in\n{m}");

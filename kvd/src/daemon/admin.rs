@@ -14,7 +14,6 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use axum::Json;
 use axum::Router;
@@ -105,12 +104,10 @@ async fn readyz(State(d): State<Arc<Daemon>>) -> Response {
 }
 
 async fn metrics(State(d): State<Arc<Daemon>>) -> Response {
-    let text = d.metrics.render(
-        &d.store.stats(),
-        !d.drain.is_draining(),
-        d.started.elapsed().as_secs_f64(),
-    );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+    let text = d
+        .metrics
+        .render(!d.drain.is_draining(), d.started.elapsed().as_secs_f64());
+    ([(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)], text).into_response()
 }
 
 /// Build the `/status` report.
@@ -128,12 +125,12 @@ pub fn report(d: &Daemon) -> StatusReport {
         stats: d.store.stats(),
         sessions: d.store.sessions(STATUS_MAX_SESSIONS),
         daemon: DaemonCounters {
-            connections_accepted: m.connections_accepted.load(Ordering::Relaxed),
-            connections_refused: m.connections_refused.load(Ordering::Relaxed),
-            sessions_open: m.sessions_open.load(Ordering::Relaxed),
-            sessions_refused: m.sessions_refused.load(Ordering::Relaxed),
-            inflight_rejects: m.inflight_rejects.load(Ordering::Relaxed),
-            protocol_errors: m.protocol_errors.load(Ordering::Relaxed),
+            connections_accepted: m.connections_accepted.get(),
+            connections_refused: m.connections_refused.get(),
+            sessions_open: m.sessions_open.get().max(0) as u64,
+            sessions_refused: m.sessions_refused.get(),
+            inflight_rejects: m.inflight_rejects.get(),
+            protocol_errors: m.protocol_errors.get(),
             ops: m
                 .op_counts()
                 .into_iter()

@@ -110,7 +110,7 @@ pub async fn run(d: &Daemon) -> DrainReport {
     // Close every connection, then abort whatever their sessions still hold.
     let _ = d.shutdown.send(true);
     let settle = Instant::now() + Duration::from_millis(1000);
-    while d.metrics.sessions_open.load(Ordering::SeqCst) > 0 && Instant::now() < settle {
+    while d.metrics.sessions_open.get() > 0 && Instant::now() < settle {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let mut report = DrainReport {

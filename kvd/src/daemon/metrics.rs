@@ -1,126 +1,255 @@
-//! The daemon's own measurements, and the Prometheus text rendering of them together with the
-//! store's [`StoreStats`].
+//! The daemon's `/metrics`, through `prometheus-client` (the official Rust client).
 //!
-//! Rendered by hand rather than through a metrics crate: the store already keeps exact counts
-//! behind its lock ([`crate::store::Store::stats`]), so a registry would only mirror them; the
-//! daemon's own additions are a few counters and one fixed-bucket latency histogram per
-//! operation, all lock-free atomics. The exposition format (text 0.0.4) is small and stable.
+//! Two sources feed one registry:
+//!
+//! - the daemon's own counters, gauges and per-operation latency histograms, which the server
+//!   updates as it works (lock-free atomics inside the client's metric types);
+//! - the block store's counts, read once per scrape by [`StoreCollector`] from
+//!   [`Store::stats`], which already keeps them exact behind its lock: mirroring them into
+//!   registered metrics would only add a second copy that could drift.
+//!
+//! The output is the OpenMetrics text format, which Prometheus scrapes natively; counters carry
+//! the `_total` suffix.
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
 use crate::protocol::Op;
-use crate::store::StoreStats;
+use crate::store::Store;
 
-/// Upper bounds of the latency buckets, microseconds.
-pub const LATENCY_BUCKETS_US: [u64; 14] = [
-    5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000,
+/// Upper bounds of the latency buckets, seconds (5 µs … 100 ms).
+pub const LATENCY_BUCKETS_S: [f64; 14] = [
+    5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+    100e-3,
 ];
 
-/// A latency histogram with fixed buckets.
-#[derive(Debug, Default)]
-pub struct Histogram {
-    buckets: [AtomicU64; LATENCY_BUCKETS_US.len()],
-    count: AtomicU64,
-    sum_us: AtomicU64,
-    errors: AtomicU64,
+/// The content type of [`Metrics::render`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+type OpLabel = [(&'static str, &'static str); 1];
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS_S)
 }
 
-impl Histogram {
-    /// Record one observation.
+/// The measurements of one operation.
+#[derive(Debug)]
+pub struct OpMetrics<'a> {
+    duration: &'a Histogram,
+    served: &'a Counter,
+    errors: &'a Counter,
+}
+
+impl OpMetrics<'_> {
+    /// Record one request that took `us` microseconds.
     pub fn observe(&self, us: u64, ok: bool) {
-        if let Some(i) = LATENCY_BUCKETS_US.iter().position(|&b| us <= b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_us.fetch_add(us, Ordering::Relaxed);
+        self.duration.observe(us as f64 / 1e6);
+        self.served.inc();
         if !ok {
-            self.errors.fetch_add(1, Ordering::Relaxed);
+            self.errors.inc();
         }
-    }
-
-    /// Observations so far.
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
     }
 }
 
-/// The daemon's counters (the store keeps its own).
+/// The daemon's metrics and their registry.
 #[derive(Debug)]
 pub struct Metrics {
-    ops: Vec<Histogram>,
+    registry: Registry,
+    durations: Vec<Histogram>,
+    served: Vec<Counter>,
+    errors: Vec<Counter>,
     /// Connections accepted.
-    pub connections_accepted: AtomicU64,
+    pub connections_accepted: Counter,
     /// Connections dropped at accept because the connection bound was reached.
-    pub connections_refused: AtomicU64,
+    pub connections_refused: Counter,
     /// Sessions refused (draining, session bound, bad hello).
-    pub sessions_refused: AtomicU64,
+    pub sessions_refused: Counter,
     /// Requests answered `Overloaded` because the session had too many in flight.
-    pub inflight_rejects: AtomicU64,
+    pub inflight_rejects: Counter,
     /// Frames that failed to decode (the connection was closed).
-    pub protocol_errors: AtomicU64,
+    pub protocol_errors: Counter,
     /// Sessions open now (connections past the handshake).
-    pub sessions_open: AtomicU64,
+    pub sessions_open: Gauge,
     /// Result of the last accounting audit (1 balanced, 0 not).
-    pub accounting_balanced: AtomicU64,
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Metrics {
-            ops: Op::NAMES.iter().map(|_| Histogram::default()).collect(),
-            connections_accepted: AtomicU64::new(0),
-            connections_refused: AtomicU64::new(0),
-            sessions_refused: AtomicU64::new(0),
-            inflight_rejects: AtomicU64::new(0),
-            protocol_errors: AtomicU64::new(0),
-            sessions_open: AtomicU64::new(0),
-            accounting_balanced: AtomicU64::new(1),
-        }
-    }
+    pub accounting_balanced: Gauge,
+    ready: Gauge,
+    uptime_s: Gauge<f64, AtomicU64>,
 }
 
 impl Metrics {
-    /// The histogram of an operation.
-    pub fn op(&self, name: &str) -> &Histogram {
-        let i = Op::NAMES
+    /// Metrics for a daemon serving `store`.
+    pub fn new(store: Arc<Store>) -> Metrics {
+        let mut r = Registry::default();
+        let durations_family =
+            Family::<OpLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+                latency_histogram,
+            );
+        let served_family = Family::<OpLabel, Counter>::default();
+        let errors_family = Family::<OpLabel, Counter>::default();
+        let labels = |n: &'static str| [("op", n)];
+        let durations = Op::NAMES
+            .iter()
+            .map(|n| durations_family.get_or_create_owned(&labels(n)))
+            .collect();
+        let served = Op::NAMES
+            .iter()
+            .map(|n| served_family.get_or_create_owned(&labels(n)))
+            .collect();
+        let errors = Op::NAMES
+            .iter()
+            .map(|n| errors_family.get_or_create_owned(&labels(n)))
+            .collect();
+        r.register(
+            "kvd_op_duration_seconds",
+            "Time to serve one request, by operation",
+            durations_family,
+        );
+        r.register("kvd_ops", "Requests served, by operation", served_family);
+        r.register(
+            "kvd_op_errors",
+            "Requests answered with an error, by operation",
+            errors_family,
+        );
+        let m = Metrics {
+            durations,
+            served,
+            errors,
+            connections_accepted: Counter::default(),
+            connections_refused: Counter::default(),
+            sessions_refused: Counter::default(),
+            inflight_rejects: Counter::default(),
+            protocol_errors: Counter::default(),
+            sessions_open: Gauge::default(),
+            accounting_balanced: Gauge::default(),
+            ready: Gauge::default(),
+            uptime_s: Gauge::default(),
+            registry: Registry::default(),
+        };
+        m.accounting_balanced.set(1);
+        for (name, help, c) in [
+            (
+                "kvd_connections_accepted",
+                "Connections accepted",
+                &m.connections_accepted,
+            ),
+            (
+                "kvd_connections_refused",
+                "Connections closed at accept (connection bound)",
+                &m.connections_refused,
+            ),
+            (
+                "kvd_sessions_refused",
+                "Handshakes refused (draining, bounds, bad hello)",
+                &m.sessions_refused,
+            ),
+            (
+                "kvd_inflight_rejects",
+                "Requests answered Overloaded (in-flight bound)",
+                &m.inflight_rejects,
+            ),
+            (
+                "kvd_protocol_errors",
+                "Malformed frames (connection closed)",
+                &m.protocol_errors,
+            ),
+        ] {
+            r.register(name, help, c.clone());
+        }
+        r.register(
+            "kvd_sessions_open",
+            "Connections past the handshake",
+            m.sessions_open.clone(),
+        );
+        r.register(
+            "kvd_accounting_balanced",
+            "1 if the last audit found free + every state = total",
+            m.accounting_balanced.clone(),
+        );
+        r.register(
+            "kvd_ready",
+            "1 while ready (0 while draining)",
+            m.ready.clone(),
+        );
+        r.register(
+            "kvd_uptime_seconds",
+            "Seconds since start",
+            m.uptime_s.clone(),
+        );
+        r.register_collector(Box::new(StoreCollector {
+            store,
+            inflight_rejects: m.inflight_rejects.clone(),
+            connections_refused: m.connections_refused.clone(),
+        }));
+        Metrics { registry: r, ..m }
+    }
+
+    fn index(name: &str) -> usize {
+        Op::NAMES
             .iter()
             .position(|n| *n == name)
-            .expect("every op name is in Op::NAMES");
-        &self.ops[i]
+            .expect("every op name is in Op::NAMES")
+    }
+
+    /// The measurements of an operation.
+    pub fn op(&self, name: &str) -> OpMetrics<'_> {
+        let i = Self::index(name);
+        OpMetrics {
+            duration: &self.durations[i],
+            served: &self.served[i],
+            errors: &self.errors[i],
+        }
     }
 
     /// Operations served, by name.
     pub fn op_counts(&self) -> Vec<(&'static str, u64)> {
         Op::NAMES
             .iter()
-            .zip(&self.ops)
-            .map(|(n, h)| (*n, h.count()))
+            .zip(&self.served)
+            .map(|(n, c)| (*n, c.get()))
             .collect()
     }
 
-    /// Render everything in the Prometheus text format.
-    pub fn render(&self, s: &StoreStats, ready: bool, uptime_s: f64) -> String {
-        let mut o = String::with_capacity(8192);
+    /// Everything in the OpenMetrics text format ([`CONTENT_TYPE`]).
+    pub fn render(&self, ready: bool, uptime_s: f64) -> String {
+        self.ready.set(i64::from(ready));
+        self.uptime_s.set(uptime_s);
+        let mut out = String::with_capacity(16 * 1024);
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}
+
+/// Reads the store's counts at each scrape.
+#[derive(Debug)]
+struct StoreCollector {
+    store: Arc<Store>,
+    inflight_rejects: Counter,
+    connections_refused: Counter,
+}
+
+fn gauge(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: i64) -> std::fmt::Result {
+    ConstGauge::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Gauge)?)
+}
+
+fn counter(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> std::fmt::Result {
+    ConstCounter::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Counter)?)
+}
+
+impl Collector for StoreCollector {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let s = self.store.stats();
         let a = &s.accounting;
-        let page = s.page_size_bytes;
-        gauge(&mut o, "kvd_up", "1 while the daemon runs", 1);
-        gauge(
-            &mut o,
-            "kvd_ready",
-            "1 while ready (0 while draining)",
-            ready as u64,
-        );
-        let _ = writeln!(o, "# HELP kvd_uptime_seconds Seconds since start");
-        let _ = writeln!(o, "# TYPE kvd_uptime_seconds gauge");
-        let _ = writeln!(o, "kvd_uptime_seconds {uptime_s:.3}");
-        gauge(
-            &mut o,
-            "kvd_node_generation",
-            "This incarnation's generation",
-            s.node_generation,
-        );
-        gauge(&mut o, "kvd_page_size_bytes", "Bytes per page", page);
+        let page = s.page_size_bytes as i64;
         let states = [
             ("free", a.free),
             ("allocated", a.allocated),
@@ -130,234 +259,184 @@ impl Metrics {
             ("retired", a.retired),
             ("quarantined", a.quarantined),
         ];
-        let _ = writeln!(o, "# HELP kvd_blocks Pages by block state");
-        let _ = writeln!(o, "# TYPE kvd_blocks gauge");
-        for (st, n) in states {
-            let _ = writeln!(o, "kvd_blocks{{state=\"{st}\"}} {n}");
-        }
-        let _ = writeln!(o, "# HELP kvd_bytes Pool bytes by block state");
-        let _ = writeln!(o, "# TYPE kvd_bytes gauge");
-        for (st, n) in states {
-            let _ = writeln!(o, "kvd_bytes{{state=\"{st}\"}} {}", n as u64 * page);
+        for (name, help, scale) in [
+            ("kvd_blocks", "Pages by block state", 1),
+            ("kvd_bytes", "Pool bytes by block state", page),
+        ] {
+            let mut family = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (state, n) in states {
+                let labels = [("state", state)];
+                ConstGauge::new(i64::from(n) * scale).encode(family.encode_family(&labels)?)?;
+            }
         }
         gauge(
-            &mut o,
+            &mut e,
             "kvd_blocks_total",
             "Pages in the pool",
-            a.total as u64,
-        );
+            i64::from(a.total),
+        )?;
         gauge(
-            &mut o,
-            "kvd_accounting_balanced",
-            "1 if the last audit found free + every state = total",
-            self.accounting_balanced.load(Ordering::Relaxed),
-        );
+            &mut e,
+            "kvd_node_generation",
+            "This incarnation's generation",
+            s.node_generation as i64,
+        )?;
+        gauge(&mut e, "kvd_page_size_bytes", "Bytes per page", page)?;
         gauge(
-            &mut o,
+            &mut e,
             "kvd_reserved_unused_pages",
             "Pages reserved, not yet used",
-            s.reserved_unused_pages,
-        );
-        gauge(&mut o, "kvd_pins", "Pin entries (session x block)", s.pins);
-        gauge(&mut o, "kvd_sessions", "Open sessions", s.sessions as u64);
+            s.reserved_unused_pages as i64,
+        )?;
         gauge(
-            &mut o,
+            &mut e,
+            "kvd_pins",
+            "Pin entries (session x block)",
+            s.pins as i64,
+        )?;
+        gauge(
+            &mut e,
+            "kvd_sessions",
+            "Open sessions",
+            i64::from(s.sessions),
+        )?;
+        gauge(
+            &mut e,
             "kvd_manifests",
             "Live checkpoint manifests",
-            s.manifests as u64,
-        );
+            i64::from(s.manifests),
+        )?;
         gauge(
-            &mut o,
+            &mut e,
             "kvd_namespaces",
             "Registered namespaces",
-            s.namespaces as u64,
-        );
+            i64::from(s.namespaces),
+        )?;
         gauge(
-            &mut o,
+            &mut e,
             "kvd_evictable_blocks",
             "Cache blocks eviction could take now",
-            s.evictable as u64,
-        );
+            i64::from(s.evictable),
+        )?;
         let c = &s.counters;
         let ratio = if c.lookups == 0 {
             0.0
         } else {
             c.hits as f64 / c.lookups as f64
         };
-        let _ = writeln!(o, "# HELP kvd_lookup_hit_ratio Hits / lookups since start");
-        let _ = writeln!(o, "# TYPE kvd_lookup_hit_ratio gauge");
-        let _ = writeln!(o, "kvd_lookup_hit_ratio {ratio:.6}");
+        ConstGauge::new(ratio).encode(e.encode_descriptor(
+            "kvd_lookup_hit_ratio",
+            "Hits / lookups since start",
+            None,
+            MetricType::Gauge,
+        )?)?;
         for (name, help, v) in [
-            ("kvd_lookups_total", "Keys looked up", c.lookups),
-            ("kvd_lookup_hits_total", "Keys found published", c.hits),
+            ("kvd_lookups", "Keys looked up", c.lookups),
+            ("kvd_lookup_hits", "Keys found published", c.hits),
             (
-                "kvd_stale_generation_rejects_total",
+                "kvd_stale_generation_rejects",
                 "Handles refused for a generation mismatch",
                 c.stale_generation_rejects,
             ),
             (
-                "kvd_checksum_failures_total",
+                "kvd_checksum_failures",
                 "Blocks that failed their checksum",
                 c.checksum_failures,
             ),
-            ("kvd_evictions_total", "Cache blocks evicted", c.evictions),
+            ("kvd_evictions", "Cache blocks evicted", c.evictions),
             (
-                "kvd_store_overload_rejects_total",
+                "kvd_store_overload_rejects",
                 "Store operations refused at a bound",
                 c.overload_rejects,
             ),
             (
-                "kvd_no_space_rejects_total",
+                "kvd_no_space_rejects",
                 "Allocations refused for lack of space",
                 c.no_space_rejects,
             ),
             (
-                "kvd_sessions_expired_total",
+                "kvd_sessions_expired",
                 "Sessions closed by lease expiry",
                 c.sessions_expired,
             ),
+            ("kvd_pins_expired", "Pins dropped by TTL", c.pins_expired),
             (
-                "kvd_pins_expired_total",
-                "Pins dropped by TTL",
-                c.pins_expired,
-            ),
-            (
-                "kvd_manifests_expired_total",
+                "kvd_manifests_expired",
                 "Manifests released by TTL",
                 c.manifests_expired,
             ),
             (
-                "kvd_blocks_published_total",
+                "kvd_blocks_published",
                 "Blocks published",
                 c.blocks_published,
             ),
+            ("kvd_blocks_aborted", "Blocks aborted", c.blocks_aborted),
             (
-                "kvd_blocks_aborted_total",
-                "Blocks aborted",
-                c.blocks_aborted,
-            ),
-            (
-                "kvd_blocks_removed_total",
+                "kvd_blocks_removed",
                 "Blocks removed by compare-and-delete",
                 c.blocks_removed,
             ),
             (
-                "kvd_connections_accepted_total",
-                "Connections accepted",
-                self.connections_accepted.load(Ordering::Relaxed),
-            ),
-            (
-                "kvd_connections_refused_total",
-                "Connections closed at accept (connection bound)",
-                self.connections_refused.load(Ordering::Relaxed),
-            ),
-            (
-                "kvd_sessions_refused_total",
-                "Handshakes refused (draining, bounds, bad hello)",
-                self.sessions_refused.load(Ordering::Relaxed),
-            ),
-            (
-                "kvd_inflight_rejects_total",
-                "Requests answered Overloaded (in-flight bound)",
-                self.inflight_rejects.load(Ordering::Relaxed),
-            ),
-            (
-                "kvd_protocol_errors_total",
-                "Malformed frames (connection closed)",
-                self.protocol_errors.load(Ordering::Relaxed),
+                "kvd_overload_rejections",
+                "All refusals at a bound (store, in-flight, connections)",
+                c.overload_rejects + self.inflight_rejects.get() + self.connections_refused.get(),
             ),
         ] {
-            counter(&mut o, name, help, v);
+            counter(&mut e, name, help, v)?;
         }
-        let overload = c.overload_rejects
-            + self.inflight_rejects.load(Ordering::Relaxed)
-            + self.connections_refused.load(Ordering::Relaxed);
-        counter(
-            &mut o,
-            "kvd_overload_rejections_total",
-            "All refusals at a bound (store, in-flight, connections)",
-            overload,
-        );
-        let _ = writeln!(
-            o,
-            "# HELP kvd_op_duration_seconds Time to serve one request, by operation"
-        );
-        let _ = writeln!(o, "# TYPE kvd_op_duration_seconds histogram");
-        for (name, h) in Op::NAMES.iter().zip(&self.ops) {
-            let mut cum = 0;
-            for (b, n) in LATENCY_BUCKETS_US.iter().zip(&h.buckets) {
-                cum += n.load(Ordering::Relaxed);
-                let _ = writeln!(
-                    o,
-                    "kvd_op_duration_seconds_bucket{{op=\"{name}\",le=\"{}\"}} {cum}",
-                    *b as f64 / 1e6
-                );
-            }
-            let count = h.count.load(Ordering::Relaxed);
-            let _ = writeln!(
-                o,
-                "kvd_op_duration_seconds_bucket{{op=\"{name}\",le=\"+Inf\"}} {count}"
-            );
-            let _ = writeln!(
-                o,
-                "kvd_op_duration_seconds_sum{{op=\"{name}\"}} {}",
-                h.sum_us.load(Ordering::Relaxed) as f64 / 1e6
-            );
-            let _ = writeln!(o, "kvd_op_duration_seconds_count{{op=\"{name}\"}} {count}");
-        }
-        let _ = writeln!(
-            o,
-            "# HELP kvd_op_errors_total Requests answered with an error, by operation"
-        );
-        let _ = writeln!(o, "# TYPE kvd_op_errors_total counter");
-        for (name, h) in Op::NAMES.iter().zip(&self.ops) {
-            let _ = writeln!(
-                o,
-                "kvd_op_errors_total{{op=\"{name}\"}} {}",
-                h.errors.load(Ordering::Relaxed)
-            );
-        }
-        o
+        Ok(())
     }
-}
-
-fn gauge(o: &mut String, name: &str, help: &str, v: u64) {
-    let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-}
-
-fn counter(o: &mut String, name: &str, help: &str, v: u64) {
-    let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::MonotonicClock;
+    use crate::pool::{HugePages, PoolConfig};
+    use crate::store::StoreConfig;
+
+    fn metrics() -> Metrics {
+        let cfg = StoreConfig::new(PoolConfig {
+            page_size_bytes: 4096,
+            page_count: 4,
+            huge_pages: HugePages::Off,
+        });
+        Metrics::new(Arc::new(
+            Store::new(cfg, Arc::new(MonotonicClock::new())).unwrap(),
+        ))
+    }
 
     #[test]
     fn the_histogram_buckets_are_cumulative_and_end_at_the_count() {
-        let m = Metrics::default();
+        let m = metrics();
         m.op("alloc").observe(3, true);
         m.op("alloc").observe(700, false);
         m.op("alloc").observe(10_000_000, true);
-        let s = StoreStats {
-            node_generation: 3,
-            page_size_bytes: 4096,
-            accounting: Default::default(),
-            reserved_unused_pages: 0,
-            pins: 0,
-            sessions: 0,
-            manifests: 0,
-            namespaces: 0,
-            evictable: 0,
-            counters: Default::default(),
-        };
-        let text = m.render(&s, true, 1.0);
-        assert!(text.contains("kvd_op_duration_seconds_bucket{op=\"alloc\",le=\"0.000005\"} 1"));
-        assert!(text.contains("kvd_op_duration_seconds_bucket{op=\"alloc\",le=\"0.001\"} 2"));
-        assert!(text.contains("kvd_op_duration_seconds_bucket{op=\"alloc\",le=\"+Inf\"} 3"));
-        assert!(text.contains("kvd_op_errors_total{op=\"alloc\"} 1"));
-        assert!(text.contains("kvd_node_generation 3"));
-        // Every sample line is `name{labels} value` or `name value`.
+        let text = m.render(true, 1.0);
+        for needle in [
+            "kvd_op_duration_seconds_bucket{le=\"0.000005\",op=\"alloc\"} 1",
+            "kvd_op_duration_seconds_bucket{le=\"0.001\",op=\"alloc\"} 2",
+            "kvd_op_duration_seconds_bucket{le=\"+Inf\",op=\"alloc\"} 3",
+            "kvd_op_duration_seconds_count{op=\"alloc\"} 3",
+            "kvd_op_errors_total{op=\"alloc\"} 1",
+            "kvd_ops_total{op=\"alloc\"} 3",
+            "kvd_blocks{state=\"free\"} 4",
+            "kvd_node_generation 1",
+            "kvd_ready 1",
+        ] {
+            assert!(text.contains(needle), "no {needle:?} in\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"));
+        assert_eq!(
+            m.op_counts().iter().find(|(n, _)| *n == "alloc").unwrap().1,
+            3
+        );
+    }
+
+    #[test]
+    fn every_sample_line_is_a_name_and_a_number() {
+        let text = metrics().render(false, 2.5);
+        assert!(text.contains("kvd_ready 0"));
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let v = line.rsplit(' ').next().unwrap();
             assert!(v.parse::<f64>().is_ok(), "bad sample line {line:?}");

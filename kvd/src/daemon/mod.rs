@@ -105,10 +105,10 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     let admin_addr = admin.local_addr().map_err(|e| Error::Io(e.to_string()))?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
     let d = Arc::new(server::Daemon {
+        metrics: metrics::Metrics::new(store.clone()),
         store,
         clock,
         config,
-        metrics: metrics::Metrics::default(),
         drain: drain::DrainState::default(),
         shutdown,
         started: Instant::now(),

@@ -23,7 +23,6 @@
 use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -135,17 +134,13 @@ pub async fn accept_loop(d: Arc<Daemon>, listener: tokio::net::UnixListener) {
                 continue;
             }
         };
-        d.metrics
-            .connections_accepted
-            .fetch_add(1, Ordering::Relaxed);
+        d.metrics.connections_accepted.inc();
         match permits.clone().try_acquire_owned() {
             Ok(permit) => {
                 tokio::spawn(connection(d.clone(), stream, permit));
             }
             Err(_) => {
-                d.metrics
-                    .connections_refused
-                    .fetch_add(1, Ordering::Relaxed);
+                d.metrics.connections_refused.inc();
                 drop(stream);
             }
         }
@@ -189,7 +184,7 @@ async fn read_frame<R: AsyncRead + Unpin, T: serde::de::DeserializeOwned>(
 }
 
 async fn refuse(d: &Daemon, stream: &mut UnixStream, e: Error) {
-    d.metrics.sessions_refused.fetch_add(1, Ordering::Relaxed);
+    d.metrics.sessions_refused.inc();
     tracing::info!(error = %e, "session refused");
     if let Ok(bytes) = frame::encode(&HelloReply::Refused(e.into())) {
         let _ = tokio::time::timeout(Duration::from_millis(500), stream.write_all(&bytes)).await;
@@ -231,11 +226,11 @@ async fn connection(d: Arc<Daemon>, mut stream: UnixStream, _permit: OwnedSemaph
     {
         Ok(h) => h,
         Err(ReadEnd::Closed) => {
-            d.metrics.sessions_refused.fetch_add(1, Ordering::Relaxed);
+            d.metrics.sessions_refused.inc();
             return;
         }
         Err(ReadEnd::Bad(e)) => {
-            d.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
+            d.metrics.protocol_errors.inc();
             refuse(&d, &mut stream, e).await;
             return;
         }
@@ -289,13 +284,13 @@ async fn connection(d: Arc<Daemon>, mut stream: UnixStream, _permit: OwnedSemaph
         d.store.close_session(sid);
         return;
     }
-    d.metrics.sessions_open.fetch_add(1, Ordering::SeqCst);
+    d.metrics.sessions_open.inc();
     tracing::info!(parent: &span, lease_ttl_ms = hello.lease_ttl_ms, "session open");
     session(d.clone(), stream, sid, hello.lease_ttl_ms)
         .instrument(span.clone())
         .await;
     let cleanup = d.store.close_session(sid);
-    d.metrics.sessions_open.fetch_sub(1, Ordering::SeqCst);
+    d.metrics.sessions_open.dec();
     tracing::info!(
         parent: &span,
         blocks_aborted = cleanup.blocks_aborted,
@@ -325,7 +320,7 @@ async fn session(d: Arc<Daemon>, stream: UnixStream, sid: SessionId, lease_ttl_m
                 let queued = complete_frames(rd.buffer());
                 let goodbye = matches!(req.op, Op::Goodbye);
                 let resp = if queued >= max_inflight {
-                    d.metrics.inflight_rejects.fetch_add(1, Ordering::Relaxed);
+                    d.metrics.inflight_rejects.inc();
                     Response {
                         id: req.id,
                         result: Err(WireError::from(Error::Overloaded {
@@ -343,7 +338,7 @@ async fn session(d: Arc<Daemon>, stream: UnixStream, sid: SessionId, lease_ttl_m
             }
             Err(ReadEnd::Closed) => break,
             Err(ReadEnd::Bad(e)) => {
-                d.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                d.metrics.protocol_errors.inc();
                 tracing::warn!(error = %e, "malformed frame; closing the connection");
                 (
                     Response {
@@ -615,9 +610,7 @@ pub async fn reaper(d: Arc<Daemon>) {
         n += 1;
         if n % audit_every == 0 {
             let (a, ok) = d.store.audit();
-            d.metrics
-                .accounting_balanced
-                .store(ok as u64, Ordering::Relaxed);
+            d.metrics.accounting_balanced.set(i64::from(ok));
             if !ok {
                 tracing::error!(?a, "pool accounting does not balance");
             }
