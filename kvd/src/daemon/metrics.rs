@@ -250,15 +250,7 @@ impl Collector for StoreCollector {
         let s = self.store.stats();
         let a = &s.accounting;
         let page = s.page_size_bytes as i64;
-        let states = [
-            ("free", a.free),
-            ("allocated", a.allocated),
-            ("writing", a.writing),
-            ("sealed", a.sealed),
-            ("published", a.published),
-            ("retired", a.retired),
-            ("quarantined", a.quarantined),
-        ];
+        let states = a.by_state();
         for (name, help, scale) in [
             ("kvd_blocks", "Pages by block state", 1),
             ("kvd_bytes", "Pool bytes by block state", page),

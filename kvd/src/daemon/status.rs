@@ -134,15 +134,7 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
         "  {:<12} {:>8} {:>10} {:>6}",
         "state", "pages", "MiB", "%"
     );
-    for (name, n) in [
-        ("free", a.free),
-        ("allocated", a.allocated),
-        ("writing", a.writing),
-        ("sealed", a.sealed),
-        ("published", a.published),
-        ("retired", a.retired),
-        ("quarantined", a.quarantined),
-    ] {
+    for (name, n) in a.by_state() {
         let _ = writeln!(o, "  {name:<12} {n:>8} {:>10.1} {:>5.1}%", mib(n), pct(n));
     }
     let _ = writeln!(

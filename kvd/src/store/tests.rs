@@ -76,6 +76,18 @@ impl Fixture {
             .collect()
     }
 
+    /// Allocate one checkpoint block of `req` at `epoch`.
+    fn alloc_checkpoint(&self, sid: SessionId, req: RequestId, epoch: u64, k: BlockKey) -> Handle {
+        let class = BlockClass::Checkpoint {
+            request: req,
+            epoch,
+        };
+        self.store.alloc(sid, &[k], class, None).unwrap()[0]
+            .as_ref()
+            .unwrap()
+            .handle
+    }
+
     fn invariants(&self) {
         self.store.check_invariants().unwrap();
     }
@@ -529,21 +541,7 @@ fn checkpoint_blocks_are_never_evicted() {
     let s = f.session();
     let req = RequestId(7);
     f.store.manifest_begin(s, req, 1, f.ns, 0, 60_000).unwrap();
-    let h = f
-        .store
-        .alloc(
-            s,
-            &[key(f.ns, 1)],
-            BlockClass::Checkpoint {
-                request: req,
-                epoch: 1,
-            },
-            None,
-        )
-        .unwrap()[0]
-        .as_ref()
-        .unwrap()
-        .handle;
+    let h = f.alloc_checkpoint(s, req, 1, key(f.ns, 1));
     f.store.write(s, &h, 0, b"kv").unwrap();
     f.store.seal(s, &h, 2, None).unwrap();
     f.store.manifest_extend(s, req, 1, &[h], 4).unwrap();
@@ -736,24 +734,15 @@ fn a_newer_epoch_supersedes_the_checkpoint_and_older_writes_are_refused() {
     f.store.manifest_begin(s, req, 1, f.ns, 0, 60_000).unwrap();
     checkpoint_step(&f, s, req, 1, &tags[..2], 8).unwrap();
     // Epoch 1's writer still has a block in flight when epoch 2 begins.
-    let late = f
-        .store
-        .alloc(
-            s,
-            &[BlockKey {
-                namespace: f.ns,
-                tag: tags[2],
-            }],
-            BlockClass::Checkpoint {
-                request: req,
-                epoch: 1,
-            },
-            None,
-        )
-        .unwrap()[0]
-        .as_ref()
-        .unwrap()
-        .handle;
+    let late = f.alloc_checkpoint(
+        s,
+        req,
+        1,
+        BlockKey {
+            namespace: f.ns,
+            tag: tags[2],
+        },
+    );
     f.store.write(s, &late, 0, b"late").unwrap();
     f.store.seal(s, &late, 4, None).unwrap();
     f.store.manifest_begin(s, req, 2, f.ns, 0, 60_000).unwrap();

@@ -181,6 +181,19 @@ impl Accounting {
             == self.total as u64
     }
 
+    /// Pages per state, free first, with the names metrics and `kvd status` show.
+    pub fn by_state(&self) -> [(&'static str, u32); 7] {
+        [
+            ("free", self.free),
+            ("allocated", self.allocated),
+            ("writing", self.writing),
+            ("sealed", self.sealed),
+            ("published", self.published),
+            ("retired", self.retired),
+            ("quarantined", self.quarantined),
+        ]
+    }
+
     pub(crate) fn slot_count(&mut self, state: BlockState) -> &mut u32 {
         match state {
             BlockState::Allocated => &mut self.allocated,
