@@ -15,7 +15,8 @@ pub struct ServeArgs {
     /// A TOML file with any of the keys below (flags win over the file).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Where the node generation is persisted (created 0700; increased at every start).
+    /// Where the node generation is persisted (created 0700; increased at every start)
+    /// [default: kvd-data].
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// The local protocol's Unix socket (default: <data-dir>/kvd.sock).
@@ -25,7 +26,8 @@ pub struct ServeArgs {
     /// daemon's own group.
     #[arg(long)]
     pub socket_group: Option<String>,
-    /// The admin HTTP address (/healthz, /readyz, /metrics, /status, /drain); port 0 picks one.
+    /// The admin HTTP address (/healthz, /readyz, /metrics, /status, /drain); port 0 picks one
+    /// [default: 127.0.0.1:7460].
     #[arg(long)]
     pub admin_listen: Option<SocketAddr>,
     /// Allow the admin HTTP to listen on a non-loopback address (read-only endpoints only;
@@ -35,37 +37,38 @@ pub struct ServeArgs {
     /// Accept /drain from other hosts (needs --allow-remote-admin).
     #[arg(long)]
     pub allow_remote_drain: bool,
-    /// The pool's size in MiB (rounded down to whole pages).
+    /// The pool's size in MiB, rounded down to whole pages [default: 256].
     #[arg(long)]
     pub pool_mib: Option<u64>,
-    /// Bytes per page in KiB (one KV block; a multiple of 4).
+    /// Bytes per page in KiB: the largest KV block, a multiple of 4 [default: 2560, i.e. 16
+    /// tokens of Qwen3-14B].
     #[arg(long)]
     pub page_kib: Option<u64>,
-    /// Huge pages for the pool: off, try, require.
+    /// Huge pages for the pool: off, try (fall back to normal pages), require [default: try].
     #[arg(long)]
     pub huge_pages: Option<String>,
-    /// Sessions (client connections) open at most.
+    /// Sessions (client connections) open at most [default: 256].
     #[arg(long)]
     pub max_sessions: Option<u32>,
-    /// Unanswered requests one session may have; more are answered Overloaded.
+    /// Unanswered requests one session may have; more are answered Overloaded [default: 32].
     #[arg(long)]
     pub max_inflight: Option<u32>,
-    /// Items in one batched request at most.
+    /// Items in one batched request at most [default: 1024].
     #[arg(long)]
     pub max_batch: Option<u32>,
-    /// How long a drain lets in-flight work finish before aborting it, ms.
+    /// How long a drain lets in-flight work finish before aborting it, ms [default: 30000].
     #[arg(long)]
     pub drain_deadline_ms: Option<u64>,
-    /// When a stuck drain gives up and exits non-zero, ms after it began.
+    /// When a stuck drain gives up and exits non-zero, ms after it began [default: 45000].
     #[arg(long)]
     pub hard_deadline_ms: Option<u64>,
-    /// The reaper's tick (expired leases and pins), ms.
+    /// The reaper's tick (expired leases, pins and manifests), ms [default: 100].
     #[arg(long)]
     pub reap_interval_ms: Option<u64>,
     /// Recompute writer-supplied checksums at seal (one more pass over every block).
     #[arg(long)]
     pub verify_supplied_checksums: bool,
-    /// Runtime worker threads.
+    /// Runtime worker threads [default: 2].
     #[arg(long)]
     pub threads: Option<usize>,
 }
