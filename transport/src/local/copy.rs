@@ -7,9 +7,11 @@
 //!   (read-for-ownership), then evicted. A copy with non-temporal (streaming) stores writes
 //!   full lines straight to memory and approaches the bound a single large copy reaches.
 //! - A checksum computed in a second pass after the copy reads the data from memory again.
-//!   [`copy_with_crc32c`] instead walks the source in chunks small enough to stay in the L1/L2
-//!   cache: it checksums a chunk (pulling it into cache) and then streams the same, now hot,
-//!   chunk to the destination. Memory is read once and written once.
+//!   [`copy_with_crc32c`] instead checksums the very 32-byte loads it streams out, in three
+//!   independent lanes (the `crc32` instruction has a 3-cycle latency and a throughput of one
+//!   per cycle), and joins the lane checksums with [`crc32c_combine`]. Memory is read once and
+//!   written once; measured on the development VM: 12.4–15.5 GB/s against 12.7–17.5 GB/s for
+//!   the plain non-temporal copy and 6.5–8.1 GB/s for copy-then-checksum.
 //!
 //! All `unsafe` in this crate lives in this file.
 
@@ -17,9 +19,9 @@
 /// use `copy_from_slice`, whose cached stores are cheaper when the data is reread soon.
 pub const NONTEMPORAL_THRESHOLD_BYTES: usize = 64 * 1024;
 
-/// The chunk the fused copy checksums and then copies while it is still in cache. Measured on a
-/// 2-core x86 host: 4 KiB chunks reach 4.6 GB/s, 16 KiB 5.4, 64 KiB 8.3, 256 KiB 8.2, 1 MiB
-/// 7.8 (a separate copy-then-checksum pass: 6.5).
+/// Without AVX2 and SSE4.2 the fused copy checksums a chunk of this size and then copies it
+/// while it is still in cache. Measured on the development VM (chunked, streaming): 4 KiB chunks
+/// 4.6 GB/s, 16 KiB 5.4, 64 KiB 8.3, 256 KiB 8.2, 1 MiB 7.8.
 pub const FUSED_CHUNK_BYTES: usize = 64 * 1024;
 
 /// Copy `src` into `dst`, with non-temporal stores for large copies.
@@ -39,11 +41,27 @@ pub fn copy(dst: &mut [u8], src: &[u8]) {
 /// Copy `src` into `dst` and return the CRC-32C (Castagnoli) of the bytes, continuing from
 /// `crc` (pass 0 to start). The data is read from memory once.
 ///
+/// On x86-64 with AVX2 and SSE4.2, large copies run in one pass: the body is split in three
+/// lanes whose CRCs are computed with the `crc32` instruction on the same 32 bytes that are
+/// being streamed out (three independent chains hide the instruction's latency), and the lane
+/// CRCs are combined at the end. Elsewhere the copy works in [`FUSED_CHUNK_BYTES`] chunks:
+/// checksum a chunk (pulling it into cache), then copy it while it is hot.
+///
 /// # Panics
 /// If the slices differ in length.
 pub fn copy_with_crc32c(dst: &mut [u8], src: &[u8], crc: u32) -> u32 {
     assert_eq!(dst.len(), src.len(), "copy_with_crc32c: length mismatch");
     let streaming = src.len() >= NONTEMPORAL_THRESHOLD_BYTES && nontemporal_available();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if streaming && std::arch::is_x86_feature_detected!("sse4.2") {
+            // SAFETY: AVX2 (via `nontemporal_available`) and SSE4.2 are present, and the slices
+            // have equal lengths (asserted above).
+            let crc = unsafe { x86::copy_crc32c_lanes(dst, src, crc) };
+            store_fence();
+            return crc;
+        }
+    }
     let mut crc = crc;
     for (d, s) in dst
         .chunks_mut(FUSED_CHUNK_BYTES)
@@ -66,6 +84,64 @@ pub fn copy_with_crc32c(dst: &mut [u8], src: &[u8], crc: u32) -> u32 {
 /// CPU has it.
 pub fn crc32c(crc: u32, data: &[u8]) -> u32 {
     crc32c::crc32c_append(crc, data)
+}
+
+/// The CRC-32C of `A ‖ B` from the CRC-32C of `A` (`crc1`), of `B` (`crc2`) and the length of
+/// `B`: a multiplication by `x^(8·len2)` in GF(2)[x] modulo the Castagnoli polynomial, with
+/// `x^(2^k)` precomputed, so it costs at most one product per set bit of `len2` (well under a
+/// microsecond; the matrix method of the `crc32c` crate takes 10-17 µs).
+pub fn crc32c_combine(crc1: u32, crc2: u32, len2: usize) -> u32 {
+    multmodp(x8nmodp(len2), crc1) ^ crc2
+}
+
+/// The Castagnoli polynomial, bit-reflected.
+const CASTAGNOLI_REFLECTED: u32 = 0x82F6_3B78;
+
+/// `a · b mod P` in the reflected representation (bit 31 is x^0).
+fn multmodp(a: u32, mut b: u32) -> u32 {
+    let mut m = 1u32 << 31;
+    let mut p = 0u32;
+    while m != 0 {
+        if a & m != 0 {
+            p ^= b;
+        }
+        m >>= 1;
+        b = if b & 1 != 0 {
+            (b >> 1) ^ CASTAGNOLI_REFLECTED
+        } else {
+            b >> 1
+        };
+    }
+    p
+}
+
+/// `x^(2^k) mod P` for k = 0..67 (enough for `x^(8·n)` with any 64-bit n).
+fn x2n_table() -> &'static [u32; 68] {
+    static TABLE: std::sync::OnceLock<[u32; 68]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut t = [0u32; 68];
+        let mut p = 1u32 << 30; // x^1
+        for e in t.iter_mut() {
+            *e = p;
+            p = multmodp(p, p);
+        }
+        t
+    })
+}
+
+/// `x^(8·n) mod P`.
+fn x8nmodp(mut n: usize) -> u32 {
+    let table = x2n_table();
+    let mut p = 1u32 << 31; // x^0
+    let mut k = 3; // 8 = 2^3
+    while n != 0 {
+        if n & 1 != 0 {
+            p = multmodp(table[k], p);
+        }
+        n >>= 1;
+        k += 1;
+    }
+    p
 }
 
 /// Whether [`copy`] can use non-temporal stores on this CPU.
@@ -106,7 +182,59 @@ fn store_fence() {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
+    use std::arch::x86_64::{__m256i, _mm_crc32_u64, _mm256_loadu_si256, _mm256_stream_si256};
+
+    /// Below this many bytes per lane the three-lane copy is not worth its two CRC combines.
+    const MIN_LANE_BYTES: usize = 4096;
+
+    /// One pass: stream `src` to `dst` and compute its CRC-32C in three interleaved lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and SSE4.2, and `dst.len() == src.len()`.
+    #[target_feature(enable = "avx2,sse4.2")]
+    pub(super) unsafe fn copy_crc32c_lanes(dst: &mut [u8], src: &[u8], crc: u32) -> u32 {
+        debug_assert_eq!(dst.len(), src.len());
+        let len = dst.len();
+        let head = dst.as_ptr().align_offset(32).min(len);
+        dst[..head].copy_from_slice(&src[..head]);
+        let crc = crc32c::crc32c_append(crc, &src[..head]);
+        let lane = (len - head) / 3 / 32 * 32;
+        if lane < MIN_LANE_BYTES {
+            // SAFETY: same preconditions as ours.
+            unsafe { copy_streaming_avx2(&mut dst[head..], &src[head..]) };
+            return crc32c::crc32c_append(crc, &src[head..]);
+        }
+        let d = dst[head..].as_mut_ptr();
+        let s = src[head..].as_ptr();
+        // Raw (uninverted) CRC state of each lane: lane 0 continues `crc`, lanes 1 and 2 start
+        // fresh, as crc32c_append does internally.
+        let (mut c0, mut c1, mut c2) = (u64::from(!crc), u64::from(u32::MAX), u64::from(u32::MAX));
+        let mut i = 0;
+        while i < lane {
+            // SAFETY: for each lane k, `k * lane + i + 32 <= 3 * lane <= len - head`, so every
+            // 32-byte load and store below is inside the slices; `d + k * lane + i` is 32-byte
+            // aligned (head aligned `d`, lane and i are multiples of 32); the u64 reads are
+            // unaligned reads inside the same 32 bytes.
+            unsafe {
+                for (k, c) in [(0, &mut c0), (1, &mut c1), (2, &mut c2)] {
+                    let at = k * lane + i;
+                    let v = _mm256_loadu_si256(s.add(at) as *const __m256i);
+                    _mm256_stream_si256(d.add(at) as *mut __m256i, v);
+                    let p = s.add(at) as *const u64;
+                    *c = _mm_crc32_u64(*c, p.read_unaligned());
+                    *c = _mm_crc32_u64(*c, p.add(1).read_unaligned());
+                    *c = _mm_crc32_u64(*c, p.add(2).read_unaligned());
+                    *c = _mm_crc32_u64(*c, p.add(3).read_unaligned());
+                }
+            }
+            i += 32;
+        }
+        let (c0, c1, c2) = (!(c0 as u32), !(c1 as u32), !(c2 as u32));
+        let crc = super::crc32c_combine(super::crc32c_combine(c0, c1, lane), c2, lane);
+        let done = head + 3 * lane;
+        dst[done..].copy_from_slice(&src[done..]);
+        crc32c::crc32c_append(crc, &src[done..])
+    }
 
     /// Copy with 32-byte streaming stores to a 32-byte-aligned destination; the unaligned head
     /// and the tail are copied normally.
@@ -187,7 +315,37 @@ mod tests {
         assert_eq!(crc32c(0, b"123456789"), 0xE306_9283);
     }
 
+    #[test]
+    fn the_one_pass_copy_is_exact_for_every_alignment_and_length_near_its_edges() {
+        let src = pattern(3 * 1024 * 1024 + 200, 5);
+        let lanes = [64 * 1024, 3 * 4096 + 31, 3 * 4096 + 96, 2 * 1024 * 1024 + 7];
+        for len in lanes {
+            for (so, doff) in [(0usize, 0usize), (1, 0), (0, 5), (13, 31), (32, 1)] {
+                let s = &src[so..so + len];
+                let mut dst = vec![0u8; len + 64];
+                for start in [0u32, 0xdead_beef] {
+                    let c = copy_with_crc32c(&mut dst[doff..doff + len], s, start);
+                    assert_eq!(&dst[doff..doff + len], s, "len {len} offsets {so}/{doff}");
+                    assert_eq!(c, crc32c(start, s), "len {len} offsets {so}/{doff}");
+                }
+            }
+        }
+    }
+
     proptest! {
+        #[test]
+        fn the_fast_combine_agrees_with_the_crates(a in any::<u32>(), b in any::<u32>(), len in 0usize..(1 << 40)) {
+            prop_assert_eq!(crc32c_combine(a, b, len), crc32c::crc32c_combine(a, b, len));
+        }
+
+        #[test]
+        fn combining_two_halves_gives_the_crc_of_the_whole(data in proptest::collection::vec(any::<u8>(), 0..5000), cut in 0usize..5000) {
+            let cut = cut.min(data.len());
+            let whole = crc32c(0, &data);
+            let parts = crc32c_combine(crc32c(0, &data[..cut]), crc32c(0, &data[cut..]), data.len() - cut);
+            prop_assert_eq!(parts, whole);
+        }
+
         #[test]
         fn fused_copies_in_pieces_equal_one_crc(data in proptest::collection::vec(any::<u8>(), 0..70_000), cut in 0usize..70_000) {
             let cut = cut.min(data.len());

@@ -2,4 +2,4 @@
 
 pub mod copy;
 
-pub use copy::{copy, copy_with_crc32c, crc32c};
+pub use copy::{copy, copy_with_crc32c, crc32c, crc32c_combine};
