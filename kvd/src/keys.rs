@@ -357,7 +357,10 @@ pub(crate) mod tests {
         let first = next_tag(&ns, None, &tokens);
         assert_eq!(first.0, *blake3::hash(&bytes).as_bytes());
         bytes[32..64].copy_from_slice(&first.0);
-        assert_eq!(next_tag(&ns, Some(&first), &tokens).0, *blake3::hash(&bytes).as_bytes());
+        assert_eq!(
+            next_tag(&ns, Some(&first), &tokens).0,
+            *blake3::hash(&bytes).as_bytes()
+        );
     }
 
     #[test]
