@@ -200,21 +200,7 @@ fn release_reports_stale_and_unpinned_entries_in_place() {
     let mut c = d.client("c", 10_000);
     let ns = c.register_namespace(&namespace()).unwrap();
     let k = keys(ns, 4, 1);
-    let a = c
-        .alloc(&k, BlockClass::Cache, None)
-        .unwrap()
-        .remove(0)
-        .unwrap();
-    c.write(&a.handle, 0, &[5u8; 64]).unwrap();
-    c.seal(&[SealItem {
-        handle: a.handle,
-        len: 64,
-        checksum: None,
-    }])
-    .unwrap()
-    .remove(0)
-    .unwrap();
-    c.publish(&[a.handle]).unwrap();
+    put_one(&mut c, k[0], &[5u8; 64]);
     let b = c.acquire(&k, None).unwrap().remove(0).unwrap();
     let stale = Handle {
         generation: b.handle.generation + 100,

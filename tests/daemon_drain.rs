@@ -23,21 +23,7 @@ fn drain_lets_in_flight_work_finish_refuses_new_sessions_and_exits_0() {
     let ns = w.register_namespace(&namespace()).unwrap();
     let k = keys(ns, 1, 3);
     // A published block the reader pins, and two blocks the writer is in the middle of.
-    let a = w
-        .alloc(&k[..1], BlockClass::Cache, None)
-        .unwrap()
-        .remove(0)
-        .unwrap();
-    w.write(&a.handle, 0, &[1u8; 64]).unwrap();
-    w.seal(&[SealItem {
-        handle: a.handle,
-        len: 64,
-        checksum: None,
-    }])
-    .unwrap()
-    .remove(0)
-    .unwrap();
-    w.publish(&[a.handle]).unwrap();
+    put_one(&mut w, k[0], &[1u8; 64]);
     let pinned = r.acquire(&k[..1], None).unwrap().remove(0).unwrap();
     let inflight: Vec<_> = w
         .alloc(&k[1..], BlockClass::Cache, None)

@@ -132,21 +132,7 @@ fn a_silent_client_loses_its_blocks_and_pins_when_its_lease_expires() {
     let mut w = d.client("publisher", 30_000);
     let ns = w.register_namespace(&namespace()).unwrap();
     let k = keys(ns, 8, 2);
-    let a = w
-        .alloc(&k[..1], BlockClass::Cache, None)
-        .unwrap()
-        .remove(0)
-        .unwrap();
-    w.write(&a.handle, 0, &[1u8; 100]).unwrap();
-    w.seal(&[SealItem {
-        handle: a.handle,
-        len: 100,
-        checksum: None,
-    }])
-    .unwrap()
-    .remove(0)
-    .unwrap();
-    w.publish(&[a.handle]).unwrap();
+    put_one(&mut w, k[0], &[1u8; 100]);
 
     let mut silent = d.client("silent", 600);
     silent
@@ -207,21 +193,7 @@ fn a_restarted_daemon_rejects_handles_of_the_previous_generation() {
     let mut c = d1.client("before", 10_000);
     let ns = c.register_namespace(&namespace()).unwrap();
     let k = keys(ns, 10, 1);
-    let a = c
-        .alloc(&k, BlockClass::Cache, None)
-        .unwrap()
-        .remove(0)
-        .unwrap();
-    c.write(&a.handle, 0, &[3u8; 512]).unwrap();
-    c.seal(&[SealItem {
-        handle: a.handle,
-        len: 512,
-        checksum: None,
-    }])
-    .unwrap()
-    .remove(0)
-    .unwrap();
-    c.publish(&[a.handle]).unwrap();
+    let a = put_one(&mut c, k[0], &[3u8; 512]);
     let pinned = c.acquire(&k, None).unwrap().remove(0).unwrap();
     assert_eq!(pinned.handle.node_generation, g1);
     drop(c);

@@ -267,3 +267,23 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .map(|i| (i as u8).wrapping_mul(151).wrapping_add(seed) ^ (i >> 9) as u8)
         .collect()
 }
+
+/// Allocate, write, seal (the daemon computes the checksum) and publish one cache block.
+pub fn put_one(c: &mut Client, key: BlockKey, data: &[u8]) -> kvd::store::Allocation {
+    let a = c
+        .alloc(&[key], kvd::store::BlockClass::Cache, None)
+        .unwrap()
+        .remove(0)
+        .unwrap();
+    c.write(&a.handle, 0, data).unwrap();
+    c.seal(&[kvd::protocol::SealItem {
+        handle: a.handle,
+        len: data.len() as u64,
+        checksum: None,
+    }])
+    .unwrap()
+    .remove(0)
+    .unwrap();
+    c.publish(&[a.handle]).unwrap();
+    a
+}
