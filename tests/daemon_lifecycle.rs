@@ -163,6 +163,14 @@ fn a_silent_client_loses_its_blocks_and_pins_when_its_lease_expires() {
         ),
         "{e}"
     );
+    // ...and the daemon closes the connection of a session that no longer exists.
+    let e = silent.heartbeat().unwrap_err();
+    assert!(matches!(e, Error::Io(_)), "{e}");
+    wait_until(
+        Duration::from_secs(10),
+        "the connection is released",
+        || d.status().daemon.sessions_open == 1,
+    );
     // The published block was never the silent client's to lose.
     assert_eq!(w.exists(&k).unwrap(), vec![true, false]);
 }

@@ -334,7 +334,13 @@ async fn session(d: Arc<Daemon>, stream: UnixStream, sid: SessionId, lease_ttl_m
                 } else {
                     serve_request(&d, sid, lease_ttl_ms, &mut renewed, req)
                 };
-                (resp, goodbye)
+                // A session the store no longer knows (its lease ran out and it was released)
+                // serves nothing more: answer why, then close the connection.
+                let gone = resp.result.is_err() && !d.store.has_session(sid);
+                if gone {
+                    tracing::info!("session released by its lease; closing the connection");
+                }
+                (resp, goodbye || gone)
             }
             Err(ReadEnd::Closed) => break,
             Err(ReadEnd::Bad(e)) => {

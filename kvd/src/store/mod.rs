@@ -218,6 +218,12 @@ impl Store {
         self.lock().heartbeat(sid)
     }
 
+    /// Whether the session is open (its lease may still have run out; the next operation on it
+    /// or the reaper will tell).
+    pub fn has_session(&self, sid: SessionId) -> bool {
+        self.lock().sessions.contains_key(&sid)
+    }
+
     /// Close a session: abort its unfinished blocks, drop its pins, release its reservations.
     pub fn close_session(&self, sid: SessionId) -> SessionCleanup {
         self.lock().close_session(sid)
