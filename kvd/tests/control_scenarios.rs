@@ -278,6 +278,40 @@ fn a_resumed_stream_starts_after_the_last_acknowledged_frame() {
 }
 
 #[test]
+fn a_recovering_worker_whose_assisted_survivor_dies_pairs_with_the_next_busiest() {
+    let mut c = cluster(PolicyKind::Lumen, 4);
+    for (id, w, wait) in [(1u64, 1u32, 90u64), (2, 2, 50), (3, 3, 10)] {
+        c.admit(
+            AdmitRequest {
+                request_id: id,
+                serving: w,
+                prompt_tokens: 1,
+                max_new_tokens: 1,
+                reserve_bytes: 0,
+                deadline_ms: None,
+            },
+            0,
+        )
+        .unwrap();
+        c.prefill_started(id, 1, wait).unwrap();
+    }
+    c.fail_workers(&[0], 100).unwrap();
+    c.worker_recovered(0, 200).unwrap();
+    c.worker_phase_done(0, WorkerPhase::LoadingDraft, 300)
+        .unwrap();
+    assert_eq!(c.load().get(0).unwrap().assisting, Some(1), "the busiest");
+    let plan = c.fail_workers(&[1], 400).unwrap();
+    assert_eq!(plan.assist_pairs, vec![(0, Some(2))], "the next busiest");
+    assert_eq!(c.load().get(2).unwrap().assisted_by, Some(0));
+    c.check_invariants().unwrap();
+    // With every survivor taken or gone, it assists nobody, and says so.
+    let plan = c.fail_workers(&[2, 3], 500).unwrap();
+    assert_eq!(plan.assist_pairs, vec![(0, None)]);
+    assert_eq!(c.load().get(0).unwrap().assisting, None);
+    c.check_invariants().unwrap();
+}
+
+#[test]
 fn a_recovering_worker_assists_the_busiest_free_survivor_one_to_one() {
     let mut c = cluster(PolicyKind::Lumen, 5);
     // Queueing delays: worker 2 waits 90 ms, worker 3 waits 50 ms, the rest less.

@@ -495,6 +495,7 @@ impl Controller {
         let is_failed = |w: WorkerId| failed.binary_search(&w).is_ok();
 
         // The workers go: unpair assistants, forget their checkpoints and requests.
+        let mut lost_partner: Vec<WorkerId> = Vec::new();
         for &f in &failed {
             let row = self.load.get(f).expect("checked above").clone();
             if let Some(s) = row.assisting
@@ -503,14 +504,25 @@ impl Controller {
                 s.assisted_by = None;
             }
             if let Some(r) = row.assisted_by
-                && let Some(r) = self.load.get_mut(r)
+                && let Some(rw) = self.load.get_mut(r)
             {
-                r.assisting = None;
+                rw.assisting = None;
+                if !is_failed(r) {
+                    lost_partner.push(r);
+                }
             }
             self.load
                 .get_mut(f)
                 .expect("checked above")
                 .clear_on_failure();
+        }
+        // A recovering worker whose assisted survivor died pairs again, with the busiest
+        // survivor left unassisted.
+        lost_partner.sort_unstable();
+        for r in lost_partner {
+            let partner = self.pair_assistant(r);
+            self.load.get_mut(r).expect("alive").assisting = partner;
+            plan.assist_pairs.push((r, partner));
         }
 
         // Who is interrupted, who lost a checkpoint, who was cancelling.
@@ -728,20 +740,7 @@ impl Controller {
         let next = phase.next().expect("FullService handled above");
         let mut assisting = None;
         match next {
-            WorkerPhase::Assist => {
-                // The busiest survivor nobody assists yet (ties: lowest id).
-                let mut best: Option<(f64, WorkerId)> = None;
-                for s in self.load.in_service().filter(|s| s.assisted_by.is_none()) {
-                    let q = s.queue_delay_ms();
-                    if best.is_none_or(|(bq, _)| q > bq) {
-                        best = Some((q, s.id));
-                    }
-                }
-                if let Some((_, s)) = best {
-                    self.load.get_mut(s).expect("in service").assisted_by = Some(worker);
-                    assisting = Some(s);
-                }
-            }
+            WorkerPhase::Assist => assisting = self.pair_assistant(worker),
             WorkerPhase::HotSwap => {
                 if let Some(s) = self.load.get(worker).and_then(|w| w.assisting)
                     && let Some(s) = self.load.get_mut(s)
@@ -759,6 +758,21 @@ impl Controller {
             phase: next,
             assisting,
         }])
+    }
+
+    /// Pair `worker` (entering or staying in ASSIST) with the busiest survivor nobody assists yet
+    /// (highest queueing delay; ties: lowest id). Returns the partner, `None` when all are taken.
+    fn pair_assistant(&mut self, worker: WorkerId) -> Option<WorkerId> {
+        let mut best: Option<(f64, WorkerId)> = None;
+        for s in self.load.in_service().filter(|s| s.assisted_by.is_none()) {
+            let q = s.queue_delay_ms();
+            if best.is_none_or(|(bq, _)| q > bq) {
+                best = Some((q, s.id));
+            }
+        }
+        let (_, s) = best?;
+        self.load.get_mut(s).expect("in service").assisted_by = Some(worker);
+        Some(s)
     }
 
     // ---------------------------------------------------------------- requests

@@ -94,6 +94,11 @@ pub struct RecoveryPlan {
     pub checkpoint_moves: Vec<(RequestId, Epoch, Option<WorkerId>)>,
     /// Moves the rebalancing made.
     pub rebalance_moves: u32,
+    /// Recovering workers in ASSIST whose assisted survivor failed: `(worker, new partner)`
+    /// (`None`: every survivor is assisted already; it assists nobody until one frees up or it
+    /// moves on to HOTSWAP).
+    #[serde(default)]
+    pub assist_pairs: Vec<(WorkerId, Option<WorkerId>)>,
 }
 
 impl RecoveryPlan {
