@@ -151,6 +151,17 @@ fn the_control_service_takes_events_and_answers_decisions_over_http() {
         (status, stats["kv_reuse_restores"].as_u64()),
         (200, Some(1))
     );
+    let (status, text) = d.json("GET", "/metrics", None);
+    let text = text.as_str().unwrap_or_default().to_owned();
+    assert_eq!(status, 200);
+    for needle in [
+        "kvd_control_kv_reuse_restores_total 1",
+        "kvd_control_worker_failures_total 1",
+        "kvd_control_workers{phase=\"failed\"} 1",
+        "kvd_control_in_flight_requests 1",
+    ] {
+        assert!(text.contains(needle), "no {needle:?} in\n{text}");
+    }
     let (status, _) = d.json(
         "POST",
         "/admit",

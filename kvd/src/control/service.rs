@@ -14,6 +14,7 @@
 //! | GET    | `/workers`           | → the load table                                           |
 //! | GET    | `/requests/{id}`     | → the request's record                                     |
 //! | GET    | `/stats`             | → counters                                                 |
+//! | GET    | `/metrics`           | → the counters and load in OpenMetrics text (Prometheus)   |
 //! | GET    | `/snapshot`          | → the whole state ([`super::ControllerSnapshot`])          |
 //!
 //! Errors answer with an HTTP status and `{"code": <kvd status code>, "error": "<message>"}`;
@@ -234,6 +235,119 @@ async fn stats(State(s): State<Arc<Shared>>) -> Api<super::Stats> {
     Ok(Json(s.lock().stats().clone()))
 }
 
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    let m = ControllerMetrics::read(&s.lock());
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(m));
+    let mut text = String::with_capacity(4096);
+    prometheus_client::encoding::text::encode(&mut text, &registry)
+        .expect("writing to a String cannot fail");
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            crate::daemon::metrics::CONTENT_TYPE,
+        )],
+        text,
+    )
+        .into_response()
+}
+
+/// What `/metrics` reports, read from the controller under its lock and encoded after it.
+#[derive(Debug)]
+struct ControllerMetrics {
+    /// Every field of [`super::Stats`], by name (so a new counter is exported without edits).
+    stats: Vec<(String, u64)>,
+    phases: Vec<(&'static str, i64)>,
+    in_flight: i64,
+    free_checkpoint_bytes: i64,
+    reserved_checkpoint_bytes: i64,
+    held_checkpoints: i64,
+}
+
+impl ControllerMetrics {
+    fn read(c: &Controller) -> ControllerMetrics {
+        let stats = match serde_json::to_value(c.stats()) {
+            Ok(serde_json::Value::Object(map)) => map
+                .into_iter()
+                .filter_map(|(k, v)| v.as_u64().map(|v| (k, v)))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let phases = [
+            ("failed", super::WorkerPhase::Failed),
+            ("loading_draft", super::WorkerPhase::LoadingDraft),
+            ("assist", super::WorkerPhase::Assist),
+            ("hotswap", super::WorkerPhase::HotSwap),
+            ("full_service", super::WorkerPhase::FullService),
+        ]
+        .map(|(name, p)| {
+            (
+                name,
+                c.load().iter().filter(|w| w.phase == p).count() as i64,
+            )
+        })
+        .to_vec();
+        let load = c.load();
+        ControllerMetrics {
+            stats,
+            phases,
+            in_flight: c.in_flight() as i64,
+            free_checkpoint_bytes: load.in_service().map(|w| w.free_bytes() as i64).sum(),
+            reserved_checkpoint_bytes: load.iter().map(|w| w.reserved_bytes as i64).sum(),
+            held_checkpoints: load.iter().map(|w| i64::from(w.held_checkpoints)).sum(),
+        }
+    }
+}
+
+impl prometheus_client::collector::Collector for ControllerMetrics {
+    fn encode(
+        &self,
+        mut e: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        use crate::daemon::metrics::{counter, gauge};
+        use prometheus_client::encoding::EncodeMetric;
+        for (name, v) in &self.stats {
+            let help = format!("kvd::control::Stats::{name}");
+            counter(&mut e, &format!("kvd_control_{name}"), &help, *v)?;
+        }
+        let mut family = e.encode_descriptor(
+            "kvd_control_workers",
+            "Workers by phase",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (phase, n) in &self.phases {
+            let labels = [("phase", *phase)];
+            prometheus_client::metrics::gauge::ConstGauge::new(*n)
+                .encode(family.encode_family(&labels)?)?;
+        }
+        gauge(
+            &mut e,
+            "kvd_control_in_flight_requests",
+            "Requests not yet terminal",
+            self.in_flight,
+        )?;
+        gauge(
+            &mut e,
+            "kvd_control_free_checkpoint_bytes",
+            "Checkpoint capacity free on in-service workers",
+            self.free_checkpoint_bytes,
+        )?;
+        gauge(
+            &mut e,
+            "kvd_control_reserved_checkpoint_bytes",
+            "Checkpoint bytes reserved on holders",
+            self.reserved_checkpoint_bytes,
+        )?;
+        gauge(
+            &mut e,
+            "kvd_control_held_checkpoints",
+            "Checkpoints held across workers",
+            self.held_checkpoints,
+        )
+    }
+}
+
 async fn snapshot(State(s): State<Arc<Shared>>) -> Api<ControllerSnapshot> {
     Ok(Json(s.lock().snapshot()))
 }
@@ -254,6 +368,7 @@ pub fn router(controller: Controller, clock_offset_ms: u64) -> Router {
         .route("/workers", get(workers))
         .route("/requests/{id}", get(request))
         .route("/stats", get(stats))
+        .route("/metrics", get(metrics))
         .route("/snapshot", get(snapshot))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)

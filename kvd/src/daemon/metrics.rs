@@ -237,11 +237,23 @@ struct StoreCollector {
     connections_refused: Counter,
 }
 
-fn gauge(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: i64) -> std::fmt::Result {
+/// Encode one constant gauge (for collectors that read state at scrape time).
+pub(crate) fn gauge(
+    e: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    v: i64,
+) -> std::fmt::Result {
     ConstGauge::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Gauge)?)
 }
 
-fn counter(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> std::fmt::Result {
+/// Encode one constant counter (`_total` is appended).
+pub(crate) fn counter(
+    e: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    v: u64,
+) -> std::fmt::Result {
     ConstCounter::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Counter)?)
 }
 
