@@ -34,7 +34,11 @@ pub const MAX_HTTP_BODY_BYTES: usize = 16 << 20;
 pub fn http(addr: SocketAddr, method: &str, path: &str) -> Result<(u16, String)> {
     let timeout = Duration::from_secs(5);
     let mut s = TcpStream::connect_timeout(&addr, timeout)
-        .map_err(|e| Error::Io(format!("connecting to {addr}: {e}")))?;
+        .map_err(|e| {
+            Error::Io(format!(
+                "connecting to {addr}: {e}; is `kvd serve` running there? (pass its admin address with --admin)"
+            ))
+        })?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     write!(
