@@ -23,6 +23,26 @@ fn cluster(policy: PolicyKind, workers: u32) -> Controller {
 
 /// Admit `id` on `serving`, run it to decoding with `generated` tokens and a checkpoint of the
 /// whole history on its holder. Returns the holder.
+/// Give workers queueing delays: each `(request, worker, wait_ms)` is admitted at 0 and starts
+/// prefill after `wait_ms`.
+fn queue_delays(c: &mut Controller, waits: &[(u64, WorkerId, u64)]) {
+    for &(id, w, wait) in waits {
+        c.admit(
+            AdmitRequest {
+                request_id: id,
+                serving: w,
+                prompt_tokens: 1,
+                max_new_tokens: 1,
+                reserve_bytes: 0,
+                deadline_ms: None,
+            },
+            0,
+        )
+        .unwrap();
+        c.prefill_started(id, 1, wait).unwrap();
+    }
+}
+
 fn decoding(c: &mut Controller, id: u64, serving: WorkerId, generated: u32) -> Option<WorkerId> {
     let a = c
         .admit(
@@ -280,21 +300,7 @@ fn a_resumed_stream_starts_after_the_last_acknowledged_frame() {
 #[test]
 fn a_recovering_worker_whose_assisted_survivor_dies_pairs_with_the_next_busiest() {
     let mut c = cluster(PolicyKind::Lumen, 4);
-    for (id, w, wait) in [(1u64, 1u32, 90u64), (2, 2, 50), (3, 3, 10)] {
-        c.admit(
-            AdmitRequest {
-                request_id: id,
-                serving: w,
-                prompt_tokens: 1,
-                max_new_tokens: 1,
-                reserve_bytes: 0,
-                deadline_ms: None,
-            },
-            0,
-        )
-        .unwrap();
-        c.prefill_started(id, 1, wait).unwrap();
-    }
+    queue_delays(&mut c, &[(1u64, 1u32, 90u64), (2, 2, 50), (3, 3, 10)]);
     c.fail_workers(&[0], 100).unwrap();
     c.worker_recovered(0, 200).unwrap();
     c.worker_phase_done(0, WorkerPhase::LoadingDraft, 300)
@@ -315,21 +321,7 @@ fn a_recovering_worker_whose_assisted_survivor_dies_pairs_with_the_next_busiest(
 fn a_recovering_worker_assists_the_busiest_free_survivor_one_to_one() {
     let mut c = cluster(PolicyKind::Lumen, 5);
     // Queueing delays: worker 2 waits 90 ms, worker 3 waits 50 ms, the rest less.
-    for (id, w, wait) in [(1u64, 2u32, 90u64), (2, 3, 50), (3, 4, 10)] {
-        c.admit(
-            AdmitRequest {
-                request_id: id,
-                serving: w,
-                prompt_tokens: 1,
-                max_new_tokens: 1,
-                reserve_bytes: 0,
-                deadline_ms: None,
-            },
-            0,
-        )
-        .unwrap();
-        c.prefill_started(id, 1, wait).unwrap();
-    }
+    queue_delays(&mut c, &[(1u64, 2u32, 90u64), (2, 3, 50), (3, 4, 10)]);
     c.fail_workers(&[0, 1], 100).unwrap();
     let d = c.worker_recovered(0, 200).unwrap();
     assert_eq!(

@@ -287,26 +287,23 @@ impl<'a> Sim<'a> {
                 Event::DraftReady {
                     worker,
                     incarnation,
-                } => {
-                    if self.workers[worker].incarnation == incarnation {
-                        self.on_draft_ready(worker)?;
-                    }
+                } if self.workers[worker].incarnation == incarnation => {
+                    self.on_draft_ready(worker)?
                 }
                 Event::ReloadDone {
                     worker,
                     incarnation,
-                } => {
-                    if self.workers[worker].incarnation == incarnation {
-                        self.on_reload_done(worker)?;
-                    }
+                } if self.workers[worker].incarnation == incarnation => {
+                    self.on_reload_done(worker)?
                 }
                 Event::HotswapDone {
                     worker,
                     incarnation,
-                } => {
-                    if self.workers[worker].incarnation == incarnation {
-                        self.on_hotswap_done(worker)?;
-                    }
+                } if self.workers[worker].incarnation == incarnation => {
+                    self.on_hotswap_done(worker)?
+                }
+                // A phase event of an earlier incarnation (the worker failed again): stale.
+                Event::DraftReady { .. } | Event::ReloadDone { .. } | Event::HotswapDone { .. } => {
                 }
                 Event::Sample => self.on_sample(),
             }
