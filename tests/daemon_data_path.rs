@@ -5,7 +5,7 @@ mod support;
 
 use kvd::Error;
 use kvd::protocol::SealItem;
-use kvd::store::{BlockClass, Handle};
+use kvd::store::{BlockClass, BlockVersion, Handle};
 use support::*;
 
 const PAGE: usize = 256 * 1024;
@@ -215,16 +215,32 @@ fn release_reports_stale_and_unpinned_entries_in_place() {
     );
     assert!(matches!(r[2], Err(Error::NotFound(_))), "{:?}", r[2]);
     // Compare-and-delete of the wrong version fails, of the right one succeeds.
-    let r = c.remove_if(&[(k[0], b.handle.generation + 1)]).unwrap();
+    let r = c
+        .remove_if(&[(
+            k[0],
+            BlockVersion {
+                generation: b.handle.generation + 1,
+                ..b.handle.version()
+            },
+        )])
+        .unwrap();
     assert!(matches!(r[0], Err(Error::StaleGeneration { .. })));
-    let r = c.remove_if(&[(k[0], b.handle.generation)]).unwrap();
+    let r = c.remove_if(&[(k[0], b.handle.version())]).unwrap();
     assert!(r[0].is_ok());
     assert_eq!(c.exists(&k).unwrap(), vec![false]);
 }
 
 #[test]
 fn the_session_limit_answers_overloaded_with_a_retry_hint() {
-    let d = Daemon::start(&["--max-sessions", "2"]);
+    // One test process holds both sessions: lift the per-process share to the whole limit.
+    let d = Daemon::start(&[
+        "--max-sessions",
+        "2",
+        "--max-sessions-per-process",
+        "2",
+        "--max-sessions-per-uid",
+        "2",
+    ]);
     let _a = d.client("a", 10_000);
     let _b = d.client("b", 10_000);
     let e = kvd::client::Client::connect(&d.socket, &options("c", 10_000)).unwrap_err();

@@ -111,6 +111,6 @@ fn an_idle_daemon_drains_at_once_on_sigterm() {
     let t0 = Instant::now();
     d.sigterm();
     let status = d.wait_exit(Duration::from_secs(20)).expect("exits");
-    assert!(status.success());
+    assert!(status.success(), "{status:?}; log:\n{}", d.log());
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }

@@ -165,7 +165,7 @@ fn a_silent_client_loses_its_blocks_and_pins_when_its_lease_expires() {
     );
     // ...and the daemon closes the connection of a session that no longer exists.
     let e = silent.heartbeat().unwrap_err();
-    assert!(matches!(e, Error::Io(_)), "{e}");
+    assert!(matches!(e, Error::Disconnected(_)), "{e}");
     wait_until(
         Duration::from_secs(10),
         "the connection is released",

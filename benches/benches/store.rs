@@ -97,7 +97,7 @@ fn lifecycle(c: &mut Criterion) {
                     publish_empty(&st, sid, &keys);
                     let found = st.lookup(&keys).unwrap();
                     for (k, f) in keys.iter().zip(found) {
-                        st.remove_if(k, f.unwrap().handle.generation).unwrap();
+                        st.remove_if(k, f.unwrap().handle.version()).unwrap();
                     }
                 })
             },

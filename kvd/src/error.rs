@@ -92,15 +92,18 @@ pub enum Error {
     /// The key exists already (published or being written by someone).
     #[error("already exists: {0}")]
     AlreadyExists(String),
-    /// The block's bytes no longer match their checksum; it was quarantined. Treat as a miss.
+    /// The block's bytes did not match their checksum. Treat as a miss. `outcome` says what
+    /// was found and done about it.
     #[error(
-        "corrupt: block failed its checksum (expected {expected:#010x}, found {found:#010x}); quarantined"
+        "corrupt: block failed its checksum (expected {expected:#010x}, found {found:#010x}); {outcome}"
     )]
     Corrupt {
         /// The checksum recorded at SEAL.
         expected: u32,
-        /// The checksum of the bytes now.
+        /// The checksum of the bytes read.
         found: u32,
+        /// Where the mismatch was and what the daemon did.
+        outcome: Corruption,
     },
     /// An argument was malformed or out of range; nothing changed.
     #[error("invalid argument: {0}")]
@@ -129,6 +132,41 @@ pub enum Error {
     /// An operating-system call failed (mapping memory, sockets).
     #[error("io: {0}")]
     Io(String),
+    /// The client's connection to its daemon failed (a timeout, the daemon died or restarted,
+    /// the stream fell out of step). The session and its pins are gone: every later call and
+    /// every read of the mapping fails with this until the client reconnects. Retryable after
+    /// a reconnect.
+    #[error("disconnected: {0}; reconnect (Client::reconnect) and look the blocks up again")]
+    Disconnected(String),
+}
+
+/// What a checksum mismatch meant, in [`Error::Corrupt`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Corruption {
+    /// The daemon's own copy failed its check: the block is quarantined (never read again).
+    Quarantined,
+    /// A reader's copy failed, the daemon re-checked its own and found it intact: nothing was
+    /// quarantined; read again.
+    ReaderCopy,
+    /// At seal, the checksum the writer supplied does not match the bytes written; the block
+    /// stays unsealed.
+    AtSeal,
+}
+
+impl std::fmt::Display for Corruption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Corruption::Quarantined => "the daemon quarantined the block; treat it as a miss",
+            Corruption::ReaderCopy => {
+                "the daemon re-checked its own copy and found it intact, so nothing was \
+                 quarantined; the bytes changed in this reader's copy: read again"
+            }
+            Corruption::AtSeal => {
+                "the checksum supplied at seal does not match the bytes written; the block stays \
+                 unsealed: rewrite it or abort it"
+            }
+        })
+    }
 }
 
 impl Error {
@@ -149,12 +187,17 @@ impl Error {
             Error::Unavailable(_) => 12,
             Error::Protocol(_) => 13,
             Error::Io(_) => 14,
+            Error::Disconnected(_) => 15,
         }
     }
 
-    /// Whether trying the same call again later can succeed.
+    /// Whether trying the same call again later can succeed (for [`Error::Disconnected`], after
+    /// reconnecting).
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::NoSpace { .. } | Error::Overloaded { .. })
+        matches!(
+            self,
+            Error::NoSpace { .. } | Error::Overloaded { .. } | Error::Disconnected(_)
+        )
     }
 }
 

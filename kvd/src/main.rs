@@ -21,7 +21,7 @@ enum Command {
 Once serving it prints `kvd ready generation=N socket=PATH admin=ADDR`. Engines connect with
 kvd::client (or libkvd); operators use `kvd status` and the admin port (/metrics, /drain).
 SIGTERM or POST /drain drains gracefully and exits 0. See docs/DAEMON.md.")]
-    Serve(kvd::daemon::ServeArgs),
+    Serve(Box<kvd::daemon::ServeArgs>),
     /// Print a running daemon's status (pool occupancy by state, sessions, rates).
     Status(kvd::daemon::status::StatusArgs),
     /// Run the control shim (checkpoint placement, recovery planning) as an HTTP/JSON service.
@@ -34,7 +34,7 @@ SIGTERM or POST /drain drains gracefully and exits 0. See docs/DAEMON.md.")]
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve(args) => kvd::daemon::run(args),
+        Command::Serve(args) => kvd::daemon::run(*args),
         Command::Status(args) => kvd::daemon::status::run(args),
         Command::Control(args) => kvd::control::service::run(args),
         #[cfg(feature = "sim")]

@@ -44,7 +44,7 @@ fn scenario() {
             store.write(s, &h, 0, &payload).unwrap();
             store.seal(s, &h, payload.len() as u64, None).unwrap();
             store.publish(s, &[h]).unwrap();
-            store.remove_if(&key(ns, 1), h.generation).unwrap();
+            store.remove_if(&key(ns, 1), h.version()).unwrap();
             store.close_session(s);
         })
     };

@@ -31,7 +31,7 @@ fn a_million_alloc_abort_and_alloc_publish_remove_cycles_leave_the_accounting_as
             store.write(s, &h, 0, &tag).unwrap();
             store.seal(s, &h, 32, None).unwrap();
             store.publish(s, &[h]).unwrap();
-            store.remove_if(&key, h.generation).unwrap();
+            store.remove_if(&key, h.version()).unwrap();
         }
     }
     store.close_session(s);

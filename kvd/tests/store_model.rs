@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use kvd::Error;
 use kvd::clock::ManualClock;
 use kvd::keys::{BlockKey, BlockTag, NamespaceId};
-use kvd::store::{BlockClass, Handle, RequestId, SessionId, Store};
+use kvd::store::{BlockClass, BlockVersion, Handle, RequestId, SessionId, Store};
 
 mod common;
 use proptest::prelude::*;
@@ -475,12 +475,18 @@ impl World {
             Op::RemoveIf { k, stale } => {
                 let key = self.key(k);
                 let current = self.m.index.get(&key).copied();
-                let generation = match (current, stale) {
-                    (Some(b), false) => self.m.blocks[b].handle.generation,
-                    (Some(b), true) => self.m.blocks[b].handle.generation - 1,
-                    (None, _) => 1,
+                let version = match (current, stale) {
+                    (Some(b), false) => self.m.blocks[b].handle.version(),
+                    (Some(b), true) => BlockVersion {
+                        generation: self.m.blocks[b].handle.generation - 1,
+                        ..self.m.blocks[b].handle.version()
+                    },
+                    (None, _) => BlockVersion {
+                        node_generation: self.store.node_generation(),
+                        generation: 1,
+                    },
                 };
-                let r = self.store.remove_if(&key, generation);
+                let r = self.store.remove_if(&key, version);
                 match current {
                     None => assert!(matches!(r, Err(Error::NotFound(_))), "{r:?}"),
                     Some(_) if stale => assert!(

@@ -27,21 +27,37 @@
 //! (allocated and not yet sealed: writable; pinned: readable) and checks every range it is asked
 //! to copy against it, so a caller's bad offset or stale handle gets an error, not another
 //! block's page.
+//!
+//! A connection that failed is never used again. When a call times out, the daemon's socket
+//! closes (it died or restarted), or an answer arrives for another request than the one waited
+//! for, the client marks itself broken and shuts the socket down (so the daemon releases the
+//! session at once). From then on every call, and every read, write or view of the mapping,
+//! fails fast with [`Error::Disconnected`] without touching the socket or the pool:
+//! the session's pins and unfinished blocks are gone with it, so the bytes in the mapping are no
+//! longer this client's to trust. [`Client::reconnect`] opens a fresh session; blocks must be
+//! looked up again. Before touching the mapping the client also checks that the daemon's end of
+//! the socket is still open (one `poll`, no wait) and that its lease still holds by its own
+//! conservative reckoning (see [`Client::lease_left`]).
+//!
+//! Identities are per daemon incarnation: handles and [`BlockVersion`]s carry the node
+//! generation and are refused by a restarted daemon; session and reservation ids are never
+//! accepted from another session.
 
 mod mapping;
 
 use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
-use std::path::Path;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
+use crate::error::Corruption;
 use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
 use crate::protocol::frame::{self, FRAME_HEADER_BYTES, MAX_FRAME_BYTES};
 use crate::protocol::{Hello, HelloReply, Op, Reply, Request, Response, SealItem, Welcome, bit};
 use crate::store::{
-    Allocation, BlockClass, BlockInfo, Handle, ManifestInfo, PrefixHit, RequestId, ReservationId,
-    RestorePrefix, StoreStats,
+    Allocation, BlockClass, BlockInfo, BlockVersion, Handle, ManifestInfo, PrefixHit, RequestId,
+    ReservationId, RestorePrefix, StoreStats,
 };
 use crate::{Error, Result};
 
@@ -98,6 +114,14 @@ pub struct Client {
     request: Option<u64>,
     writable: HashMap<Handle, Writable>,
     readable: HashMap<Handle, Readable>,
+    /// Where and how this session was opened, for [`Client::reconnect`].
+    path: PathBuf,
+    opts: ClientOptions,
+    /// Why the connection can no longer be used, once it cannot (set once, from `&self` too:
+    /// a read of the mapping may be what finds the daemon gone).
+    broken: std::cell::OnceCell<String>,
+    /// The session's lease holds at least until then, by this client's reckoning.
+    lease_until: Instant,
 }
 
 impl Client {
@@ -109,13 +133,20 @@ impl Client {
     /// session limit is reached, [`Error::Protocol`] for another protocol version).
     pub fn connect(path: impl AsRef<Path>, opts: &ClientOptions) -> Result<Client> {
         let path = path.as_ref();
+        let started = Instant::now();
         let stream = UnixStream::connect(path)
             .map_err(|e| Error::Io(format!("connecting to {}: {e}", path.display())))?;
         let timeout = Some(Duration::from_millis(opts.io_timeout_ms.max(1)));
         stream.set_read_timeout(timeout)?;
         stream.set_write_timeout(timeout)?;
-        frame::write_frame(&mut &stream, &Hello::new(&opts.name, opts.lease_ttl_ms))?;
-        let (reply, fd) = read_handshake(&stream)?;
+        // A daemon at one of its bounds answers with a framed refusal and closes, possibly
+        // before it has read the hello: then the write fails, but the refusal is there to read.
+        let sent = frame::write_frame(&mut &stream, &Hello::new(&opts.name, opts.lease_ttl_ms));
+        let (reply, fd) = match (read_handshake(&stream), sent) {
+            (Ok(r), _) => r,
+            (Err(e), Ok(())) => return Err(e),
+            (Err(_), Err(e)) => return Err(Error::Io(format!("sending the hello: {e}"))),
+        };
         let welcome = match reply {
             HelloReply::Welcome(w) => w,
             HelloReply::Refused(e) => return Err(e.into()),
@@ -134,13 +165,88 @@ impl Client {
         Ok(Client {
             stream,
             reader,
+            lease_until: started + lease_margin(welcome.lease_ttl_ms),
             welcome,
             pool,
             next_id: 1,
             request: None,
             writable: HashMap::new(),
             readable: HashMap::new(),
+            path: path.to_owned(),
+            opts: opts.clone(),
+            broken: std::cell::OnceCell::new(),
         })
+    }
+
+    /// Open a fresh session on the same socket with the same options, replacing this one (which
+    /// is closed first if it still works). Every handle and pin of the old session is gone: look
+    /// the blocks up again.
+    ///
+    /// # Errors
+    /// As [`Client::connect`]; on error this client stays broken (or as it was) and can try
+    /// again.
+    pub fn reconnect(&mut self) -> Result<()> {
+        let fresh = Client::connect(&self.path, &self.opts)?;
+        let old = std::mem::replace(self, fresh);
+        if old.broken.get().is_none() {
+            let _ = old.close();
+        }
+        Ok(())
+    }
+
+    /// Why this client can no longer be used, once a connection failure made it so.
+    pub fn broken(&self) -> Option<&str> {
+        self.broken.get().map(String::as_str)
+    }
+
+    /// How long the session's lease holds at least, by this client's own reckoning: the lease
+    /// the daemon last reported at a heartbeat, or three quarters of the lease after any answered
+    /// request (the daemon renews it on requests at most every quarter lease). Zero once it may
+    /// have run out: heartbeat or reconnect.
+    pub fn lease_left(&self) -> Duration {
+        self.lease_until.saturating_duration_since(Instant::now())
+    }
+
+    /// Mark the connection unusable for good and shut the socket down, so the daemon releases
+    /// the session now rather than at its lease. Returns the error every later call gets.
+    fn fail(&self, why: String) -> Error {
+        if self.broken.get().is_none() {
+            tracing::warn!(session = self.welcome.session.0, reason = %why, "kvd connection lost");
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+            let _ = self.broken.set(why);
+        }
+        self.disconnected()
+    }
+
+    fn disconnected(&self) -> Error {
+        Error::Disconnected(self.broken.get().cloned().unwrap_or_default())
+    }
+
+    /// Before a call: fail fast once broken.
+    fn ensure_connected(&self) -> Result<()> {
+        match self.broken.get() {
+            Some(_) => Err(self.disconnected()),
+            None => Ok(()),
+        }
+    }
+
+    /// Before the mapping is touched: the connection must work, the daemon's end must be open
+    /// (a dead daemon's pool is nobody's to trust) and the lease must hold.
+    fn ensure_mapping_usable(&self) -> Result<()> {
+        self.ensure_connected()?;
+        if daemon_hung_up(&self.stream) {
+            return Err(
+                self.fail("the daemon closed the connection (it stopped or restarted)".into())
+            );
+        }
+        if self.lease_until <= Instant::now() {
+            return Err(Error::LeaseExpired(format!(
+                "this client has not heard from the daemon within its {} ms lease, so its pins \
+                 may be gone; heartbeat first",
+                self.welcome.lease_ttl_ms
+            )));
+        }
+        Ok(())
     }
 
     /// What the daemon told us at the handshake.
@@ -169,28 +275,51 @@ impl Client {
     /// # Errors
     /// The daemon's error for the call, or [`Error::Io`] / [`Error::Protocol`] when the
     /// connection fails.
+    ///
+    /// A failed connection (timeout, closed socket, an answer to another request) makes the
+    /// client broken: this and every later call return [`Error::Disconnected`].
     pub fn call(&mut self, op: Op) -> Result<Reply> {
+        self.ensure_connected()?;
         let id = self.next_id;
         self.next_id += 1;
-        frame::write_frame(
-            &mut &self.stream,
-            &Request {
-                id,
-                request: self.request,
-                op,
-            },
-        )?;
-        let resp: Response = frame::read_frame(&mut self.reader)?;
-        if resp.id != id {
-            return match resp.result {
-                Err(e) => Err(e.into()),
-                Ok(_) => Err(Error::Protocol(format!(
-                    "answer to request {} while waiting for {id}",
-                    resp.id
-                ))),
-            };
+        let sent_at = Instant::now();
+        let req = Request {
+            id,
+            request: self.request,
+            op,
+        };
+        if let Err(e) = frame::write_frame(&mut &self.stream, &req) {
+            return Err(self.fail(format!("sending request {id}: {e}")));
         }
-        resp.result.map_err(Error::from)
+        let resp: Response = match frame::read_frame(&mut self.reader) {
+            Ok(r) => r,
+            Err(e) => return Err(self.fail(format!("waiting for the answer to request {id}: {e}"))),
+        };
+        if resp.id != id {
+            let what = match resp.result {
+                Err(e) => format!(
+                    "the daemon answered request {} with: {}",
+                    resp.id,
+                    Error::from(e)
+                ),
+                Ok(_) => format!("the daemon answered request {}", resp.id),
+            };
+            return Err(self.fail(format!("{what}, while this client waited for {id}")));
+        }
+        self.lease_until = self
+            .lease_until
+            .max(sent_at + lease_margin(self.welcome.lease_ttl_ms));
+        match resp.result {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                let e = Error::from(e);
+                // The daemon closes the connection of a session it released.
+                if let Error::LeaseExpired(why) = &e {
+                    self.fail(format!("the session's lease is gone: {why}"));
+                }
+                Err(e)
+            }
+        }
     }
 
     fn check_batch(&self, n: usize) -> Result<()> {
@@ -374,6 +503,7 @@ impl Client {
     /// [`Error::InvalidArgument`] if the block is not being written by this session or the range
     /// leaves its page.
     pub fn write(&mut self, h: &Handle, offset: u64, data: &[u8]) -> Result<()> {
+        self.ensure_mapping_usable()?;
         let at = self.writable_range(h, offset, data.len())?;
         // SAFETY: the block is WRITING and owned by this session (it is in `writable`), so no
         // other process touches its page; `&mut self` keeps other slices of it out.
@@ -391,6 +521,7 @@ impl Client {
         data: &[u8],
         crc: u32,
     ) -> Result<u32> {
+        self.ensure_mapping_usable()?;
         let at = self.writable_range(h, offset, data.len())?;
         // SAFETY: as in `write`.
         let dst = unsafe { self.pool.bytes_mut(at, data.len())? };
@@ -403,6 +534,7 @@ impl Client {
     /// [`Error::InvalidArgument`] if the block is not pinned by this session or the range leaves
     /// the block.
     pub fn read(&self, h: &Handle, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.ensure_mapping_usable()?;
         let (at, _) = self.readable_range(h, offset, dst.len())?;
         // SAFETY: pinned by this session (in `readable`) and SEALED or later: immutable, and
         // the page is not reused while the pin holds.
@@ -414,10 +546,16 @@ impl Client {
     /// Copy a whole pinned block into `dst` (which must be at least its length) and check its
     /// checksum in the same pass. Returns the block's length.
     ///
+    /// When the copy does not match the checksum recorded at SEAL, the client asks the daemon
+    /// to check its own copy of the block (one more round trip, only then): the daemon
+    /// quarantines the block if its copy fails too, and counts the report either way.
+    ///
     /// # Errors
-    /// [`Error::Corrupt`] when the bytes do not match the checksum recorded at SEAL (treat as a
-    /// miss); [`Error::InvalidArgument`] as [`Client::read`].
-    pub fn read_verified(&self, h: &Handle, dst: &mut [u8]) -> Result<u64> {
+    /// [`Error::Corrupt`] on a mismatch (treat as a miss), whose `outcome` says whether the
+    /// daemon quarantined the block ([`Corruption::Quarantined`]) or found its copy intact
+    /// ([`Corruption::ReaderCopy`]); [`Error::InvalidArgument`] as [`Client::read`].
+    pub fn read_verified(&mut self, h: &Handle, dst: &mut [u8]) -> Result<u64> {
+        self.ensure_mapping_usable()?;
         let len = self
             .readable
             .get(h)
@@ -435,16 +573,31 @@ impl Client {
         let src = unsafe { self.pool.bytes(at, n)? };
         let found = transport::local::copy_with_crc32c(&mut dst[..n], src, 0);
         if found != r.checksum {
-            return Err(Error::Corrupt {
-                expected: r.checksum,
-                found,
-            });
+            return Err(self.report_corrupt(h, r.checksum, found));
         }
         Ok(len)
     }
 
+    /// Tell the daemon that this client's copy of `h` failed its checksum; the error to return.
+    fn report_corrupt(&mut self, h: &Handle, expected: u32, found: u32) -> Error {
+        let answer = self.call(Op::ReportCorrupt { handles: vec![*h] });
+        let outcome = match answer.and_then(each).map(|mut v| v.pop()) {
+            Ok(Some(Ok(()))) => Corruption::ReaderCopy,
+            Ok(Some(Err(Error::Corrupt { .. }))) => Corruption::Quarantined,
+            // The daemon could not check (the pin is gone, the connection failed): say that.
+            Ok(Some(Err(e))) | Err(e) => return e,
+            Ok(None) => return Error::Protocol("no answer item for the corrupt report".into()),
+        };
+        Error::Corrupt {
+            expected,
+            found,
+            outcome,
+        }
+    }
+
     /// A pinned block's bytes, in place in the pool (no copy).
     pub fn block(&self, h: &Handle) -> Result<&[u8]> {
+        self.ensure_mapping_usable()?;
         let len = self.readable.get(h).map_or(0, |r| r.len) as usize;
         let (at, _) = self.readable_range(h, 0, len)?;
         // SAFETY: as in `read`; the slice borrows `self`, so the pin cannot be released (that
@@ -455,6 +608,7 @@ impl Client {
     /// A writable block's whole page, in place in the pool (no copy): for producers that fill
     /// it themselves (for example a DMA engine through a registered mapping).
     pub fn block_mut(&mut self, h: &Handle) -> Result<&mut [u8]> {
+        self.ensure_mapping_usable()?;
         let cap = self.writable.get(h).map_or(0, |w| w.capacity) as usize;
         let at = self.writable_range(h, 0, cap)?;
         // SAFETY: as in `write`; the slice borrows `self` mutably, so it is the only one.
@@ -504,8 +658,9 @@ impl Client {
         each(r)
     }
 
-    /// Compare-and-delete each `(key, generation)`.
-    pub fn remove_if(&mut self, items: &[(BlockKey, u64)]) -> Result<Vec<Result<()>>> {
+    /// Compare-and-delete each `(key, version)` (take the version from the block's handle:
+    /// [`Handle::version`]); a version from an earlier daemon incarnation never matches.
+    pub fn remove_if(&mut self, items: &[(BlockKey, BlockVersion)]) -> Result<Vec<Result<()>>> {
         self.check_batch(items.len())?;
         let r = self.call(Op::RemoveIf {
             items: items.to_vec(),
@@ -526,8 +681,12 @@ impl Client {
 
     /// Renew the session's lease; returns the milliseconds until it expires.
     pub fn heartbeat(&mut self) -> Result<u64> {
+        let sent_at = Instant::now();
         match self.call(Op::Heartbeat)? {
-            Reply::Lease { expires_in_ms } => Ok(expires_in_ms),
+            Reply::Lease { expires_in_ms } => {
+                self.lease_until = sent_at + Duration::from_millis(expires_in_ms);
+                Ok(expires_in_ms)
+            }
             r => Err(unexpected(&r)),
         }
     }
@@ -650,6 +809,29 @@ fn each(r: Reply) -> Result<Vec<Result<()>>> {
     match r {
         Reply::Each(v) => Ok(v.into_iter().map(|r| r.map_err(Error::from)).collect()),
         r => Err(unexpected(&r)),
+    }
+}
+
+/// The least time the lease holds after an answered request: the daemon renews it on requests
+/// at most every quarter lease, so it runs at least three quarters of a lease past any request.
+fn lease_margin(lease_ttl_ms: u64) -> Duration {
+    Duration::from_millis(lease_ttl_ms - lease_ttl_ms / 4)
+}
+
+/// Whether the daemon's end of the socket is closed (one non-blocking `poll`).
+fn daemon_hung_up(stream: &UnixStream) -> bool {
+    use rustix::event::{PollFd, PollFlags, poll};
+    let mut fds = [PollFd::new(stream, PollFlags::RDHUP)];
+    let zero = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match poll(&mut fds, Some(&zero)) {
+        Ok(0) => false,
+        Ok(_) => fds[0]
+            .revents()
+            .intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR),
+        Err(_) => false,
     }
 }
 

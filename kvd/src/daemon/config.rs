@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::peers::PeerLimits;
 use crate::pool::HugePages;
 use crate::{Error, Result};
 
@@ -50,6 +51,28 @@ pub struct ServeArgs {
     /// Sessions (client connections) open at most [default: 256].
     #[arg(long)]
     pub max_sessions: Option<u32>,
+    /// Connections still in their handshake at most, beyond the sessions [default: 32].
+    #[arg(long)]
+    pub max_pending_connections: Option<u32>,
+    /// How long a new connection may take to finish its handshake, ms [default: 2000].
+    #[arg(long)]
+    pub handshake_timeout_ms: Option<u64>,
+    /// Sessions one client process (by SO_PEERCRED pid) may hold [default: a quarter of
+    /// --max-sessions].
+    #[arg(long)]
+    pub max_sessions_per_process: Option<u32>,
+    /// Sessions the processes of one uid may hold together [default: three quarters of
+    /// --max-sessions].
+    #[arg(long)]
+    pub max_sessions_per_uid: Option<u32>,
+    /// Handshakes one process may have under way [default: a quarter of
+    /// --max-pending-connections].
+    #[arg(long)]
+    pub max_pending_per_process: Option<u32>,
+    /// Handshakes the processes of one uid may have under way [default: three quarters of
+    /// --max-pending-connections].
+    #[arg(long)]
+    pub max_pending_per_uid: Option<u32>,
     /// Unanswered requests one session may have; more are answered Overloaded [default: 32].
     #[arg(long)]
     pub max_inflight: Option<u32>,
@@ -88,6 +111,12 @@ pub struct FileConfig {
     pub page_kib: Option<u64>,
     pub huge_pages: Option<String>,
     pub max_sessions: Option<u32>,
+    pub max_pending_connections: Option<u32>,
+    pub handshake_timeout_ms: Option<u64>,
+    pub max_sessions_per_process: Option<u32>,
+    pub max_sessions_per_uid: Option<u32>,
+    pub max_pending_per_process: Option<u32>,
+    pub max_pending_per_uid: Option<u32>,
     pub max_inflight: Option<u32>,
     pub max_batch: Option<u32>,
     pub drain_deadline_ms: Option<u64>,
@@ -122,6 +151,8 @@ pub struct DaemonConfig {
     pub max_pending_connections: u32,
     /// How long a handshake may take, ms.
     pub handshake_timeout_ms: u64,
+    /// Per-process and per-uid bounds on handshakes and sessions.
+    pub peers: PeerLimits,
     /// Unanswered requests per session.
     pub max_inflight: u32,
     /// Items per batch.
@@ -202,6 +233,31 @@ impl DaemonConfig {
         };
         let page_kib = args.page_kib.or(file.page_kib).unwrap_or(2560);
         let pool_mib = args.pool_mib.or(file.pool_mib).unwrap_or(256);
+        let max_sessions = args.max_sessions.or(file.max_sessions).unwrap_or(256);
+        let max_pending = args
+            .max_pending_connections
+            .or(file.max_pending_connections)
+            .unwrap_or(32);
+        let quarter = |n: u32| (n / 4).max(1);
+        let three_quarters = |n: u32| (n - n / 4).max(1);
+        let peers = PeerLimits {
+            pending_per_process: args
+                .max_pending_per_process
+                .or(file.max_pending_per_process)
+                .unwrap_or(quarter(max_pending)),
+            pending_per_uid: args
+                .max_pending_per_uid
+                .or(file.max_pending_per_uid)
+                .unwrap_or(three_quarters(max_pending)),
+            sessions_per_process: args
+                .max_sessions_per_process
+                .or(file.max_sessions_per_process)
+                .unwrap_or(quarter(max_sessions)),
+            sessions_per_uid: args
+                .max_sessions_per_uid
+                .or(file.max_sessions_per_uid)
+                .unwrap_or(three_quarters(max_sessions)),
+        };
         let c = DaemonConfig {
             data_dir,
             socket,
@@ -211,9 +267,13 @@ impl DaemonConfig {
             pool_bytes: pool_mib.saturating_mul(1 << 20),
             page_bytes: page_kib.saturating_mul(1024),
             huge_pages,
-            max_sessions: args.max_sessions.or(file.max_sessions).unwrap_or(256),
-            max_pending_connections: 32,
-            handshake_timeout_ms: 5_000,
+            max_sessions,
+            max_pending_connections: max_pending,
+            handshake_timeout_ms: args
+                .handshake_timeout_ms
+                .or(file.handshake_timeout_ms)
+                .unwrap_or(2_000),
+            peers,
             max_inflight: args.max_inflight.or(file.max_inflight).unwrap_or(32),
             max_batch: args.max_batch.or(file.max_batch).unwrap_or(1024),
             max_frame_bytes: crate::protocol::MAX_FRAME_BYTES,
@@ -249,6 +309,32 @@ impl DaemonConfig {
         }
         if self.max_sessions == 0 || self.max_inflight == 0 || self.max_batch == 0 {
             return bad("max_sessions, max_inflight and max_batch must be at least 1".into());
+        }
+        let p = &self.peers;
+        if self.max_pending_connections == 0 || self.handshake_timeout_ms == 0 {
+            return bad(
+                "max_pending_connections and handshake_timeout_ms must be at least 1".into(),
+            );
+        }
+        if p.sessions_per_process == 0
+            || p.sessions_per_process > p.sessions_per_uid
+            || p.sessions_per_uid > self.max_sessions
+        {
+            return bad(format!(
+                "session bounds must satisfy 1 <= per process ({}) <= per uid ({}) <= \
+                 max_sessions ({})",
+                p.sessions_per_process, p.sessions_per_uid, self.max_sessions
+            ));
+        }
+        if p.pending_per_process == 0
+            || p.pending_per_process > p.pending_per_uid
+            || p.pending_per_uid > self.max_pending_connections
+        {
+            return bad(format!(
+                "handshake bounds must satisfy 1 <= per process ({}) <= per uid ({}) <= \
+                 max_pending_connections ({})",
+                p.pending_per_process, p.pending_per_uid, self.max_pending_connections
+            ));
         }
         if self.max_batch > 4096 {
             return bad(format!(

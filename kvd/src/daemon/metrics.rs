@@ -77,6 +77,12 @@ pub struct Metrics {
     pub inflight_rejects: Counter,
     /// Frames that failed to decode (the connection was closed).
     pub protocol_errors: Counter,
+    /// Connections refused because one peer process or uid reached its bound.
+    pub peer_refusals: Counter,
+    /// Blocks whose reader reported a checksum mismatch in its copy.
+    pub corrupt_reports: Counter,
+    /// Of those, blocks whose daemon-side copy failed too (quarantined).
+    pub corrupt_reports_confirmed: Counter,
     /// Sessions open now (connections past the handshake).
     pub sessions_open: Gauge,
     /// Result of the last accounting audit (1 balanced, 0 not).
@@ -128,6 +134,9 @@ impl Metrics {
             sessions_refused: Counter::default(),
             inflight_rejects: Counter::default(),
             protocol_errors: Counter::default(),
+            peer_refusals: Counter::default(),
+            corrupt_reports: Counter::default(),
+            corrupt_reports_confirmed: Counter::default(),
             sessions_open: Gauge::default(),
             accounting_balanced: Gauge::default(),
             ready: Gauge::default(),
@@ -160,6 +169,21 @@ impl Metrics {
                 "kvd_protocol_errors",
                 "Malformed frames (connection closed)",
                 &m.protocol_errors,
+            ),
+            (
+                "kvd_peer_refusals",
+                "Connections refused at a per-process or per-uid bound",
+                &m.peer_refusals,
+            ),
+            (
+                "kvd_corrupt_reports",
+                "Blocks a reader reported failing the checksum in its own copy",
+                &m.corrupt_reports,
+            ),
+            (
+                "kvd_corrupt_reports_confirmed",
+                "Reported blocks whose daemon-side copy failed too (quarantined)",
+                &m.corrupt_reports_confirmed,
             ),
         ] {
             r.register(name, help, c.clone());

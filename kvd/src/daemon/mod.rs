@@ -13,6 +13,7 @@ pub mod config;
 pub mod datadir;
 pub mod drain;
 pub mod metrics;
+pub mod peers;
 pub mod server;
 pub mod status;
 
@@ -70,6 +71,7 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
 
 /// Start everything, serve until a drain ends.
 async fn serve(config: DaemonConfig) -> Result<()> {
+    let signals = DrainSignals::install()?;
     let datadir = datadir::DataDir::open(&config.data_dir)?;
     let generation = datadir.generation();
     let pool = PoolConfig {
@@ -104,6 +106,7 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         })?;
     let admin_addr = admin.local_addr().map_err(|e| Error::Io(e.to_string()))?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
+    let config_peers = config.peers;
     let d = Arc::new(server::Daemon {
         metrics: metrics::Metrics::new(store.clone()),
         store,
@@ -113,6 +116,7 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         shutdown,
         started: Instant::now(),
         admin_addr,
+        peers: peers::Peers::new(config_peers),
     });
     tokio::spawn(server::accept_loop(d.clone(), listener));
     tokio::spawn(server::reaper(d.clone()));
@@ -137,17 +141,33 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         );
         let _ = out.flush();
     }
-    wait_for_drain(&d).await?;
+    wait_for_drain(&d, signals).await?;
     drain::run(&d).await;
     let _ = std::fs::remove_file(&d.config.socket);
     drop(datadir);
     Ok(())
 }
 
-async fn wait_for_drain(d: &server::Daemon) -> Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).map_err(|e| Error::Io(e.to_string()))?;
-    let mut int = signal(SignalKind::interrupt()).map_err(|e| Error::Io(e.to_string()))?;
+/// SIGTERM and SIGINT, caught from before the daemon says it is ready: a signal that arrives
+/// right after the ready line must start a drain, not kill the process.
+struct DrainSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl DrainSignals {
+    fn install() -> Result<DrainSignals> {
+        use tokio::signal::unix::{SignalKind, signal};
+        let e = |e: std::io::Error| Error::Io(format!("installing signal handlers: {e}"));
+        Ok(DrainSignals {
+            term: signal(SignalKind::terminate()).map_err(e)?,
+            int: signal(SignalKind::interrupt()).map_err(e)?,
+        })
+    }
+}
+
+async fn wait_for_drain(d: &server::Daemon, signals: DrainSignals) -> Result<()> {
+    let DrainSignals { mut term, mut int } = signals;
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: draining"),
         _ = int.recv() => tracing::info!("SIGINT: draining"),

@@ -2,7 +2,8 @@
 //! session.
 //!
 //! ```text
-//! accept ──(connection permit, else close)──▶ handshake (≤ handshake_timeout_ms)
+//! accept ──(connection permit and the peer's share, else a framed Overloaded)──▶
+//!        handshake (≤ handshake_timeout_ms) ──(the peer's session share)──▶
 //!        ──▶ session task: read frame ─▶ store call ─▶ answer (pipelined answers coalesced)
 //!                          └─ ≥ max_inflight whole requests queued behind it: Overloaded
 //! ```
@@ -13,6 +14,11 @@
 //! the client has more than `max_inflight` unanswered, and it is answered `Overloaded` with a
 //! retry hint. A client that pipelines more than the buffer holds is slowed by the socket
 //! (kernel flow control), never by unbounded memory in the daemon.
+//!
+//! Who connects is known from the kernel (`SO_PEERCRED`); every connection counts against its
+//! process's and its uid's shares ([`super::peers`]), so one process, however many connections
+//! it opens, cannot lock the others out. A connection over any bound is told so in a framed,
+//! retryable `Overloaded` (with a retry-after hint) before it is closed.
 //!
 //! Each connection is one store session: when the connection ends (the client closed it, was
 //! killed, sent garbage, or went silent past its lease) the session is closed, which aborts its
@@ -36,12 +42,13 @@ use crate::protocol::{
     Hello, HelloReply, Op, PROTOCOL_VERSION, Reply, Request, Response, Welcome, WireError, fdpass,
     pack_bits,
 };
-use crate::store::{Handle, SessionId, Store};
+use crate::store::{Handle, SessionId, SessionPeer, Store};
 use crate::{Error, Result};
 
 use super::config::DaemonConfig;
 use super::drain::DrainState;
 use super::metrics::Metrics;
+use super::peers::{PeerSlot, Peers};
 
 /// Everything the daemon's tasks share.
 #[derive(Debug)]
@@ -62,6 +69,8 @@ pub struct Daemon {
     pub started: Instant,
     /// The admin address actually bound.
     pub admin_addr: std::net::SocketAddr,
+    /// Per-process and per-uid connection counts.
+    pub peers: Arc<Peers>,
 }
 
 /// Bind the Unix socket: owner and group may connect (0660), others not. A stale socket file
@@ -124,6 +133,7 @@ pub async fn accept_loop(d: Arc<Daemon>, listener: tokio::net::UnixListener) {
     let permits = Arc::new(Semaphore::new(
         (d.config.max_sessions + d.config.max_pending_connections) as usize,
     ));
+    let total = d.config.max_sessions + d.config.max_pending_connections;
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -135,15 +145,58 @@ pub async fn accept_loop(d: Arc<Daemon>, listener: tokio::net::UnixListener) {
             }
         };
         d.metrics.connections_accepted.inc();
-        match permits.clone().try_acquire_owned() {
-            Ok(permit) => {
-                tokio::spawn(connection(d.clone(), stream, permit));
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            d.metrics.connections_refused.inc();
+            refuse_at_accept(
+                &stream,
+                Error::Overloaded {
+                    what: format!(
+                        "{total} connections open (sessions and handshakes), the daemon's limit"
+                    ),
+                    retry_after_ms: 200,
+                },
+            );
+            continue;
+        };
+        let peer = peer_of(&stream);
+        match d.peers.admit_pending(peer) {
+            Ok(slot) => {
+                tokio::spawn(connection(d.clone(), stream, permit, slot));
             }
-            Err(_) => {
-                d.metrics.connections_refused.inc();
-                drop(stream);
+            Err(e) => {
+                d.metrics.peer_refusals.inc();
+                tracing::debug!(pid = peer.pid, uid = peer.uid, error = %e, "connection refused");
+                refuse_at_accept(&stream, e);
             }
         }
+    }
+}
+
+/// The connection's peer as the kernel saw it at connect. Should the kernel not say (it always
+/// does for a connected Unix socket), the connection counts as one unknown peer's.
+fn peer_of(stream: &UnixStream) -> SessionPeer {
+    match rustix::net::sockopt::socket_peercred(stream) {
+        Ok(c) => SessionPeer {
+            pid: c.pid.as_raw_nonzero().get() as u32,
+            uid: c.uid.as_raw(),
+        },
+        Err(_) => SessionPeer {
+            pid: 0,
+            uid: u32::MAX,
+        },
+    }
+}
+
+/// Refuse a connection the accept loop will not serve: answer the handshake with a framed
+/// refusal and close, without waiting. The hello (if it came already) is read first so that
+/// closing does not reset the connection under the refusal; a client whose hello comes later
+/// still reads the refusal before the end of the stream.
+fn refuse_at_accept(stream: &UnixStream, e: Error) {
+    let mut sink = [0u8; 1024];
+    let _ = stream.try_read(&mut sink);
+    if let Ok(bytes) = frame::encode(&HelloReply::Refused(e.into())) {
+        // A refusal is ~100 bytes into an empty socket buffer: it fits without blocking.
+        let _ = stream.try_write(&bytes);
     }
 }
 
@@ -214,16 +267,22 @@ async fn send_welcome(stream: &UnixStream, bytes: &[u8], store: &Store) -> std::
     Ok(())
 }
 
-async fn connection(d: Arc<Daemon>, mut stream: UnixStream, _permit: OwnedSemaphorePermit) {
+async fn connection(
+    d: Arc<Daemon>,
+    mut stream: UnixStream,
+    _permit: OwnedSemaphorePermit,
+    mut slot: PeerSlot,
+) {
     let c = &d.config;
-    let hello: Hello = match read_frame(
-        &mut stream,
-        c.max_frame_bytes,
-        Duration::from_millis(c.handshake_timeout_ms),
-        Duration::from_millis(c.handshake_timeout_ms),
+    let handshake = Duration::from_millis(c.handshake_timeout_ms);
+    // One deadline for the whole hello, however it trickles in.
+    let hello = tokio::time::timeout(
+        handshake,
+        read_frame::<_, Hello>(&mut stream, c.max_frame_bytes, handshake, handshake),
     )
     .await
-    {
+    .unwrap_or(Err(ReadEnd::Closed));
+    let hello: Hello = match hello {
         Ok(h) => h,
         Err(ReadEnd::Closed) => {
             d.metrics.sessions_refused.inc();
@@ -248,22 +307,30 @@ async fn connection(d: Arc<Daemon>, mut stream: UnixStream, _permit: OwnedSemaph
         refuse(&d, &mut stream, e).await;
         return;
     }
-    let sid = match d.store.open_session(&hello.client_name, hello.lease_ttl_ms) {
+    if let Err(e) = slot.promote() {
+        d.metrics.peer_refusals.inc();
+        refuse(&d, &mut stream, e).await;
+        return;
+    }
+    // Who connected, as the kernel saw it (the socket's mode already decided whether they may).
+    let peer = slot.peer();
+    let sid = match d
+        .store
+        .open_session_for(&hello.client_name, hello.lease_ttl_ms, peer)
+    {
         Ok(s) => s,
         Err(e) => {
             refuse(&d, &mut stream, e).await;
             return;
         }
     };
-    // Who connected, as the kernel saw it (the socket's mode already decided whether they may).
-    let peer = rustix::net::sockopt::socket_peercred(&stream).ok();
     let span = tracing::info_span!(
         "session",
         session = sid.0,
         client = %hello.client_name,
         node_generation = d.store.node_generation(),
-        peer_pid = peer.map(|p| p.pid.as_raw_nonzero().get()),
-        peer_uid = peer.map(|p| p.uid.as_raw()),
+        peer_pid = peer.pid,
+        peer_uid = peer.uid,
     );
     let cfg = d.store.config();
     let welcome = Welcome {
@@ -516,7 +583,7 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
             Reply::Done
         }
         Op::Abort { handles } => each(s.abort(sid, &handles)?),
-        Op::RemoveIf { items } => each(items.iter().map(|(k, g)| s.remove_if(k, *g)).collect()),
+        Op::RemoveIf { items } => each(items.iter().map(|(k, v)| s.remove_if(k, *v)).collect()),
         Op::Touch { keys } => {
             s.touch(&keys);
             Reply::Done
@@ -534,7 +601,7 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
             Reply::Reservation(s.reserve(sid, bytes)?)
         }
         Op::ReleaseReservation { reservation } => {
-            s.release_reservation(reservation);
+            s.release_reservation(sid, reservation)?;
             Reply::Done
         }
         Op::ManifestBegin {
@@ -575,6 +642,18 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
             Reply::Done
         }
         Op::ManifestGet { request } => Reply::Manifest(s.manifest(request)?),
+        // A pass over each block, so off the runtime's hot path.
+        Op::ReportCorrupt { handles } => {
+            d.metrics.corrupt_reports.inc_by(handles.len() as u64);
+            let r = tokio::task::block_in_place(|| {
+                handles.iter().map(|h| s.verify(sid, h)).collect::<Vec<_>>()
+            });
+            let confirmed = r.iter().filter(|r| matches!(r, Err(Error::Corrupt { .. })));
+            d.metrics
+                .corrupt_reports_confirmed
+                .inc_by(confirmed.count() as u64);
+            each(r)
+        }
         // Checks every block's checksum: a pass over each, so off the runtime's hot path.
         Op::RestorePrefix { request, tokens } => {
             Reply::Restore(tokio::task::block_in_place(|| {

@@ -146,6 +146,7 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
         "sessions: {} open, {} pins, {} manifests, {} namespaces, {} evictable blocks",
         s.sessions, s.pins, s.manifests, s.namespaces, s.evictable
     );
+    write_sessions(&mut o, &r.sessions);
     let c = &s.counters;
     let (secs, base) = match earlier {
         Some(e) => (
@@ -191,4 +192,47 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
         r.daemon.protocol_errors
     );
     o
+}
+
+/// Sessions shown by `kvd status`, the longest idle first.
+const STATUS_SESSIONS_SHOWN: usize = 10;
+
+/// The sessions that hold capacity, longest idle first: who (pid, uid), how old, how idle.
+fn write_sessions(o: &mut String, sessions: &[crate::store::SessionSummary]) {
+    use std::fmt::Write as _;
+    if sessions.is_empty() {
+        return;
+    }
+    let mut v: Vec<_> = sessions.iter().collect();
+    v.sort_by_key(|s| std::cmp::Reverse(s.idle_ms));
+    let _ = writeln!(
+        o,
+        "  {:>8} {:<20} {:>8} {:>6} {:>9} {:>9} {:>5} {:>7}",
+        "session", "name", "pid", "uid", "age s", "idle s", "pins", "writing"
+    );
+    for s in v.iter().take(STATUS_SESSIONS_SHOWN) {
+        let (pid, uid) = s.peer.map_or(("-".into(), "-".into()), |p| {
+            (p.pid.to_string(), p.uid.to_string())
+        });
+        let _ = writeln!(
+            o,
+            "  {:>8} {:<20} {:>8} {:>6} {:>9.1} {:>9.1} {:>5} {:>7}",
+            s.id.0,
+            s.name.chars().take(20).collect::<String>(),
+            pid,
+            uid,
+            s.age_ms as f64 / 1000.0,
+            s.idle_ms as f64 / 1000.0,
+            s.pins,
+            s.blocks_in_flight
+        );
+    }
+    if v.len() > STATUS_SESSIONS_SHOWN {
+        let _ = writeln!(
+            o,
+            "  ... {} more (kvd status --json lists up to {})",
+            v.len() - STATUS_SESSIONS_SHOWN,
+            super::admin::STATUS_MAX_SESSIONS
+        );
+    }
 }

@@ -3,7 +3,7 @@
 //! ```text
 //! offset  size  field
 //! 0       2     magic  b"KV"
-//! 2       2     protocol version, little-endian (1)
+//! 2       2     protocol version, little-endian (2)
 //! 4       4     body length in bytes, little-endian, at most MAX_FRAME_BYTES
 //! 8       len   body: one message, postcard-encoded (serde)
 //! ```
@@ -27,7 +27,9 @@ use crate::{Error, Result};
 /// The first two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"KV";
 /// The version this build speaks. A peer with another version is refused at the handshake.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// 2: compare-and-delete names a [`crate::store::BlockVersion`] (node generation included);
+/// `ReportCorrupt`.
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Header bytes before the body.
 pub const FRAME_HEADER_BYTES: usize = 8;
 /// The largest body either side accepts (1 MiB): a batch of 1024 keys or handles, with per-item

@@ -12,11 +12,11 @@
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
-use crate::error::BlockState;
+use crate::error::{BlockState, Corruption};
 use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
 use crate::store::{
-    Allocation, BlockClass, BlockInfo, Handle, ManifestInfo, PrefixHit, RequestId, ReservationId,
-    RestorePrefix, SessionId, StoreStats,
+    Allocation, BlockClass, BlockInfo, BlockVersion, Handle, ManifestInfo, PrefixHit, RequestId,
+    ReservationId, RestorePrefix, SessionId, StoreStats,
 };
 
 use super::frame::PROTOCOL_VERSION;
@@ -159,10 +159,11 @@ pub enum Op {
         /// The blocks.
         handles: Vec<Handle>,
     },
-    /// Compare-and-delete each `(key, generation)` → [`Reply::Each`].
+    /// Compare-and-delete each `(key, version)` → [`Reply::Each`]; a version from another node
+    /// incarnation never matches.
     RemoveIf {
         /// The versions to remove.
-        items: Vec<(BlockKey, u64)>,
+        items: Vec<(BlockKey, BlockVersion)>,
     },
     /// Mark blocks recently used → [`Reply::Done`].
     Touch {
@@ -233,6 +234,13 @@ pub enum Op {
         /// The request.
         request: RequestId,
     },
+    /// A reader's copy of these pinned blocks failed its checksum: the daemon checks its own
+    /// copy of each and quarantines those that fail too → [`Reply::Each`]: `Ok` when the
+    /// daemon's copy is intact, `Corrupt` (quarantined) when it was not.
+    ReportCorrupt {
+        /// The blocks, pinned by this session.
+        handles: Vec<Handle>,
+    },
     /// Recovery's question: the longest verified checkpoint prefix of `tokens` held here →
     /// [`Reply::Restore`] (every block's checksum checked just now; not pinned: acquire them).
     RestorePrefix {
@@ -269,6 +277,7 @@ impl Op {
             Op::ManifestEnd { .. } => "manifest_end",
             Op::ManifestGet { .. } => "manifest_get",
             Op::RestorePrefix { .. } => "restore_prefix",
+            Op::ReportCorrupt { .. } => "report_corrupt",
         }
     }
 
@@ -281,7 +290,8 @@ impl Op {
             Op::Release { handles }
             | Op::Publish { handles }
             | Op::Abort { handles }
-            | Op::ManifestExtend { handles, .. } => handles.len(),
+            | Op::ManifestExtend { handles, .. }
+            | Op::ReportCorrupt { handles } => handles.len(),
             Op::Seal { blocks } => blocks.len(),
             Op::RemoveIf { items } => items.len(),
             // A token history is bounded by the frame size; its blocks are not a batch.
@@ -300,7 +310,7 @@ impl Op {
     }
 
     /// Every operation names in [`Op`], for metrics.
-    pub const NAMES: [&'static str; 22] = [
+    pub const NAMES: [&'static str; 23] = [
         "register_namespace",
         "lookup_prefix",
         "exists",
@@ -323,6 +333,7 @@ impl Op {
         "manifest_end",
         "manifest_get",
         "restore_prefix",
+        "report_corrupt",
     ];
 }
 
@@ -397,6 +408,7 @@ pub enum WireError {
     Corrupt {
         expected: u32,
         found: u32,
+        outcome: Corruption,
     },
     InvalidArgument(String),
     LeaseExpired(String),
@@ -408,6 +420,7 @@ pub enum WireError {
     Unavailable(String),
     Protocol(String),
     Io(String),
+    Disconnected(String),
 }
 
 impl From<Error> for WireError {
@@ -444,7 +457,15 @@ impl From<Error> for WireError {
             },
             Error::NotFound(s) => WireError::NotFound(s),
             Error::AlreadyExists(s) => WireError::AlreadyExists(s),
-            Error::Corrupt { expected, found } => WireError::Corrupt { expected, found },
+            Error::Corrupt {
+                expected,
+                found,
+                outcome,
+            } => WireError::Corrupt {
+                expected,
+                found,
+                outcome,
+            },
             Error::InvalidArgument(s) => WireError::InvalidArgument(s),
             Error::LeaseExpired(s) => WireError::LeaseExpired(s),
             Error::StaleEpoch { got, current } => WireError::StaleEpoch { got, current },
@@ -452,6 +473,7 @@ impl From<Error> for WireError {
             Error::Unavailable(s) => WireError::Unavailable(s),
             Error::Protocol(s) => WireError::Protocol(s),
             Error::Io(s) => WireError::Io(s),
+            Error::Disconnected(s) => WireError::Disconnected(s),
         }
     }
 }
@@ -512,7 +534,15 @@ impl From<WireError> for Error {
             },
             WireError::NotFound(s) => Error::NotFound(s),
             WireError::AlreadyExists(s) => Error::AlreadyExists(s),
-            WireError::Corrupt { expected, found } => Error::Corrupt { expected, found },
+            WireError::Corrupt {
+                expected,
+                found,
+                outcome,
+            } => Error::Corrupt {
+                expected,
+                found,
+                outcome,
+            },
             WireError::InvalidArgument(s) => Error::InvalidArgument(s),
             WireError::LeaseExpired(s) => Error::LeaseExpired(s),
             WireError::StaleEpoch { got, current } => Error::StaleEpoch { got, current },
@@ -520,6 +550,7 @@ impl From<WireError> for Error {
             WireError::Unavailable(s) => Error::Unavailable(s),
             WireError::Protocol(s) => Error::Protocol(s),
             WireError::Io(s) => Error::Io(s),
+            WireError::Disconnected(s) => Error::Disconnected(s),
         }
     }
 }
@@ -573,6 +604,12 @@ mod tests {
             Error::Corrupt {
                 expected: 1,
                 found: 2,
+                outcome: Corruption::Quarantined,
+            },
+            Error::Corrupt {
+                expected: 1,
+                found: 2,
+                outcome: Corruption::ReaderCopy,
             },
             Error::InvalidArgument("a".into()),
             Error::LeaseExpired("l".into()),
@@ -581,6 +618,7 @@ mod tests {
             Error::Unavailable("u".into()),
             Error::Protocol("p".into()),
             Error::Io("i".into()),
+            Error::Disconnected("c".into()),
         ];
         for e in errors {
             let w = WireError::from(e.clone());

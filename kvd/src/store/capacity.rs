@@ -7,7 +7,7 @@
 //! the call fails at once with a retryable [`Error::NoSpace`] that says how much is free.
 
 use crate::store::table::{Inner, Reservation, ReservationOwner};
-use crate::store::types::ReservationId;
+use crate::store::types::{ReservationId, SessionId};
 use crate::{Error, Result};
 
 impl Inner {
@@ -91,6 +91,53 @@ impl Inner {
             {
                 s.reservations.remove(&id);
             }
+        }
+    }
+
+    /// Give back a reservation `sid` made. Only its owner may: a reservation id is a number a
+    /// client holds, and another session's (or an earlier incarnation's) number must not free
+    /// space that someone else counts on. Releasing one twice is a no-op.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when the reservation exists but belongs to another session or to a
+    /// checkpoint manifest (end the manifest instead).
+    pub fn release_session_reservation(&mut self, sid: SessionId, id: ReservationId) -> Result<()> {
+        match self.reservations.get(&id) {
+            None => Ok(()),
+            Some(r) if r.owner == ReservationOwner::Session(sid) => {
+                self.release_reservation(id);
+                Ok(())
+            }
+            Some(_) => Err(Error::NotFound(format!(
+                "reservation {} is not this session's",
+                id.0
+            ))),
+        }
+    }
+
+    /// Check that `sid` may allocate from reservation `id`: its own, or the manifest's of the
+    /// checkpoint it writes (`request`).
+    pub fn check_reservation_owner(
+        &self,
+        sid: SessionId,
+        id: ReservationId,
+        request: Option<crate::store::types::RequestId>,
+    ) -> Result<()> {
+        let r = self
+            .reservations
+            .get(&id)
+            .ok_or_else(|| Error::NotFound(format!("reservation {}", id.0)))?;
+        let ok = match r.owner {
+            ReservationOwner::Session(owner) => owner == sid,
+            ReservationOwner::Manifest(req) => Some(req) == request,
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::NotFound(format!(
+                "reservation {} is not this session's",
+                id.0
+            )))
         }
     }
 

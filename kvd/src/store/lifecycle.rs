@@ -10,10 +10,10 @@
 //! nothing when a check fails. Byte copies and checksums run outside the store's lock, with the
 //! slot's `in_use` mark held so that the page cannot be freed or written concurrently.
 
-use crate::error::BlockState;
+use crate::error::{BlockState, Corruption};
 use crate::keys::BlockKey;
 use crate::store::table::{Class, Inner};
-use crate::store::types::{Allocation, BlockClass, Handle, ReservationId, SessionId};
+use crate::store::types::{Allocation, BlockClass, BlockVersion, Handle, ReservationId, SessionId};
 use crate::{Error, Result};
 
 /// What a write may do after [`Inner::write_prepare`].
@@ -84,6 +84,13 @@ impl Inner {
                 )
             }
         };
+        if let Some(r) = reservation {
+            let request = match class {
+                Class::Checkpoint { request, .. } => Some(request),
+                Class::Cache => None,
+            };
+            self.check_reservation_owner(sid, r, request)?;
+        }
         let pending = self.sessions[&sid].writing.len() + keys.len();
         if pending > self.config.max_blocks_in_flight_per_session as usize {
             self.counters.overload_rejects += 1;
@@ -264,6 +271,7 @@ impl Inner {
                 return Err(Error::Corrupt {
                     expected: c,
                     found: k,
+                    outcome: Corruption::AtSeal,
                 });
             }
             (Some(c), _) if !self.config.verify_supplied_checksums => Some(c),
@@ -304,6 +312,7 @@ impl Inner {
             return Err(Error::Corrupt {
                 expected: c,
                 found: computed,
+                outcome: Corruption::AtSeal,
             });
         }
         self.seal_commit(sid, slot, len, computed);
@@ -415,19 +424,21 @@ impl Inner {
             .collect())
     }
 
-    /// Compare-and-delete: remove the PUBLISHED cache block under `key` only if it is the version
-    /// `expected_generation`. A late delete for an old version never removes a newer block.
-    pub fn remove_if(&mut self, key: &BlockKey, expected_generation: u64) -> Result<()> {
+    /// Compare-and-delete: remove the PUBLISHED cache block under `key` only if it is exactly the
+    /// version `expected` (this incarnation and this block generation). A late delete for an old
+    /// version, from this incarnation or an earlier one, never removes a newer block.
+    pub fn remove_if(&mut self, key: &BlockKey, expected: BlockVersion) -> Result<()> {
+        let node = self.config.node_generation;
         let Some(&i) = self.index.get(key) else {
             return Err(Error::NotFound(format!("block {key}")));
         };
         let s = &self.slots[i as usize];
-        if s.generation != expected_generation {
+        if expected.node_generation != node || s.generation != expected.generation {
             self.counters.stale_generation_rejects += 1;
             return Err(Error::StaleGeneration {
-                handle_node: self.config.node_generation,
-                handle_slot: expected_generation,
-                current_node: self.config.node_generation,
+                handle_node: expected.node_generation,
+                handle_slot: expected.generation,
+                current_node: node,
                 current_slot: s.generation,
             });
         }

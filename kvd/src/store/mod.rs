@@ -207,7 +207,21 @@ impl Store {
     /// [`Error::Overloaded`] past `max_sessions`; [`Error::InvalidArgument`] for a TTL out of
     /// range.
     pub fn open_session(&self, name: &str, lease_ttl_ms: u64) -> Result<SessionId> {
-        self.lock().open_session(name, lease_ttl_ms)
+        self.lock().open_session(name, lease_ttl_ms, None)
+    }
+
+    /// As [`Store::open_session`], recording the peer process that holds the session (shown in
+    /// [`Store::sessions`]).
+    ///
+    /// # Errors
+    /// As [`Store::open_session`].
+    pub fn open_session_for(
+        &self,
+        name: &str,
+        lease_ttl_ms: u64,
+        peer: SessionPeer,
+    ) -> Result<SessionId> {
+        self.lock().open_session(name, lease_ttl_ms, Some(peer))
     }
 
     /// Renew a session's lease; returns the new expiry (store clock, ms).
@@ -239,9 +253,12 @@ impl Store {
         self.lock().reserve_for_session(sid, bytes)
     }
 
-    /// Give a reservation's unused space back.
-    pub fn release_reservation(&self, r: ReservationId) {
-        self.lock().release_reservation(r)
+    /// Give back the unused space of a reservation `sid` made (idempotent).
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] when the reservation belongs to another session or to a manifest.
+    pub fn release_reservation(&self, sid: SessionId, r: ReservationId) -> Result<()> {
+        self.lock().release_session_reservation(sid, r)
     }
 
     // ----- writers -----
@@ -330,9 +347,10 @@ impl Store {
         self.lock().abort(sid, handles)
     }
 
-    /// Compare-and-delete: remove `key` only if its current version is `expected_generation`.
-    pub fn remove_if(&self, key: &BlockKey, expected_generation: u64) -> Result<()> {
-        self.lock().remove_if(key, expected_generation)
+    /// Compare-and-delete: remove `key` only if its current version is exactly `expected`
+    /// (node generation included, so a version from an earlier incarnation never matches).
+    pub fn remove_if(&self, key: &BlockKey, expected: BlockVersion) -> Result<()> {
+        self.lock().remove_if(key, expected)
     }
 
     // ----- readers -----
@@ -420,6 +438,21 @@ impl Store {
         };
         self.lock().read_finish(&t, computed)?;
         Ok(n as u64)
+    }
+
+    /// Check a block `sid` pins against the checksum recorded at SEAL, in place (no copy): what
+    /// the daemon does when a reader reports that its own copy failed the check.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`] with [`crate::error::Corruption::Quarantined`] when the daemon's copy
+    /// fails too (the block is quarantined); the handle's errors as for [`Store::read`].
+    pub fn verify(&self, sid: SessionId, h: &Handle) -> Result<()> {
+        let t = self.lock().read_prepare(sid, h)?;
+        // SAFETY: as in `read`: SEALED or later, pinned by `sid`, marked in use until
+        // `read_finish`.
+        let src = unsafe { self.region().bytes(t.page_offset as usize, t.len as usize) };
+        let computed = transport::local::crc32c(0, src);
+        self.lock().read_finish(&t, Some(computed))
     }
 
     // ----- manifests -----
@@ -543,6 +576,7 @@ impl Store {
     /// The open sessions, in id order, at most `limit`.
     pub fn sessions(&self, limit: usize) -> Vec<SessionSummary> {
         let g = self.lock();
+        let now = g.now();
         let mut v: Vec<SessionSummary> = g
             .sessions
             .iter()
@@ -552,6 +586,9 @@ impl Store {
                 expires_at_ms: s.expires_at_ms,
                 blocks_in_flight: s.writing.len() as u32,
                 pins: s.pins.len() as u32,
+                peer: s.peer,
+                age_ms: now.saturating_sub(s.opened_at_ms),
+                idle_ms: now.saturating_sub(s.active_at_ms),
             })
             .collect();
         v.sort_unstable_by_key(|s| s.id);

@@ -4,7 +4,7 @@
 //! reused: a block removed or evicted while pinned is RETIRED and its page returns to the pool
 //! when the last pin is released or expires. Every pin belongs to a session and has a TTL.
 
-use crate::error::BlockState;
+use crate::error::{BlockState, Corruption};
 use crate::keys::{BlockKey, BlockTag, NamespaceId};
 use crate::store::sessions::Pin;
 use crate::store::types::{BlockInfo, Handle, PrefixHit, SessionId};
@@ -226,6 +226,7 @@ impl Inner {
                 Err(Error::Corrupt {
                     expected: t.checksum,
                     found: c,
+                    outcome: Corruption::Quarantined,
                 })
             }
             _ => Ok(()),

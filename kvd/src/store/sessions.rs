@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 
 use crate::error::BlockState;
 use crate::store::table::{Class, Inner, ReservationOwner};
-use crate::store::types::{ReservationId, SessionCleanup, SessionId};
+use crate::store::types::{ReservationId, SessionCleanup, SessionId, SessionPeer};
 use crate::{Error, Result};
 
 /// One pin of one block by one session.
@@ -31,10 +31,19 @@ pub(crate) struct Session {
     pub writing: HashSet<u32>,
     pub pins: HashMap<u32, Pin>,
     pub reservations: HashSet<ReservationId>,
+    pub peer: Option<SessionPeer>,
+    pub opened_at_ms: u64,
+    /// The last operation on the session (store clock).
+    pub active_at_ms: u64,
 }
 
 impl Inner {
-    pub fn open_session(&mut self, name: &str, lease_ttl_ms: u64) -> Result<SessionId> {
+    pub fn open_session(
+        &mut self,
+        name: &str,
+        lease_ttl_ms: u64,
+        peer: Option<SessionPeer>,
+    ) -> Result<SessionId> {
         let c = &self.config;
         if lease_ttl_ms < c.min_lease_ttl_ms || lease_ttl_ms > c.max_lease_ttl_ms {
             return Err(Error::InvalidArgument(format!(
@@ -56,7 +65,8 @@ impl Inner {
         }
         let id = SessionId(self.next_session);
         self.next_session += 1;
-        let expires_at_ms = self.now() + lease_ttl_ms;
+        let now = self.now();
+        let expires_at_ms = now + lease_ttl_ms;
         self.sessions.insert(
             id,
             Session {
@@ -66,6 +76,9 @@ impl Inner {
                 writing: HashSet::new(),
                 pins: HashMap::new(),
                 reservations: HashSet::new(),
+                peer,
+                opened_at_ms: now,
+                active_at_ms: now,
             },
         );
         self.session_expiry.insert((expires_at_ms, id));
@@ -76,7 +89,16 @@ impl Inner {
     pub fn live_session(&mut self, sid: SessionId) -> Result<&mut Session> {
         let now = self.now();
         let expired = match self.sessions.get(&sid) {
-            None => return Err(Error::NotFound(format!("session {}", sid.0))),
+            // Sessions are only ever named by the daemon on behalf of their own connection, so
+            // an unknown one was released (its lease ran out and the reaper took it, or a drain
+            // closed it): say so, in the error that tells the client to open a new session.
+            None => {
+                return Err(Error::LeaseExpired(format!(
+                    "session {} is closed (its lease ran out or the daemon released it); its \
+                     blocks were aborted and pins dropped",
+                    sid.0
+                )));
+            }
             Some(s) => s.expires_at_ms <= now,
         };
         if expired {
@@ -87,7 +109,9 @@ impl Inner {
                 sid.0
             )));
         }
-        Ok(self.sessions.get_mut(&sid).expect("checked above"))
+        let s = self.sessions.get_mut(&sid).expect("checked above");
+        s.active_at_ms = now;
+        Ok(s)
     }
 
     pub fn heartbeat(&mut self, sid: SessionId) -> Result<u64> {

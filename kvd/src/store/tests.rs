@@ -143,7 +143,7 @@ fn a_stale_handle_never_reads_another_blocks_bytes() {
     let f = fixture(1);
     let s = f.session();
     let old = f.put(s, key(f.ns, 1), &bytes(1, 100));
-    f.store.remove_if(&key(f.ns, 1), old.generation).unwrap();
+    f.store.remove_if(&key(f.ns, 1), old.version()).unwrap();
     let new = f.put(s, key(f.ns, 2), &bytes(2, 100));
     assert_eq!(old.slot, new.slot, "the single page was reused");
     f.store.acquire(s, &[key(f.ns, 2)], None).unwrap();
@@ -311,12 +311,14 @@ fn a_late_delete_never_removes_the_newer_generation() {
     let f = fixture(2);
     let s = f.session();
     let k = key(f.ns, 1);
-    let g1 = f.put(s, k, b"v1").generation;
-    f.store.remove_if(&k, g1).unwrap();
-    let g2 = f.put(s, k, b"v2").generation;
+    let h1 = f.put(s, k, b"v1");
+    let g1 = h1.generation;
+    f.store.remove_if(&k, h1.version()).unwrap();
+    let h2 = f.put(s, k, b"v2");
+    let g2 = h2.generation;
     assert!(g2 > g1);
     // A delete for generation g1 arrives late: it must not touch g2.
-    let e = f.store.remove_if(&k, g1).unwrap_err();
+    let e = f.store.remove_if(&k, h1.version()).unwrap_err();
     assert!(
         matches!(e, Error::StaleGeneration { handle_slot, current_slot, .. } if handle_slot == g1 && current_slot == g2)
     );
@@ -324,7 +326,7 @@ fn a_late_delete_never_removes_the_newer_generation() {
         f.store.lookup(&[k]).unwrap()[0].unwrap().handle.generation,
         g2
     );
-    f.store.remove_if(&k, g2).unwrap();
+    f.store.remove_if(&k, h2.version()).unwrap();
     assert_eq!(f.store.lookup(&[k]).unwrap()[0], None);
     f.invariants();
 }
@@ -360,7 +362,7 @@ fn a_pinned_block_keeps_its_page_until_the_last_pin_is_released() {
     let k = key(f.ns, 1);
     let h = f.put(w, k, &bytes(5, 64));
     f.store.acquire(r, &[k], None).unwrap();
-    f.store.remove_if(&k, h.generation).unwrap();
+    f.store.remove_if(&k, h.version()).unwrap();
     assert_eq!(
         f.store.lookup(&[k]).unwrap()[0],
         None,
@@ -395,7 +397,7 @@ fn an_expired_pin_is_dropped_by_the_reaper() {
     let h = f.put(s, k, b"x");
     let r = f.store.open_session("reader", 100_000).unwrap();
     f.store.acquire(r, &[k], Some(500)).unwrap();
-    f.store.remove_if(&k, h.generation).unwrap();
+    f.store.remove_if(&k, h.version()).unwrap();
     f.clock.advance(499);
     assert_eq!(f.store.reap(100).pins_expired, 0);
     f.clock.advance(1);
@@ -447,7 +449,8 @@ fn a_dead_session_leaves_nothing_behind_within_its_lease_ttl() {
         f.store.lookup(&[key(f.ns, 9)]).unwrap()[0].unwrap().handle,
         published
     );
-    assert!(matches!(f.store.heartbeat(w), Err(Error::NotFound(_))));
+    // Its next call learns why: the lease, not an unknown name.
+    assert!(matches!(f.store.heartbeat(w), Err(Error::LeaseExpired(_))));
     f.invariants();
 }
 

@@ -33,6 +33,30 @@ pub struct Handle {
     pub generation: u64,
 }
 
+impl Handle {
+    /// The version of the block this handle names, for compare-and-delete.
+    pub fn version(&self) -> BlockVersion {
+        BlockVersion {
+            node_generation: self.node_generation,
+            generation: self.generation,
+        }
+    }
+}
+
+/// One version of a block under its key, as compare-and-delete names it: the node incarnation
+/// that published it and the block's generation within that incarnation.
+///
+/// Block generations restart in every incarnation, so a generation alone is not a version: a
+/// `remove_if(K, 1)` remembered from incarnation 1 must not remove the block published under K
+/// in incarnation 2. Carrying the node generation makes every version unique across restarts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BlockVersion {
+    /// The generation of the node incarnation that holds the block.
+    pub node_generation: u64,
+    /// The block's generation within that incarnation.
+    pub generation: u64,
+}
+
 /// Which class of block to allocate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BlockClass {
@@ -275,4 +299,22 @@ pub struct SessionSummary {
     pub blocks_in_flight: u32,
     /// Blocks it pins.
     pub pins: u32,
+    /// The process on the other end, as the kernel reported it (`SO_PEERCRED`).
+    #[serde(default)]
+    pub peer: Option<SessionPeer>,
+    /// Milliseconds since it opened.
+    #[serde(default)]
+    pub age_ms: u64,
+    /// Milliseconds since its last request.
+    #[serde(default)]
+    pub idle_ms: u64,
+}
+
+/// Who holds a session: the peer process's credentials, as the kernel saw them at connect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SessionPeer {
+    /// Process id.
+    pub pid: u32,
+    /// User id.
+    pub uid: u32,
 }
