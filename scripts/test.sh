@@ -42,17 +42,29 @@ cargo fmt --all -- --check
 echo "== cargo clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-echo "== libkvd builds without the daemon's dependencies"
-cargo build --locked -p kvd --no-default-features
+echo "== what engines link (libkvd, kvd-client) has none of the daemon's dependencies"
+python3 scripts/check-deps.py
+
+# The library crates build and test on their own (their own features, not the workspace's);
+# the rest of the workspace is tested together.
+LIB_CRATES=(kvd-core kvd-client kvd-store)
+exclude=()
+for p in "${LIB_CRATES[@]}"; do exclude+=(--exclude "$p"); done
 
 echo "== tests"
 if command -v cargo-nextest >/dev/null; then
-    cargo nextest run --workspace --locked --no-fail-fast
+    for p in "${LIB_CRATES[@]}"; do
+        echo "== tests: $p on its own"
+        cargo nextest run --locked --no-fail-fast -p "$p"
+    done
+    echo "== tests: the rest of the workspace"
+    cargo nextest run --workspace --locked --no-fail-fast "${exclude[@]}"
     # nextest does not run doc tests
     cargo test --workspace --locked --doc
 else
-    cargo test --workspace --locked --no-fail-fast
+    for p in "${LIB_CRATES[@]}"; do cargo test --locked --no-fail-fast -p "$p"; done
+    cargo test --workspace --locked --no-fail-fast "${exclude[@]}"
 fi
 
 echo "== model-checked store concurrency (shuttle)"
-cargo test --locked -p kvd --no-default-features --features shuttle --test shuttle_store
+cargo test --locked -p kvd-store --features shuttle --test shuttle_store

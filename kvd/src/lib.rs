@@ -12,18 +12,14 @@
 //! - [`client`]: the Rust client of the local protocol, with the mapped pool.
 //! - [`daemon`] (feature `server`): `kvd serve`, the admin HTTP, drain, and `kvd status`.
 
-pub mod client;
-pub mod clock;
 pub mod control;
 #[cfg(feature = "server")]
 pub mod daemon;
-pub mod error;
-pub mod keys;
-pub mod pool;
-pub mod protocol;
 #[cfg(feature = "sim")]
 pub mod sim;
-pub mod store;
-pub(crate) mod sync;
 
-pub use error::{Error, Result};
+// The library crates, under the names the daemon, the tests and the benches use.
+pub use kvd_client as client;
+pub use kvd_core::{Error, Result, clock, error, keys, protocol};
+pub use kvd_store as store;
+pub use kvd_store::pool;

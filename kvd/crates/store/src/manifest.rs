@@ -14,9 +14,9 @@ use std::collections::VecDeque;
 
 use crate::error::BlockState;
 use crate::keys::{BlockTag, NamespaceId, block_tags};
-use crate::store::pins::ReadTicket;
-use crate::store::table::{Class, Inner, ReservationOwner};
-use crate::store::types::{Handle, ManifestInfo, RequestId, ReservationId, SessionId};
+use crate::pins::ReadTicket;
+use crate::table::{Class, Inner, ReservationOwner};
+use crate::types::{Handle, ManifestInfo, RequestId, ReservationId, SessionId};
 use crate::{Error, Result};
 
 #[derive(Debug, Clone)]

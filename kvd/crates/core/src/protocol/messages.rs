@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::Error;
 use crate::error::{BlockState, Corruption};
 use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
-use crate::store::{
+use crate::types::{
     Allocation, BlockClass, BlockInfo, BlockVersion, Handle, ManifestInfo, PrefixHit, RequestId,
     ReservationId, RestorePrefix, SessionId, StoreStats,
 };

@@ -6,8 +6,8 @@
 //! blocks when needed. Checkpoint blocks are never evicted. When even eviction cannot make room,
 //! the call fails at once with a retryable [`Error::NoSpace`] that says how much is free.
 
-use crate::store::table::{Inner, Reservation, ReservationOwner};
-use crate::store::types::{ReservationId, SessionId};
+use crate::table::{Inner, Reservation, ReservationOwner};
+use crate::types::{ReservationId, SessionId};
 use crate::{Error, Result};
 
 impl Inner {
@@ -121,7 +121,7 @@ impl Inner {
         &self,
         sid: SessionId,
         id: ReservationId,
-        request: Option<crate::store::types::RequestId>,
+        request: Option<crate::types::RequestId>,
     ) -> Result<()> {
         let r = self
             .reservations

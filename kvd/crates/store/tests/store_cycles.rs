@@ -2,9 +2,9 @@
 
 mod common;
 
-use kvd::clock::ManualClock;
-use kvd::keys::{BlockKey, BlockTag};
-use kvd::store::BlockClass;
+use kvd_core::clock::ManualClock;
+use kvd_core::keys::{BlockKey, BlockTag};
+use kvd_store::BlockClass;
 
 const CYCLES: u32 = 1_000_000;
 

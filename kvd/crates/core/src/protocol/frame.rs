@@ -27,7 +27,7 @@ use crate::{Error, Result};
 /// The first two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"KV";
 /// The version this build speaks. A peer with another version is refused at the handshake.
-/// 2: compare-and-delete names a [`crate::store::BlockVersion`] (node generation included);
+/// 2: compare-and-delete names a [`crate::types::BlockVersion`] (node generation included);
 /// `ReportCorrupt`.
 pub const PROTOCOL_VERSION: u16 = 2;
 /// Header bytes before the body.

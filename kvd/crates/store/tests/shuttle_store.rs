@@ -10,10 +10,10 @@
 
 use std::sync::Arc;
 
-use kvd::Error;
-use kvd::clock::ManualClock;
-use kvd::keys::{BlockKey, BlockTag, NamespaceId};
-use kvd::store::{BlockClass, Store};
+use kvd_core::Error;
+use kvd_core::clock::ManualClock;
+use kvd_core::keys::{BlockKey, BlockTag, NamespaceId};
+use kvd_store::{BlockClass, Store};
 
 mod common;
 

@@ -16,10 +16,16 @@ pub mod integrity;
 pub mod lifecycle;
 pub mod manifest;
 pub mod pins;
+pub mod pool;
 pub mod reaper;
 pub mod sessions;
+mod sync;
 mod table;
-pub mod types;
+
+// The shared vocabulary, under the names the store's modules use for it.
+pub use kvd_core::types::{self, *};
+pub use kvd_core::{Error, Result};
+use kvd_core::{clock, error, keys};
 
 use std::sync::Arc;
 
@@ -27,14 +33,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::clock::Clock;
 use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId, block_tags};
+use crate::lifecycle::SealStep;
 use crate::pool::{Backing, PoolConfig};
-use crate::store::lifecycle::SealStep;
-use crate::store::table::Inner;
 use crate::sync::{Mutex, MutexGuard};
-use crate::{Error, Result};
+use crate::table::Inner;
 
 pub use crate::error::BlockState;
-pub use types::*;
 
 /// The store's limits and defaults. Every bound is explicit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

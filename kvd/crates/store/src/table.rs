@@ -5,16 +5,14 @@
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
+use crate::StoreConfig;
 use crate::clock::Clock;
 use crate::error::BlockState;
 use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
+use crate::manifest::Manifest;
 use crate::pool::Pool;
-use crate::store::StoreConfig;
-use crate::store::manifest::Manifest;
-use crate::store::sessions::Session;
-use crate::store::types::{
-    Accounting, BlockInfo, Counters, Handle, RequestId, ReservationId, SessionId,
-};
+use crate::sessions::Session;
+use crate::types::{Accounting, BlockInfo, Counters, Handle, RequestId, ReservationId, SessionId};
 use crate::{Error, Result};
 
 pub(crate) const NIL: u32 = u32::MAX;
@@ -120,7 +118,7 @@ pub(crate) struct Inner {
     pub next_reservation: u64,
     pub reserved_unused: u64,
     pub quarantine: VecDeque<u32>,
-    pub ended_manifests: crate::store::manifest::Ended,
+    pub ended_manifests: crate::manifest::Ended,
     pub counters: Counters,
 }
 

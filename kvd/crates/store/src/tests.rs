@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::*;
 use crate::clock::ManualClock;
-use crate::keys::tests::qwen14b;
+
 use crate::pool::HugePages;
 
 const PAGE: u64 = 4096;
@@ -29,7 +29,7 @@ fn fixture_with(pages: u32, tweak: impl FnOnce(&mut StoreConfig)) -> Fixture {
     tweak(&mut cfg);
     let clock = ManualClock::new(0);
     let store = Store::new(cfg, clock.clone()).unwrap();
-    let mut d = qwen14b();
+    let mut d = crate::keys::NamespaceDescriptor::example_qwen3_14b();
     d.tokens_per_block = 4;
     d.bytes_per_block = PAGE;
     let ns = store.register_namespace(&d).unwrap();

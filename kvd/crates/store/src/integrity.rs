@@ -5,8 +5,8 @@
 //! and its page returns to the pool after `quarantine_hold_ms` once no pin remains.
 
 use crate::error::BlockState;
-use crate::store::pins::ReadTicket;
-use crate::store::table::Inner;
+use crate::pins::ReadTicket;
+use crate::table::Inner;
 
 impl Inner {
     /// Take a PUBLISHED (or RETIRED) block out of service after a checksum mismatch.

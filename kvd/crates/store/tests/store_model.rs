@@ -11,10 +11,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use kvd::Error;
-use kvd::clock::ManualClock;
-use kvd::keys::{BlockKey, BlockTag, NamespaceId};
-use kvd::store::{BlockClass, BlockVersion, Handle, RequestId, SessionId, Store};
+use kvd_core::Error;
+use kvd_core::clock::ManualClock;
+use kvd_core::keys::{BlockKey, BlockTag, NamespaceId};
+use kvd_store::{BlockClass, BlockVersion, Handle, RequestId, SessionId, Store};
 
 mod common;
 use proptest::prelude::*;

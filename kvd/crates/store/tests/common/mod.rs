@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use kvd::clock::Clock;
-use kvd::keys::{KvDtype, NamespaceDescriptor, NamespaceId};
-use kvd::pool::{HugePages, PoolConfig};
-use kvd::store::{Store, StoreConfig};
+use kvd_core::clock::Clock;
+use kvd_core::keys::{KvDtype, NamespaceDescriptor, NamespaceId};
+use kvd_store::pool::{HugePages, PoolConfig};
+use kvd_store::{Store, StoreConfig};
 
 /// A minimal layout: 4 tokens per block of `bytes_per_block`.
 pub fn descriptor(bytes_per_block: u64) -> NamespaceDescriptor {

@@ -264,12 +264,10 @@ pub fn block_tags(
     Ok(tags)
 }
 
-#[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-
-    /// A Qwen3-14B-shaped descriptor for tests.
-    pub(crate) fn qwen14b() -> NamespaceDescriptor {
+impl NamespaceDescriptor {
+    /// A Qwen3-14B-shaped layout (bf16, 40 layers, 8 KV heads of 128, 16 tokens per block of
+    /// 2.5 MiB), for examples and tests.
+    pub fn example_qwen3_14b() -> NamespaceDescriptor {
         NamespaceDescriptor {
             model_name: "Qwen/Qwen3-14B".into(),
             model_revision: "rev-1".into(),
@@ -288,6 +286,15 @@ pub(crate) mod tests {
             pp_size: 1,
             rope: "theta=1000000".into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen14b() -> NamespaceDescriptor {
+        NamespaceDescriptor::example_qwen3_14b()
     }
 
     #[test]

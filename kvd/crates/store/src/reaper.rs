@@ -6,8 +6,8 @@
 //! checks the accounting invariant (free + each state + quarantined = total).
 
 use crate::error::BlockState;
-use crate::store::table::Inner;
-use crate::store::types::{Accounting, ReapReport};
+use crate::table::Inner;
+use crate::types::{Accounting, ReapReport};
 
 impl Inner {
     pub fn reap(&mut self, budget: u32) -> ReapReport {
@@ -140,7 +140,7 @@ impl Inner {
                 return Err(format!("slot {i} pin count {} != {}", s.pins, pins[i]));
             }
             let evictable = s.state == Some(BlockState::Published)
-                && s.class == crate::store::table::Class::Cache
+                && s.class == crate::table::Class::Cache
                 && s.pins == 0
                 && s.in_use == 0;
             if evictable != s.in_lru && s.in_use == 0 {

@@ -12,8 +12,8 @@
 
 use crate::error::{BlockState, Corruption};
 use crate::keys::BlockKey;
-use crate::store::table::{Class, Inner};
-use crate::store::types::{Allocation, BlockClass, BlockVersion, Handle, ReservationId, SessionId};
+use crate::table::{Class, Inner};
+use crate::types::{Allocation, BlockClass, BlockVersion, Handle, ReservationId, SessionId};
 use crate::{Error, Result};
 
 /// What a write may do after [`Inner::write_prepare`].

@@ -1,4 +1,4 @@
-//! The local protocol between an engine (through [`crate::client`]) and the daemon, over a Unix
+//! The local protocol between an engine (through `kvd-client`) and the daemon, over a Unix
 //! socket. Only metadata crosses the socket; page bytes move through the pool mapping.
 //!
 //! ```text

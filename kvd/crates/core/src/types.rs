@@ -60,11 +60,11 @@ pub struct BlockVersion {
 /// Which class of block to allocate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BlockClass {
-    /// A prefix-cache block: published with [`crate::store::Store::publish`], evictable (LRU)
+    /// A prefix-cache block: published with `Store::publish` (kvd-store), evictable (LRU)
     /// when unpinned.
     Cache,
     /// A block of a request's checkpoint: published with
-    /// [`crate::store::Store::manifest_extend`] into that request's manifest at that epoch,
+    /// `Store::manifest_extend` (kvd-store) into that request's manifest at that epoch,
     /// never evicted, freed when the manifest ends.
     Checkpoint {
         /// The request whose manifest the block will join.
@@ -166,7 +166,7 @@ pub struct ReapReport {
     /// True if the budget ran out before everything due was done (the next tick continues).
     pub budget_exhausted: bool,
     /// The running page counts add up to the total and agree with the free list (an O(1) check
-    /// every tick; [`crate::store::Store::audit`] recounts every slot).
+    /// every tick; `Store::audit` (kvd-store) recounts every slot).
     pub accounting_balanced: bool,
 }
 
@@ -218,7 +218,8 @@ impl Accounting {
         ]
     }
 
-    pub(crate) fn slot_count(&mut self, state: BlockState) -> &mut u32 {
+    /// The count of pages in `state` (the store keeps these exact on every transition).
+    pub fn slot_count(&mut self, state: BlockState) -> &mut u32 {
         match state {
             BlockState::Allocated => &mut self.allocated,
             BlockState::Writing => &mut self.writing,

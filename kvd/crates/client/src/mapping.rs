@@ -11,7 +11,7 @@ use std::os::fd::OwnedFd;
 
 use memmap2::{MmapOptions, MmapRaw};
 
-use crate::{Error, Result};
+use kvd_core::{Error, Result};
 
 /// The pool, mapped into this process.
 #[derive(Debug)]

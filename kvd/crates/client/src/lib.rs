@@ -1,18 +1,18 @@
-//! The Rust client of the local protocol: what engines (through the FFI), the benches and the
+//! kvd-client: the Rust client of the local protocol: what engines (through the FFI), the benches and the
 //! tests use to talk to `kvd serve` on the same node.
 //!
 //! ```no_run
-//! # fn main() -> kvd::Result<()> {
-//! use kvd::client::{Client, ClientOptions};
-//! # let (desc, keys): (kvd::keys::NamespaceDescriptor, Vec<kvd::keys::BlockKey>) = todo!();
+//! # fn main() -> kvd_core::Result<()> {
+//! use kvd_client::{Client, ClientOptions};
+//! # let (desc, keys): (kvd_core::keys::NamespaceDescriptor, Vec<kvd_core::keys::BlockKey>) = todo!();
 //! let mut c = Client::connect("/run/kvd/kvd.sock", &ClientOptions::named("engine-0"))?;
 //! let ns = c.register_namespace(&desc)?;
 //! // Write: allocate a batch, copy each page into the mapped pool, seal, publish the group.
-//! let allocs = c.alloc(&keys, kvd::store::BlockClass::Cache, None)?;
+//! let allocs = c.alloc(&keys, kvd_core::types::BlockClass::Cache, None)?;
 //! let mut sealed = Vec::new();
 //! for a in allocs.into_iter().flatten() {
 //!     let crc = c.write_with_crc(&a.handle, 0, &[7u8; 4096], 0)?;
-//!     sealed.push(kvd::protocol::SealItem { handle: a.handle, len: 4096, checksum: Some(crc) });
+//!     sealed.push(kvd_core::protocol::SealItem { handle: a.handle, len: 4096, checksum: Some(crc) });
 //! }
 //! c.seal(&sealed)?;
 //! c.publish(&sealed.iter().map(|s| s.handle).collect::<Vec<_>>())?;
@@ -51,15 +51,15 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::error::Corruption;
-use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
-use crate::protocol::frame::{self, FRAME_HEADER_BYTES, MAX_FRAME_BYTES};
-use crate::protocol::{Hello, HelloReply, Op, Reply, Request, Response, SealItem, Welcome, bit};
-use crate::store::{
+use kvd_core::error::Corruption;
+use kvd_core::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
+use kvd_core::protocol::frame::{self, FRAME_HEADER_BYTES, MAX_FRAME_BYTES};
+use kvd_core::protocol::{Hello, HelloReply, Op, Reply, Request, Response, SealItem, Welcome, bit};
+use kvd_core::types::{
     Allocation, BlockClass, BlockInfo, BlockVersion, Handle, ManifestInfo, PrefixHit, RequestId,
     ReservationId, RestorePrefix, StoreStats,
 };
-use crate::{Error, Result};
+use kvd_core::{Error, Result};
 
 use mapping::PoolMapping;
 
@@ -845,7 +845,7 @@ fn read_handshake(stream: &UnixStream) -> Result<(HelloReply, Option<std::os::fd
     let mut have = 0;
     let mut fd = None;
     loop {
-        let (n, got) = crate::protocol::fdpass::recv_with_fd(stream.as_fd(), &mut buf[have..])
+        let (n, got) = kvd_core::protocol::fdpass::recv_with_fd(stream.as_fd(), &mut buf[have..])
             .map_err(|e| Error::Io(format!("reading the daemon's welcome: {e}")))?;
         if got.is_some() {
             fd = got;

@@ -9,8 +9,8 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::error::BlockState;
-use crate::store::table::{Class, Inner, ReservationOwner};
-use crate::store::types::{ReservationId, SessionCleanup, SessionId, SessionPeer};
+use crate::table::{Class, Inner, ReservationOwner};
+use crate::types::{ReservationId, SessionCleanup, SessionId, SessionPeer};
 use crate::{Error, Result};
 
 /// One pin of one block by one session.
@@ -138,7 +138,7 @@ impl Inner {
             self.abort_slot(i);
             out.blocks_aborted += 1;
         }
-        let mut pins: Vec<(u32, crate::store::sessions::Pin)> = s.pins.into_iter().collect();
+        let mut pins: Vec<(u32, crate::sessions::Pin)> = s.pins.into_iter().collect();
         pins.sort_unstable_by_key(|(i, _)| *i);
         for (i, pin) in pins {
             self.pin_expiry.remove(&(pin.expires_at_ms, sid, i));

@@ -6,11 +6,11 @@
 
 use crate::error::{BlockState, Corruption};
 use crate::keys::{BlockKey, BlockTag, NamespaceId};
-use crate::store::sessions::Pin;
-use crate::store::types::{BlockInfo, Handle, PrefixHit, SessionId};
+use crate::sessions::Pin;
+use crate::types::{BlockInfo, Handle, PrefixHit, SessionId};
 use crate::{Error, Result};
 
-use crate::store::table::Inner;
+use crate::table::Inner;
 
 /// A read the caller may do outside the lock after [`Inner::read_prepare`].
 #[derive(Debug, Clone, Copy)]

@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Fail when what engines link (libkvd, kvd-client) pulls in a daemon dependency.
+
+The check reads the dependency graph cargo resolves for a whole-workspace build (`cargo metadata`,
+features unified across the workspace, as a real build sees them), not `cargo tree -p`, which
+resolves one package alone and hides what other members switch on.
+"""
+import json
+import subprocess
+import sys
+
+ROOTS = sys.argv[1:] or ["kvd-ffi", "kvd-client"]
+FORBIDDEN = {
+    "tokio", "axum", "hyper", "clap", "plotters", "rand", "prometheus-client",
+    "tracing-subscriber", "etcd-client",
+}
+
+host = next(line.split()[1] for line in subprocess.check_output(["rustc", "-vV"], text=True)
+            .splitlines() if line.startswith("host:"))
+meta = json.loads(subprocess.check_output(
+    ["cargo", "metadata", "--format-version", "1", "--locked", "--filter-platform", host]))
+names = {p["id"]: p["name"] for p in meta["packages"]}
+nodes = {n["id"]: n for n in meta["resolve"]["nodes"]}
+
+
+def normal_deps(node):
+    # Dev- and build-dependencies are not linked into the library.
+    for d in node["deps"]:
+        if any(k["kind"] is None for k in d["dep_kinds"]):
+            yield d["pkg"]
+
+
+failed = False
+for root in ROOTS:
+    start = [i for i, n in names.items() if n == root]
+    if not start:
+        sys.exit(f"check-deps: no package {root} in the workspace")
+    seen, stack, parent = set(), list(start), {}
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        for d in normal_deps(nodes[i]):
+            parent.setdefault(d, i)
+            stack.append(d)
+    bad = sorted(names[i] for i in seen if names[i] in FORBIDDEN)
+    if bad:
+        failed = True
+        for b in bad:
+            chain, i = [], next(i for i in seen if names[i] == b)
+            while i in parent:
+                chain.append(names[i])
+                i = parent[i]
+            chain.append(names[i])
+            print(f"check-deps: {root} links {b}: {' <- '.join(chain)}")
+    else:
+        print(f"check-deps: {root}: {len(seen)} crates, none of {', '.join(sorted(FORBIDDEN))}")
+sys.exit(1 if failed else 0)
