@@ -110,17 +110,8 @@ fn a_client_whose_call_timed_out_says_reconnect_and_never_reads_another_answer()
     let b = c.acquire(&k[..1], None).unwrap().remove(0).unwrap();
 
     signal(d.pid(), rustix::process::Signal::STOP);
-    // The stop takes effect asynchronously; wait until the kernel reports it (state T).
-    wait_until(Duration::from_secs(10), "the daemon is stopped", || {
-        std::fs::read_to_string(format!("/proc/{}/stat", d.pid()))
-            .ok()
-            .and_then(|s| {
-                s.rsplit(')')
-                    .next()
-                    .map(|r| r.trim_start().starts_with('T'))
-            })
-            .unwrap_or(false)
-    });
+    // The stop takes effect asynchronously; wait until the kernel reports it.
+    wait_stopped(d.pid());
     let t0 = Instant::now();
     let e = c.heartbeat().unwrap_err();
     let reported = t0.elapsed();

@@ -94,7 +94,7 @@ fn random_bytes_get_the_connection_closed_and_the_daemon_stays_up() {
     let mut s = raw(&d);
     frame::write_frame(&mut s, &Hello::new("garbage", 10_000)).unwrap();
     let (_n, _fd) =
-        kvd::protocol::fdpass::recv_with_fd(std::os::fd::AsFd::as_fd(&s), &mut [0u8; 4096])
+        kvd::protocol::fdpass::recv_with_fds(std::os::fd::AsFd::as_fd(&s), &mut [0u8; 4096])
             .unwrap();
     s.write_all(b"KV\x01\x00\x05\x00\x00\x00\xff\xff\xff\xff\xff")
         .unwrap();
@@ -195,8 +195,9 @@ fn a_malformed_request_gets_an_error_then_a_close_and_its_session_is_released() 
     let e = {
         let mut s = raw(&d);
         frame::write_frame(&mut s, &Hello::new("raw", 10_000)).unwrap();
-        let _ = kvd::protocol::fdpass::recv_with_fd(std::os::fd::AsFd::as_fd(&s), &mut [0u8; 4096])
-            .unwrap();
+        let _ =
+            kvd::protocol::fdpass::recv_with_fds(std::os::fd::AsFd::as_fd(&s), &mut [0u8; 4096])
+                .unwrap();
         let mut bytes = frame::encode(&Request {
             id: 5,
             request: None,
@@ -225,7 +226,7 @@ fn pipelining_past_the_in_flight_bound_is_answered_overloaded_with_a_retry_hint(
     let d = Daemon::start(&["--max-inflight", "1"]);
     let mut s = raw(&d);
     frame::write_frame(&mut s, &Hello::new("pipeliner", 30_000)).unwrap();
-    let _ = kvd::protocol::fdpass::recv_with_fd(std::os::fd::AsFd::as_fd(&s), &mut [0u8; 4096])
+    let _ = kvd::protocol::fdpass::recv_with_fds(std::os::fd::AsFd::as_fd(&s), &mut [0u8; 4096])
         .unwrap();
     const N: u64 = 2000;
     let mut all = Vec::new();

@@ -58,7 +58,7 @@ fn a_client_writes_seals_publishes_and_reads_back_byte_exact() {
         let n = c.read_verified(&b.handle, &mut buf).unwrap();
         assert_eq!(n as usize, data.len());
         assert!(buf[..data.len()] == data[..], "block {i} differs");
-        assert!(c.block(&b.handle).unwrap() == &data[..]);
+        assert!(c.block(&b.handle).unwrap().bytes() == &data[..]);
     }
     let released = c.release(&handles).unwrap();
     assert!(released.iter().all(|r| r.is_ok()));
@@ -102,7 +102,7 @@ fn two_clients_share_a_published_block() {
     let mut got = vec![0u8; data.len()];
     r.read(&rb.handle, 0, &mut got).unwrap();
     assert_eq!(got, data);
-    assert!(w.block(&wb.handle).unwrap() == &data[..]);
+    assert!(w.block(&wb.handle).unwrap().bytes() == &data[..]);
     assert_eq!(d.status().stats.pins, 2);
     // The writer leaving does not disturb the reader's pin.
     w.close().unwrap();

@@ -13,14 +13,17 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the block daemon: the pool, the local protocol on a Unix socket, the admin HTTP.
-    #[command(after_help = "Examples:
+    #[command(
+        args_override_self = true,
+        after_help = "Examples:
   kvd serve                                   single node, 256 MiB pool, socket kvd-data/kvd.sock
   kvd serve --pool-mib 65536 --socket /run/kvd/kvd.sock --socket-group vllm --data-dir /var/lib/kvd
   kvd serve --config /etc/kvd.toml            the same keys in TOML (flags win)
 
 Once serving it prints `kvd ready generation=N socket=PATH admin=ADDR`. Engines connect with
 kvd::client (or libkvd); operators use `kvd status` and the admin port (/metrics, /drain).
-SIGTERM or POST /drain drains gracefully and exits 0. See docs/DAEMON.md.")]
+SIGTERM or POST /drain drains gracefully and exits 0. See docs/DAEMON.md."
+    )]
     Serve(Box<kvd::daemon::ServeArgs>),
     /// Print a running daemon's status (pool occupancy by state, sessions, rates).
     Status(kvd::daemon::status::StatusArgs),

@@ -287,3 +287,17 @@ pub fn put_one(c: &mut Client, key: BlockKey, data: &[u8]) -> kvd::store::Alloca
     c.publish(&[a.handle]).unwrap();
     a
 }
+
+/// Poll until the kernel reports process `pid` stopped (state `T`), at most 10 s.
+pub fn wait_stopped(pid: u32) {
+    wait_until(Duration::from_secs(10), "the process is stopped", || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit(')')
+                    .next()
+                    .map(|r| r.trim_start().starts_with('T'))
+            })
+            .unwrap_or(false)
+    });
+}

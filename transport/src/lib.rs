@@ -1,6 +1,10 @@
 //! kvd's byte movers. This crate knows nothing about blocks; it moves and checksums bytes.
 //!
-//! - [`local`]: same-node copies: a non-temporal copy for large transfers and a copy fused with
-//!   a CRC-32C, so a block's checksum costs no second pass over cold memory.
+//! - [`local`]: same-node movement: the shared region (one memfd, mapped by the daemon and by
+//!   every engine), the page-generation table, a non-temporal copy for large transfers and a
+//!   copy fused with a CRC-32C, so a block's checksum costs no second pass over cold memory.
 
+pub mod error;
 pub mod local;
+
+pub use error::{Error, Result};

@@ -248,7 +248,11 @@ async fn send_welcome(stream: &UnixStream, bytes: &[u8], store: &Store) -> std::
     let sent = loop {
         stream.writable().await?;
         match stream.try_io(tokio::io::Interest::WRITABLE, || {
-            fdpass::send_with_fd(stream.as_fd(), bytes, store.pool_fd())
+            fdpass::send_with_fds(
+                stream.as_fd(),
+                bytes,
+                &[store.pool_fd(), store.page_table_fd()],
+            )
         }) {
             Ok(n) => break n,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,

@@ -43,15 +43,14 @@
 //! generation and are refused by a restarted daemon; session and reservation ids are never
 //! accepted from another session.
 
-mod mapping;
+mod views;
 
 use std::collections::HashMap;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kvd_core::error::Corruption;
 use kvd_core::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
 use kvd_core::protocol::frame::{self, FRAME_HEADER_BYTES, MAX_FRAME_BYTES};
 use kvd_core::protocol::{Hello, HelloReply, Op, Reply, Request, Response, SealItem, Welcome, bit};
@@ -61,7 +60,9 @@ use kvd_core::types::{
 };
 use kvd_core::{Error, Result};
 
-use mapping::PoolMapping;
+use transport::local::{PageGenerations, SharedRegion};
+pub use views::BlockView;
+use views::{Readable, Writable};
 
 /// How to open a session.
 #[derive(Debug, Clone)]
@@ -88,20 +89,6 @@ impl ClientOptions {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Writable {
-    offset: u64,
-    capacity: u64,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Readable {
-    offset: u64,
-    len: u64,
-    checksum: u32,
-    pins: u32,
-}
-
 /// A session with the local daemon and its mapped pool.
 #[derive(Debug)]
 pub struct Client {
@@ -109,7 +96,9 @@ pub struct Client {
     /// The same socket, buffered for reading: one `read` per answer, not two.
     reader: std::io::BufReader<UnixStream>,
     welcome: Welcome,
-    pool: PoolMapping,
+    pool: SharedRegion,
+    /// The daemon's page-generation table, mapped read-only.
+    pages: PageGenerations,
     next_id: u64,
     request: Option<u64>,
     writable: HashMap<Handle, Writable>,
@@ -142,7 +131,7 @@ impl Client {
         // A daemon at one of its bounds answers with a framed refusal and closes, possibly
         // before it has read the hello: then the write fails, but the refusal is there to read.
         let sent = frame::write_frame(&mut &stream, &Hello::new(&opts.name, opts.lease_ttl_ms));
-        let (reply, fd) = match (read_handshake(&stream), sent) {
+        let (reply, fds) = match (read_handshake(&stream), sent) {
             (Ok(r), _) => r,
             (Err(e), Ok(())) => return Err(e),
             (Err(_), Err(e)) => return Err(Error::Io(format!("sending the hello: {e}"))),
@@ -151,10 +140,16 @@ impl Client {
             HelloReply::Welcome(w) => w,
             HelloReply::Refused(e) => return Err(e.into()),
         };
-        let fd = fd.ok_or_else(|| {
-            Error::Protocol("the daemon's welcome came without the pool's file descriptor".into())
+        // The pool's memfd, then the page-generation table's (sealed: read-only for us).
+        let [pool_fd, pages_fd]: [OwnedFd; 2] = fds.try_into().map_err(|fds: Vec<OwnedFd>| {
+            Error::Protocol(format!(
+                "the daemon's welcome came with {} file descriptors, not the pool's and the \
+                 page table's",
+                fds.len()
+            ))
         })?;
-        let pool = PoolMapping::new(fd, welcome.pool_bytes, opts.populate)?;
+        let pool = SharedRegion::map_fd(pool_fd, welcome.pool_bytes, opts.populate)?;
+        let pages = PageGenerations::map_read_only(pages_fd, welcome.page_count)?;
         tracing::debug!(
             session = welcome.session.0,
             node_generation = welcome.node_generation,
@@ -168,6 +163,7 @@ impl Client {
             lease_until: started + lease_margin(welcome.lease_ttl_ms),
             welcome,
             pool,
+            pages,
             next_id: 1,
             request: None,
             writable: HashMap::new(),
@@ -232,7 +228,7 @@ impl Client {
 
     /// Before the mapping is touched: the connection must work, the daemon's end must be open
     /// (a dead daemon's pool is nobody's to trust) and the lease must hold.
-    fn ensure_mapping_usable(&self) -> Result<()> {
+    pub(crate) fn ensure_mapping_usable(&self) -> Result<()> {
         self.ensure_connected()?;
         if daemon_hung_up(&self.stream) {
             return Err(
@@ -350,6 +346,7 @@ impl Client {
         pin_ttl_ms: Option<u64>,
     ) -> Result<PrefixHit> {
         self.check_batch(tags.len())?;
+        let sent_at = Instant::now();
         match self.call(Op::LookupPrefix {
             namespace: *namespace,
             tags: tags.to_vec(),
@@ -359,7 +356,7 @@ impl Client {
             Reply::Prefix(hit) => {
                 if hit.pinned {
                     for b in &hit.blocks {
-                        self.note_pin(b);
+                        self.note_pin(b, sent_at);
                     }
                 }
                 Ok(hit)
@@ -386,6 +383,7 @@ impl Client {
         ttl_ms: Option<u64>,
     ) -> Result<Vec<Result<BlockInfo>>> {
         self.check_batch(keys.len())?;
+        let sent_at = Instant::now();
         match self.call(Op::Acquire {
             keys: keys.to_vec(),
             ttl_ms,
@@ -394,22 +392,12 @@ impl Client {
                 .into_iter()
                 .map(|r| {
                     let b = r.map_err(Error::from)?;
-                    self.note_pin(&b);
+                    self.note_pin(&b, sent_at);
                     Ok(b)
                 })
                 .collect()),
             r => Err(unexpected(&r)),
         }
-    }
-
-    fn note_pin(&mut self, b: &BlockInfo) {
-        let e = self.readable.entry(b.handle).or_insert(Readable {
-            offset: b.offset,
-            len: b.len,
-            checksum: b.checksum,
-            pins: 0,
-        });
-        e.pins += 1;
     }
 
     /// Release pins; a stale or unpinned handle gets its error in its place (the pin it named
@@ -420,12 +408,7 @@ impl Client {
             handles: handles.to_vec(),
         })?;
         for h in handles {
-            if let Some(e) = self.readable.get_mut(h) {
-                e.pins -= 1;
-                if e.pins == 0 {
-                    self.readable.remove(h);
-                }
-            }
+            self.forget_pin(h);
         }
         each(r)
     }
@@ -460,159 +443,6 @@ impl Client {
                 .collect()),
             r => Err(unexpected(&r)),
         }
-    }
-
-    fn writable_range(&self, h: &Handle, offset: u64, len: usize) -> Result<u64> {
-        let w = self.writable.get(h).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "block {h:?} is not being written by this session (allocate it first; sealed \
-                 blocks are immutable)"
-            ))
-        })?;
-        if offset
-            .checked_add(len as u64)
-            .is_none_or(|end| end > w.capacity)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "write of {len} bytes at offset {offset} exceeds the {}-byte page",
-                w.capacity
-            )));
-        }
-        Ok(w.offset + offset)
-    }
-
-    fn readable_range(&self, h: &Handle, offset: u64, len: usize) -> Result<(u64, Readable)> {
-        let r = self.readable.get(h).copied().ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "block {h:?} is not pinned by this session: acquire it first"
-            ))
-        })?;
-        if offset.checked_add(len as u64).is_none_or(|end| end > r.len) {
-            return Err(Error::InvalidArgument(format!(
-                "read of {len} bytes at offset {offset} exceeds the block's {} bytes",
-                r.len
-            )));
-        }
-        Ok((r.offset + offset, r))
-    }
-
-    /// Copy `data` into a block this session is writing, at `offset` within it (non-temporal
-    /// stores for large copies).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] if the block is not being written by this session or the range
-    /// leaves its page.
-    pub fn write(&mut self, h: &Handle, offset: u64, data: &[u8]) -> Result<()> {
-        self.ensure_mapping_usable()?;
-        let at = self.writable_range(h, offset, data.len())?;
-        // SAFETY: the block is WRITING and owned by this session (it is in `writable`), so no
-        // other process touches its page; `&mut self` keeps other slices of it out.
-        let dst = unsafe { self.pool.bytes_mut(at, data.len())? };
-        transport::local::copy(dst, data);
-        Ok(())
-    }
-
-    /// As [`Client::write`], computing the CRC-32C of `data` in the same pass, continuing from
-    /// `crc` (0 to start). Write a block front to back and pass the result to [`Client::seal`].
-    pub fn write_with_crc(
-        &mut self,
-        h: &Handle,
-        offset: u64,
-        data: &[u8],
-        crc: u32,
-    ) -> Result<u32> {
-        self.ensure_mapping_usable()?;
-        let at = self.writable_range(h, offset, data.len())?;
-        // SAFETY: as in `write`.
-        let dst = unsafe { self.pool.bytes_mut(at, data.len())? };
-        Ok(transport::local::copy_with_crc32c(dst, data, crc))
-    }
-
-    /// Copy bytes of a block this session pins, from `offset` within it, into `dst`.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] if the block is not pinned by this session or the range leaves
-    /// the block.
-    pub fn read(&self, h: &Handle, offset: u64, dst: &mut [u8]) -> Result<()> {
-        self.ensure_mapping_usable()?;
-        let (at, _) = self.readable_range(h, offset, dst.len())?;
-        // SAFETY: pinned by this session (in `readable`) and SEALED or later: immutable, and
-        // the page is not reused while the pin holds.
-        let src = unsafe { self.pool.bytes(at, dst.len())? };
-        transport::local::copy(dst, src);
-        Ok(())
-    }
-
-    /// Copy a whole pinned block into `dst` (which must be at least its length) and check its
-    /// checksum in the same pass. Returns the block's length.
-    ///
-    /// When the copy does not match the checksum recorded at SEAL, the client asks the daemon
-    /// to check its own copy of the block (one more round trip, only then): the daemon
-    /// quarantines the block if its copy fails too, and counts the report either way.
-    ///
-    /// # Errors
-    /// [`Error::Corrupt`] on a mismatch (treat as a miss), whose `outcome` says whether the
-    /// daemon quarantined the block ([`Corruption::Quarantined`]) or found its copy intact
-    /// ([`Corruption::ReaderCopy`]); [`Error::InvalidArgument`] as [`Client::read`].
-    pub fn read_verified(&mut self, h: &Handle, dst: &mut [u8]) -> Result<u64> {
-        self.ensure_mapping_usable()?;
-        let len = self
-            .readable
-            .get(h)
-            .map(|r| r.len)
-            .ok_or_else(|| Error::InvalidArgument(format!("block {h:?} is not pinned")))?;
-        let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("block too big".into()))?;
-        if dst.len() < n {
-            return Err(Error::InvalidArgument(format!(
-                "destination of {} bytes is smaller than the {n}-byte block",
-                dst.len()
-            )));
-        }
-        let (at, r) = self.readable_range(h, 0, n)?;
-        // SAFETY: as in `read`.
-        let src = unsafe { self.pool.bytes(at, n)? };
-        let found = transport::local::copy_with_crc32c(&mut dst[..n], src, 0);
-        if found != r.checksum {
-            return Err(self.report_corrupt(h, r.checksum, found));
-        }
-        Ok(len)
-    }
-
-    /// Tell the daemon that this client's copy of `h` failed its checksum; the error to return.
-    fn report_corrupt(&mut self, h: &Handle, expected: u32, found: u32) -> Error {
-        let answer = self.call(Op::ReportCorrupt { handles: vec![*h] });
-        let outcome = match answer.and_then(each).map(|mut v| v.pop()) {
-            Ok(Some(Ok(()))) => Corruption::ReaderCopy,
-            Ok(Some(Err(Error::Corrupt { .. }))) => Corruption::Quarantined,
-            // The daemon could not check (the pin is gone, the connection failed): say that.
-            Ok(Some(Err(e))) | Err(e) => return e,
-            Ok(None) => return Error::Protocol("no answer item for the corrupt report".into()),
-        };
-        Error::Corrupt {
-            expected,
-            found,
-            outcome,
-        }
-    }
-
-    /// A pinned block's bytes, in place in the pool (no copy).
-    pub fn block(&self, h: &Handle) -> Result<&[u8]> {
-        self.ensure_mapping_usable()?;
-        let len = self.readable.get(h).map_or(0, |r| r.len) as usize;
-        let (at, _) = self.readable_range(h, 0, len)?;
-        // SAFETY: as in `read`; the slice borrows `self`, so the pin cannot be released (that
-        // takes `&mut self`) while it lives.
-        unsafe { self.pool.bytes(at, len) }
-    }
-
-    /// A writable block's whole page, in place in the pool (no copy): for producers that fill
-    /// it themselves (for example a DMA engine through a registered mapping).
-    pub fn block_mut(&mut self, h: &Handle) -> Result<&mut [u8]> {
-        self.ensure_mapping_usable()?;
-        let cap = self.writable.get(h).map_or(0, |w| w.capacity) as usize;
-        let at = self.writable_range(h, 0, cap)?;
-        // SAFETY: as in `write`; the slice borrows `self` mutably, so it is the only one.
-        unsafe { self.pool.bytes_mut(at, cap) }
     }
 
     /// Seal written blocks: from here their bytes are immutable. Each gets the checksum recorded
@@ -805,7 +635,7 @@ impl Client {
     }
 }
 
-fn each(r: Reply) -> Result<Vec<Result<()>>> {
+pub(crate) fn each(r: Reply) -> Result<Vec<Result<()>>> {
     match r {
         Reply::Each(v) => Ok(v.into_iter().map(|r| r.map_err(Error::from)).collect()),
         r => Err(unexpected(&r)),
@@ -839,16 +669,17 @@ fn unexpected(r: &Reply) -> Error {
     Error::Protocol(format!("unexpected reply {r:?}"))
 }
 
-/// Read the handshake reply, which carries the pool's fd with its first byte.
-fn read_handshake(stream: &UnixStream) -> Result<(HelloReply, Option<std::os::fd::OwnedFd>)> {
+/// Read the handshake reply, which carries the pool's and the page table's fds with its first
+/// byte.
+fn read_handshake(stream: &UnixStream) -> Result<(HelloReply, Vec<OwnedFd>)> {
     let mut buf = vec![0u8; 4096];
     let mut have = 0;
-    let mut fd = None;
+    let mut fds = Vec::new();
     loop {
-        let (n, got) = kvd_core::protocol::fdpass::recv_with_fd(stream.as_fd(), &mut buf[have..])
+        let (n, got) = kvd_core::protocol::fdpass::recv_with_fds(stream.as_fd(), &mut buf[have..])
             .map_err(|e| Error::Io(format!("reading the daemon's welcome: {e}")))?;
-        if got.is_some() {
-            fd = got;
+        if !got.is_empty() {
+            fds = got;
         }
         if n == 0 {
             return Err(Error::Io(
@@ -872,7 +703,7 @@ fn read_handshake(stream: &UnixStream) -> Result<(HelloReply, Option<std::os::fd
                     ));
                 }
                 let reply = frame::decode_body(&buf[FRAME_HEADER_BYTES..total])?;
-                return Ok((reply, fd));
+                return Ok((reply, fds));
             }
         }
     }

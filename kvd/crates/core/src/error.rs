@@ -201,6 +201,17 @@ impl Error {
     }
 }
 
+impl From<transport::Error> for Error {
+    fn from(e: transport::Error) -> Self {
+        match e {
+            transport::Error::OutOfRange { .. } | transport::Error::InvalidArgument(_) => {
+                Error::InvalidArgument(e.to_string())
+            }
+            transport::Error::Io(s) => Error::Io(s),
+        }
+    }
+}
+
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
         Error::Io(e.to_string())

@@ -98,6 +98,9 @@ pub struct BlockInfo {
     pub len: u64,
     /// CRC-32C of those bytes, recorded at SEAL.
     pub checksum: u32,
+    /// The TTL of the pin this answer took, in ms from when the daemon took it (0: not
+    /// pinned). A reader must not trust the block's bytes in the mapping past it.
+    pub pin_ttl_ms: u64,
 }
 
 /// The longest prefix of a chain of tags that is PUBLISHED here.

@@ -37,6 +37,7 @@ use crate::lifecycle::SealStep;
 use crate::pool::{Backing, PoolConfig};
 use crate::sync::{Mutex, MutexGuard};
 use crate::table::Inner;
+use transport::local::{PageGenerations, SharedRegion};
 
 pub use crate::error::BlockState;
 
@@ -109,7 +110,9 @@ impl StoreConfig {
 pub struct Store {
     inner: Mutex<Inner>,
     /// The pool's mapping, shared so that copies run without the lock.
-    region: Arc<crate::pool::Region>,
+    region: Arc<SharedRegion>,
+    /// The page-generation table, shared read-only with clients.
+    generations: Arc<PageGenerations>,
     page_size: u64,
     node_generation: u64,
     backing: Backing,
@@ -124,9 +127,11 @@ impl Store {
         let inner = Inner::new(config, clock)?;
         let backing = inner.pool.region().backing();
         let region = inner.pool.shared_region();
+        let generations = inner.pool.generations();
         Ok(Store {
             inner: Mutex::new(inner),
             region,
+            generations,
             page_size: config.pool.page_size_bytes,
             node_generation: config.node_generation,
             backing,
@@ -139,7 +144,7 @@ impl Store {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn region(&self) -> &crate::pool::Region {
+    fn region(&self) -> &SharedRegion {
         &self.region
     }
 
@@ -161,6 +166,12 @@ impl Store {
     /// The pool's memfd, to pass to a client process.
     pub fn pool_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         self.region().fd()
+    }
+
+    /// The page-generation table's memfd (sealed: clients can map it read-only only), to pass
+    /// to a client process beside the pool's.
+    pub fn page_table_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.generations.fd()
     }
 
     /// The pool region's size in bytes.
@@ -309,13 +320,10 @@ impl Store {
         // SAFETY: the slot is ALLOCATED/WRITING, owned by `sid`, and marked in use by
         // `write_prepare`: no other write, no read, and no reuse of the page until
         // `write_finish` clears the mark.
-        let dst = unsafe { self.region().bytes_mut(t.page_offset as usize, data.len()) };
-        let crc = match t.running_crc {
-            Some(c) => Some(transport::local::copy_with_crc32c(dst, data, c)),
-            None => {
-                transport::local::copy(dst, data);
-                None
-            }
+        let crc = unsafe {
+            self.region()
+                .copy_in(t.page_offset, data, t.running_crc)
+                .expect("the store's pages lie in its region")
         };
         self.lock().write_finish(&t, offset, data.len() as u64, crc)
     }
@@ -334,8 +342,8 @@ impl Store {
             SealStep::Checksum { slot, page_offset } => {
                 // SAFETY: marked in use by `seal_prepare`; the owner cannot write while the mark
                 // is held (writes are refused), and the page is not reused.
-                let bytes = unsafe { self.region().bytes(page_offset as usize, len as usize) };
-                let computed = transport::local::crc32c(0, bytes);
+                let computed = unsafe { self.region().crc32c(page_offset, len as usize) }
+                    .expect("the store's pages lie in its region");
                 self.lock().seal_finish(sid, slot, len, computed, checksum)
             }
         }
@@ -426,19 +434,21 @@ impl Store {
     pub fn read(&self, sid: SessionId, h: &Handle, dst: &mut [u8], verify: bool) -> Result<u64> {
         let t = self.lock().read_prepare(sid, h)?;
         let n = (t.len as usize).min(dst.len());
+        let region = self.region();
         // SAFETY: the block is SEALED or later (immutable), pinned by `sid` and marked in use by
         // `read_prepare`, so its page is neither written nor reused until `read_finish`.
-        let src = unsafe { self.region().bytes(t.page_offset as usize, t.len as usize) };
-        let computed = if verify {
-            if n == src.len() {
-                Some(transport::local::copy_with_crc32c(&mut dst[..n], src, 0))
-            } else {
-                transport::local::copy(&mut dst[..n], &src[..n]);
-                Some(transport::local::crc32c(0, src))
+        let computed = unsafe {
+            let whole = n as u64 == t.len;
+            let c = region.copy_out(t.page_offset, &mut dst[..n], verify && whole);
+            match c.expect("the store's pages lie in its region") {
+                Some(c) => Some(c),
+                None if verify => Some(
+                    region
+                        .crc32c(t.page_offset, t.len as usize)
+                        .expect("the store's pages lie in its region"),
+                ),
+                None => None,
             }
-        } else {
-            transport::local::copy(&mut dst[..n], &src[..n]);
-            None
         };
         self.lock().read_finish(&t, computed)?;
         Ok(n as u64)
@@ -454,8 +464,8 @@ impl Store {
         let t = self.lock().read_prepare(sid, h)?;
         // SAFETY: as in `read`: SEALED or later, pinned by `sid`, marked in use until
         // `read_finish`.
-        let src = unsafe { self.region().bytes(t.page_offset as usize, t.len as usize) };
-        let computed = transport::local::crc32c(0, src);
+        let computed = unsafe { self.region().crc32c(t.page_offset, t.len as usize) }
+            .expect("the store's pages lie in its region");
         self.lock().read_finish(&t, Some(computed))
     }
 
@@ -514,8 +524,8 @@ impl Store {
             .map(|t| {
                 // SAFETY: each block is PUBLISHED (immutable) and marked in use by
                 // `restore_prepare`, so its page is not reused until `read_finish`.
-                let bytes = unsafe { self.region().bytes(t.page_offset as usize, t.len as usize) };
-                transport::local::crc32c(0, bytes)
+                unsafe { self.region().crc32c(t.page_offset, t.len as usize) }
+                    .expect("the store's pages lie in its region")
             })
             .collect();
         let mut g = self.lock();

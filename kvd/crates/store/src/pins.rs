@@ -122,7 +122,10 @@ impl Inner {
                     .find_published(k)
                     .ok_or_else(|| Error::NotFound(format!("block {k}")))?;
                 self.pin(sid, i, ttl)?;
-                Ok(self.info_of(i))
+                Ok(BlockInfo {
+                    pin_ttl_ms: ttl,
+                    ..self.info_of(i)
+                })
             })
             .collect())
     }
@@ -183,7 +186,10 @@ impl Inner {
                 break; // out of pins: the prefix ends here, the caller still gets what it pinned
             }
             self.lru_touch(i);
-            blocks.push(self.info_of(i));
+            blocks.push(BlockInfo {
+                pin_ttl_ms: ttl.map_or(0, |(_, t)| t),
+                ..self.info_of(i)
+            });
         }
         Ok(PrefixHit {
             blocks,

@@ -217,6 +217,7 @@ impl Inner {
             offset: self.pool.page_offset(i),
             len: s.len,
             checksum: s.checksum,
+            pin_ttl_ms: 0,
         }
     }
 
@@ -239,6 +240,9 @@ impl Inner {
         self.counts.allocated += 1;
         let generation = self.next_generation;
         self.next_generation += 1;
+        // Before anyone can write the page: a view a reader still holds on its last occupant
+        // sees that the page moved on.
+        self.pool.page_table().mark_occupied(i, generation);
         let s = &mut self.slots[i as usize];
         debug_assert!(s.state.is_none());
         *s = Slot {
@@ -265,6 +269,8 @@ impl Inner {
         *self.counts.slot_count(state) -= 1;
         self.counts.free += 1;
         let s = &mut self.slots[i as usize];
+        // Before the page can be handed on (see `take_slot`).
+        self.pool.page_table().mark_vacated(i, s.generation);
         s.state = None;
         s.generation = 0;
         s.owner = None;

@@ -94,9 +94,9 @@ impl Fixture {
 
     fn corrupt(&self, h: &Handle) {
         let g = self.store.lock();
-        let off = g.pool.page_offset(h.slot) as usize;
+        let off = g.pool.page_offset(h.slot);
         // SAFETY: test-only: simulates a bit flip in a block nobody is copying right now.
-        let b = unsafe { g.pool.region().bytes_mut(off, 1) };
+        let b = unsafe { g.pool.region().bytes_mut(off, 1).unwrap() };
         b[0] ^= 0xff;
     }
 }

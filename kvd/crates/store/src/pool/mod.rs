@@ -1,11 +1,14 @@
-//! The page pool: a [`Region`] carved into `page_count` pages of `page_size_bytes`, with an O(1)
-//! free list. Allocation and free are a `Vec` pop and push; nothing touches the OS after start-up.
+//! The page pool: a [`SharedRegion`] carved into `page_count` pages of `page_size_bytes`, with
+//! an O(1) free list, and the [`PageGenerations`] table beside it (one word per page, shared
+//! read-only with clients). Allocation and free are a `Vec` pop and push; nothing touches the OS
+//! after start-up.
 //!
-//! The pool knows nothing about blocks; the store decides which page holds what.
+//! The pool knows nothing about blocks; the store decides which page holds what, and records it
+//! in the page-generation table before a page changes hands.
 
-mod region;
+use std::sync::Arc;
 
-pub use region::{Backing, HugePages, Region};
+pub use transport::local::{Backing, HugePages, PageGenerations, SharedRegion};
 
 use crate::{Error, Result};
 
@@ -42,7 +45,8 @@ impl PoolConfig {
 /// Pages and their free list.
 #[derive(Debug)]
 pub struct Pool {
-    region: std::sync::Arc<Region>,
+    region: Arc<SharedRegion>,
+    generations: Arc<PageGenerations>,
     config: PoolConfig,
     free: Vec<u32>,
 }
@@ -67,11 +71,13 @@ impl Pool {
         }
         let total = usize::try_from(config.total_bytes())
             .map_err(|_| Error::InvalidArgument("pool too large for this machine".into()))?;
-        let region = std::sync::Arc::new(Region::new(total, config.huge_pages)?);
+        let region = Arc::new(SharedRegion::create("kvd-pool", total, config.huge_pages)?);
+        let generations = Arc::new(PageGenerations::create("kvd-pages", config.page_count)?);
         // Pop from the end: hand out low pages first.
         let free = (0..config.page_count).rev().collect();
         Ok(Pool {
             region,
+            generations,
             config,
             free,
         })
@@ -83,13 +89,23 @@ impl Pool {
     }
 
     /// The shared region.
-    pub fn region(&self) -> &Region {
+    pub fn region(&self) -> &SharedRegion {
         &self.region
     }
 
     /// A shared reference to the region, for copies that run without the store's lock.
-    pub fn shared_region(&self) -> std::sync::Arc<Region> {
+    pub fn shared_region(&self) -> Arc<SharedRegion> {
         self.region.clone()
+    }
+
+    /// The page-generation table.
+    pub fn page_table(&self) -> &PageGenerations {
+        &self.generations
+    }
+
+    /// A shared reference to the page-generation table.
+    pub fn generations(&self) -> Arc<PageGenerations> {
+        self.generations.clone()
     }
 
     /// Free pages.
