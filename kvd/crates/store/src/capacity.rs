@@ -6,14 +6,61 @@
 //! blocks when needed. Checkpoint blocks are never evicted. When even eviction cannot make room,
 //! the call fails at once with a retryable [`Error::NoSpace`] that says how much is free.
 
+use std::collections::HashMap;
+
 use crate::table::{Inner, Reservation, ReservationOwner};
 use crate::types::{ReservationId, SessionId};
 use crate::{Error, Result};
 
+/// The reservations room: each reservation, and how many pages they hold back in all.
+///
+/// Invariant ([`Reservations::check`]): `unused_pages` is the sum over reservations of the pages
+/// reserved and not yet drawn; ids are never reused within an incarnation.
+#[derive(Debug)]
+pub(crate) struct Reservations {
+    pub by_id: HashMap<ReservationId, Reservation>,
+    pub unused_pages: u64,
+    next: u64,
+}
+
+impl Default for Reservations {
+    fn default() -> Reservations {
+        Reservations {
+            by_id: HashMap::new(),
+            unused_pages: 0,
+            next: 1,
+        }
+    }
+}
+
+impl Reservations {
+    fn next_id(&mut self) -> ReservationId {
+        let id = ReservationId(self.next);
+        self.next += 1;
+        id
+    }
+
+    /// The room's invariant.
+    pub fn check(&self) -> Result<(), String> {
+        let sum: u64 = self
+            .by_id
+            .values()
+            .map(|r| r.pages_total - r.pages_used)
+            .sum();
+        if sum != self.unused_pages {
+            return Err(format!(
+                "reservations hold back {sum} unused pages, the count says {}",
+                self.unused_pages
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Inner {
     /// Pages free and not promised to a reservation.
     pub fn unreserved_free(&self) -> u64 {
-        (self.pool.free_pages() as u64).saturating_sub(self.reserved_unused)
+        (self.pool.free_pages() as u64).saturating_sub(self.reservations.unused_pages)
     }
 
     fn pages_for(&self, bytes: u64) -> u64 {
@@ -24,7 +71,7 @@ impl Inner {
         self.counters.no_space_rejects += 1;
         Error::NoSpace {
             requested_bytes: pages * self.page_size(),
-            free_bytes: (self.unreserved_free() + u64::from(self.lru_len)) * self.page_size(),
+            free_bytes: (self.unreserved_free() + u64::from(self.lru.len())) * self.page_size(),
         }
     }
 
@@ -35,7 +82,7 @@ impl Inner {
         if have >= pages {
             return Ok(());
         }
-        if have + u64::from(self.lru_len) < pages {
+        if have + u64::from(self.lru.len()) < pages {
             return Err(self.no_space(pages));
         }
         // Bounded: each step takes one block off the LRU, and the LRU has at least `pages - have`.
@@ -56,7 +103,7 @@ impl Inner {
                 "a reservation needs > 0 bytes".into(),
             ));
         }
-        if self.reservations.len() >= self.config.max_reservations as usize {
+        if self.reservations.by_id.len() >= self.config.max_reservations as usize {
             self.counters.overload_rejects += 1;
             return Err(Error::Overloaded {
                 what: format!(
@@ -68,9 +115,8 @@ impl Inner {
         }
         let pages = self.pages_for(bytes);
         self.ensure_unreserved(pages)?;
-        let id = ReservationId(self.next_reservation);
-        self.next_reservation += 1;
-        self.reservations.insert(
+        let id = self.reservations.next_id();
+        self.reservations.by_id.insert(
             id,
             Reservation {
                 pages_total: pages,
@@ -78,16 +124,16 @@ impl Inner {
                 owner,
             },
         );
-        self.reserved_unused += pages;
+        self.reservations.unused_pages += pages;
         Ok(id)
     }
 
     /// Give a reservation's unused pages back. Idempotent.
     pub fn release_reservation(&mut self, id: ReservationId) {
-        if let Some(r) = self.reservations.remove(&id) {
-            self.reserved_unused -= r.pages_total - r.pages_used;
+        if let Some(r) = self.reservations.by_id.remove(&id) {
+            self.reservations.unused_pages -= r.pages_total - r.pages_used;
             if let ReservationOwner::Session(sid) = r.owner
-                && let Some(s) = self.sessions.get_mut(&sid)
+                && let Some(s) = self.sessions.by_id.get_mut(&sid)
             {
                 s.reservations.remove(&id);
             }
@@ -102,7 +148,7 @@ impl Inner {
     /// [`Error::NotFound`] when the reservation exists but belongs to another session or to a
     /// checkpoint manifest (end the manifest instead).
     pub fn release_session_reservation(&mut self, sid: SessionId, id: ReservationId) -> Result<()> {
-        match self.reservations.get(&id) {
+        match self.reservations.by_id.get(&id) {
             None => Ok(()),
             Some(r) if r.owner == ReservationOwner::Session(sid) => {
                 self.release_reservation(id);
@@ -125,6 +171,7 @@ impl Inner {
     ) -> Result<()> {
         let r = self
             .reservations
+            .by_id
             .get(&id)
             .ok_or_else(|| Error::NotFound(format!("reservation {}", id.0)))?;
         let ok = match r.owner {
@@ -149,6 +196,7 @@ impl Inner {
             Some(r) => {
                 let res = self
                     .reservations
+                    .by_id
                     .get(&r)
                     .ok_or_else(|| Error::NotFound(format!("reservation {}", r.0)))?;
                 n.min(res.pages_total - res.pages_used)
@@ -160,9 +208,9 @@ impl Inner {
 
     /// Record that one page of `r` was used.
     pub fn draw_reservation(&mut self, r: ReservationId) {
-        let res = self.reservations.get_mut(&r).expect("planned");
+        let res = self.reservations.by_id.get_mut(&r).expect("planned");
         res.pages_used += 1;
         debug_assert!(res.pages_used <= res.pages_total);
-        self.reserved_unused -= 1;
+        self.reservations.unused_pages -= 1;
     }
 }

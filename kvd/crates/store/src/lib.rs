@@ -14,6 +14,7 @@
 pub mod capacity;
 pub mod integrity;
 pub mod lifecycle;
+mod lru;
 pub mod manifest;
 pub mod pins;
 pub mod pool;
@@ -250,7 +251,7 @@ impl Store {
     /// Whether the session is open (its lease may still have run out; the next operation on it
     /// or the reaper will tell).
     pub fn has_session(&self, sid: SessionId) -> bool {
-        self.lock().sessions.contains_key(&sid)
+        self.lock().sessions.by_id.contains_key(&sid)
     }
 
     /// Close a session: abort its unfinished blocks, drop its pins, release its reservations.
@@ -540,7 +541,7 @@ impl Store {
         }
         let tpb = g
             .namespaces
-            .get(&g.manifests[&request].namespace)
+            .get(&g.manifests.by_request[&request].namespace)
             .map_or(0, |d| d.tokens_per_block as u64);
         let tokens_covered = (blocks.len() as u64 * tpb)
             .min(committed)
@@ -577,12 +578,12 @@ impl Store {
             node_generation: g.config.node_generation,
             page_size_bytes: g.page_size(),
             accounting: g.counts,
-            reserved_unused_pages: g.reserved_unused,
-            pins: g.pin_count,
-            sessions: g.sessions.len() as u32,
-            manifests: g.manifests.len() as u32,
+            reserved_unused_pages: g.reservations.unused_pages,
+            pins: g.pins.count,
+            sessions: g.sessions.by_id.len() as u32,
+            manifests: g.manifests.by_request.len() as u32,
             namespaces: g.namespaces.len() as u32,
-            evictable: g.lru_len,
+            evictable: g.lru.len(),
             counters: g.counters,
         }
     }
@@ -593,6 +594,7 @@ impl Store {
         let now = g.now();
         let mut v: Vec<SessionSummary> = g
             .sessions
+            .by_id
             .iter()
             .map(|(id, s)| SessionSummary {
                 id: *id,
@@ -614,9 +616,9 @@ impl Store {
     #[doc(hidden)]
     pub fn debug_lru_slots(&self) -> Vec<u32> {
         let g = self.lock();
-        let mut out = Vec::with_capacity(g.lru_len as usize);
-        let mut i = g.lru_head;
-        while i != table::NIL && out.len() <= g.lru_len as usize {
+        let mut out = Vec::with_capacity(g.lru.len() as usize);
+        let mut i = g.lru.head();
+        while i != table::NIL && out.len() <= g.lru.len() as usize {
             out.push(i);
             i = g.slots[i as usize].lru_next;
         }

@@ -91,7 +91,7 @@ impl Inner {
             };
             self.check_reservation_owner(sid, r, request)?;
         }
-        let pending = self.sessions[&sid].writing.len() + keys.len();
+        let pending = self.sessions.by_id[&sid].writing.len() + keys.len();
         if pending > self.config.max_blocks_in_flight_per_session as usize {
             self.counters.overload_rejects += 1;
             return Err(Error::Overloaded {
@@ -126,7 +126,12 @@ impl Inner {
                 from_reservation -= 1;
             }
             self.index.insert(*k, i);
-            self.sessions.get_mut(&sid).expect("live").writing.insert(i);
+            self.sessions
+                .by_id
+                .get_mut(&sid)
+                .expect("live")
+                .writing
+                .insert(i);
             out.push(Ok(Allocation {
                 handle: self.handle_of(i),
                 offset: self.pool.page_offset(i),
@@ -382,6 +387,7 @@ impl Inner {
         s.owner = None;
         s.reservation = None;
         self.sessions
+            .by_id
             .get_mut(&sid)
             .expect("live")
             .writing

@@ -34,6 +34,32 @@ pub(crate) struct Manifest {
 }
 
 /// Recently ended manifests, so that a late message cannot resurrect one. Bounded.
+/// The manifests room: each request's checkpoint manifest, the manifests' deadlines in expiry
+/// order, and the epochs of recently ended requests (so a late event for an ended request is
+/// recognised as stale).
+///
+/// Invariant: `expiry` holds exactly one entry per manifest.
+#[derive(Debug, Default)]
+pub(crate) struct Manifests {
+    pub by_request: std::collections::HashMap<RequestId, Manifest>,
+    pub expiry: std::collections::BTreeSet<(u64, RequestId)>,
+    pub ended: Ended,
+}
+
+impl Manifests {
+    /// The room's invariant.
+    pub fn check(&self) -> Result<(), String> {
+        if self.expiry.len() != self.by_request.len() {
+            return Err(format!(
+                "{} manifest deadlines for {} manifests",
+                self.expiry.len(),
+                self.by_request.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Ended {
     order: VecDeque<RequestId>,
@@ -60,7 +86,7 @@ impl Ended {
 impl Inner {
     /// The manifest of `request` at exactly `epoch`.
     pub fn manifest_at(&self, request: RequestId, epoch: u64) -> Result<&Manifest> {
-        match self.manifests.get(&request) {
+        match self.manifests.by_request.get(&request) {
             Some(m) if m.epoch == epoch => Ok(m),
             Some(m) if m.epoch > epoch => Err(Error::StaleEpoch {
                 got: epoch,
@@ -90,7 +116,7 @@ impl Inner {
     }
 
     pub fn manifest_info(&self, request: RequestId) -> Result<ManifestInfo> {
-        let m = self.manifests.get(&request).ok_or_else(|| {
+        let m = self.manifests.by_request.get(&request).ok_or_else(|| {
             Error::NotFound(format!("no checkpoint manifest for request {}", request.0))
         })?;
         Ok(self.manifest_info_of(request, m))
@@ -128,7 +154,7 @@ impl Inner {
                     "unknown namespace {namespace:?}; register its descriptor first"
                 ))
             })?;
-        if let Some(ended) = self.ended_manifests.epoch(request)
+        if let Some(ended) = self.manifests.ended.epoch(request)
             && epoch <= ended
         {
             return Err(Error::StaleEpoch {
@@ -136,7 +162,7 @@ impl Inner {
                 current: ended,
             });
         }
-        match self.manifests.get(&request) {
+        match self.manifests.by_request.get(&request) {
             Some(m) if m.epoch > epoch => {
                 return Err(Error::StaleEpoch {
                     got: epoch,
@@ -154,7 +180,7 @@ impl Inner {
             }
             Some(_) => {}
             None => {
-                if self.manifests.len() >= self.config.max_manifests as usize {
+                if self.manifests.by_request.len() >= self.config.max_manifests as usize {
                     self.counters.overload_rejects += 1;
                     return Err(Error::Overloaded {
                         what: format!("{} manifests live (the limit)", self.config.max_manifests),
@@ -166,7 +192,7 @@ impl Inner {
         // Reserve before superseding, so that a failure changes nothing... except that the
         // older epoch's space may be what the newer one needs: release first, then reserve, and
         // on failure the older epoch is gone (it was superseded either way).
-        if self.manifests.contains_key(&request) {
+        if self.manifests.by_request.contains_key(&request) {
             self.manifest_release(request);
         }
         let reservation = if reserve_bytes > 0 {
@@ -186,9 +212,9 @@ impl Inner {
             expires_at_ms,
             reservation,
         };
-        self.manifest_expiry.insert((expires_at_ms, request));
+        self.manifests.expiry.insert((expires_at_ms, request));
         let info = self.manifest_info_of(request, &m);
-        self.manifests.insert(request, m);
+        self.manifests.by_request.insert(request, m);
         Ok(info)
     }
 
@@ -246,7 +272,11 @@ impl Inner {
         for &(i, _, _) in &pairs {
             self.publish_slot(sid, i);
         }
-        let m = self.manifests.get_mut(&request).expect("checked");
+        let m = self
+            .manifests
+            .by_request
+            .get_mut(&request)
+            .expect("checked");
         for (i, g, tag) in pairs {
             m.blocks.push((i, g));
             m.tags.push(tag);
@@ -261,13 +291,17 @@ impl Inner {
         let ttl_ms = self.manifest_ttl(ttl_ms)?;
         self.manifest_at(request, epoch)?;
         let now = self.now();
-        let m = self.manifests.get_mut(&request).expect("checked");
+        let m = self
+            .manifests
+            .by_request
+            .get_mut(&request)
+            .expect("checked");
         let old = m.expires_at_ms;
         m.ttl_ms = ttl_ms;
         m.expires_at_ms = now + ttl_ms;
         let new = m.expires_at_ms;
-        self.manifest_expiry.remove(&(old, request));
-        self.manifest_expiry.insert((new, request));
+        self.manifests.expiry.remove(&(old, request));
+        self.manifests.expiry.insert((new, request));
         Ok(new)
     }
 
@@ -280,10 +314,10 @@ impl Inner {
 
     /// Drop a manifest: its blocks leave the index (freed when unpinned), its reservation ends.
     pub fn manifest_release(&mut self, request: RequestId) {
-        let Some(m) = self.manifests.remove(&request) else {
+        let Some(m) = self.manifests.by_request.remove(&request) else {
             return;
         };
-        self.manifest_expiry.remove(&(m.expires_at_ms, request));
+        self.manifests.expiry.remove(&(m.expires_at_ms, request));
         for (i, g) in m.blocks {
             let s = &self.slots[i as usize];
             if s.generation == g && s.state == Some(BlockState::Published) {
@@ -294,7 +328,7 @@ impl Inner {
             self.release_reservation(r);
         }
         let cap = self.config.max_manifests as usize;
-        self.ended_manifests.record(request, m.epoch, cap);
+        self.manifests.ended.record(request, m.epoch, cap);
     }
 
     /// Start restoring: the manifest's leading blocks that match `tokens`' tags and are still
@@ -304,7 +338,7 @@ impl Inner {
         request: RequestId,
         tokens: &[u32],
     ) -> Result<(u64, u64, Vec<ReadTicket>)> {
-        let m = self.manifests.get(&request).ok_or_else(|| {
+        let m = self.manifests.by_request.get(&request).ok_or_else(|| {
             Error::NotFound(format!("no checkpoint manifest for request {}", request.0))
         })?;
         // Tags exist for full blocks only; the last checkpointed block may be committed in part.

@@ -12,6 +12,17 @@ use crate::{Error, Result};
 
 use crate::table::Inner;
 
+/// The pins room: every pin's deadline across sessions (each session keeps its own pins), and
+/// how many (session, slot) pins there are.
+///
+/// Invariant (checked by `Store::check_invariants`): `count` equals the number of entries in
+/// `expiry` and the sum of the sessions' pin maps' sizes.
+#[derive(Debug, Default)]
+pub(crate) struct PinIndex {
+    pub expiry: std::collections::BTreeSet<(u64, SessionId, u32)>,
+    pub count: u64,
+}
+
 /// A read the caller may do outside the lock after [`Inner::read_prepare`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ReadTicket {
@@ -62,6 +73,7 @@ impl Inner {
         let max = self.config.max_pins_per_session as usize;
         let sess = self
             .sessions
+            .by_id
             .get_mut(&sid)
             .expect("caller checked the session");
         let expires_at_ms = now + ttl_ms;
@@ -71,8 +83,8 @@ impl Inner {
                 p.count = p.count.saturating_add(1);
                 p.expires_at_ms = p.expires_at_ms.max(expires_at_ms);
                 let new = p.expires_at_ms;
-                self.pin_expiry.remove(&(old, sid, i));
-                self.pin_expiry.insert((new, sid, i));
+                self.pins.expiry.remove(&(old, sid, i));
+                self.pins.expiry.insert((new, sid, i));
             }
             None => {
                 if sess.pins.len() >= max {
@@ -90,9 +102,9 @@ impl Inner {
                         expires_at_ms,
                     },
                 );
-                self.pin_expiry.insert((expires_at_ms, sid, i));
+                self.pins.expiry.insert((expires_at_ms, sid, i));
                 self.slots[i as usize].pins += 1;
-                self.pin_count += 1;
+                self.pins.count += 1;
                 self.lru_remove(i);
             }
         }
@@ -139,7 +151,7 @@ impl Inner {
 
     fn release_one(&mut self, sid: SessionId, h: &Handle) -> Result<()> {
         let i = self.resolve(h)?;
-        let sess = self.sessions.get_mut(&sid).expect("live");
+        let sess = self.sessions.by_id.get_mut(&sid).expect("live");
         let Some(p) = sess.pins.get_mut(&i) else {
             return Err(Error::NotFound(format!(
                 "session {} holds no pin on slot {i}",
@@ -149,7 +161,7 @@ impl Inner {
         p.count -= 1;
         if p.count == 0 {
             let p = sess.pins.remove(&i).expect("present");
-            self.pin_expiry.remove(&(p.expires_at_ms, sid, i));
+            self.pins.expiry.remove(&(p.expires_at_ms, sid, i));
             self.drop_pin_entry(i, p.generation);
         }
         Ok(())
@@ -201,7 +213,7 @@ impl Inner {
     pub fn read_prepare(&mut self, sid: SessionId, h: &Handle) -> Result<ReadTicket> {
         self.live_session(sid)?;
         let i = self.resolve(h)?;
-        if !self.sessions[&sid].pins.contains_key(&i) {
+        if !self.sessions.by_id[&sid].pins.contains_key(&i) {
             return Err(Error::InvalidArgument(format!(
                 "read of slot {i} without a pin: acquire the block first"
             )));

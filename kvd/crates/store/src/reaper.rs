@@ -15,7 +15,7 @@ impl Inner {
         let mut r = ReapReport::default();
         let mut left = budget;
         while left > 0 {
-            let Some(&(t, sid)) = self.session_expiry.first() else {
+            let Some(&(t, sid)) = self.sessions.expiry.first() else {
                 break;
             };
             if t > now {
@@ -27,14 +27,19 @@ impl Inner {
             left -= 1;
         }
         while left > 0 {
-            let Some(&(t, sid, i)) = self.pin_expiry.first() else {
+            let Some(&(t, sid, i)) = self.pins.expiry.first() else {
                 break;
             };
             if t > now {
                 break;
             }
-            self.pin_expiry.remove(&(t, sid, i));
-            if let Some(p) = self.sessions.get_mut(&sid).and_then(|s| s.pins.remove(&i)) {
+            self.pins.expiry.remove(&(t, sid, i));
+            if let Some(p) = self
+                .sessions
+                .by_id
+                .get_mut(&sid)
+                .and_then(|s| s.pins.remove(&i))
+            {
                 self.drop_pin_entry(i, p.generation);
             }
             self.counters.pins_expired += 1;
@@ -42,7 +47,7 @@ impl Inner {
             left -= 1;
         }
         while left > 0 {
-            let Some(&(t, req)) = self.manifest_expiry.first() else {
+            let Some(&(t, req)) = self.manifests.expiry.first() else {
                 break;
             };
             if t > now {
@@ -118,7 +123,7 @@ impl Inner {
             }
         }
         let mut pins = vec![0u32; self.slots.len()];
-        for sess in self.sessions.values() {
+        for sess in self.sessions.by_id.values() {
             for (&i, p) in &sess.pins {
                 if self.slots[i as usize].generation != p.generation {
                     return Err(format!("a pin on slot {i} outlived its block"));
@@ -158,21 +163,31 @@ impl Inner {
             }
             lru += s.in_lru as u32;
         }
-        if lru != self.lru_len {
-            return Err(format!("LRU length {} but {lru} slots on it", self.lru_len));
-        }
-        let unused: u64 = self
-            .reservations
-            .values()
-            .map(|r| r.pages_total - r.pages_used)
-            .sum();
-        if unused != self.reserved_unused {
+        if lru != self.lru.len() {
             return Err(format!(
-                "reserved pages {unused} != running {}",
-                self.reserved_unused
+                "LRU length {} but {lru} slots on it",
+                self.lru.len()
             ));
         }
-        if self.reserved_unused > self.pool.free_pages() as u64 {
+        // Each room's own invariant.
+        self.lru.check(&self.slots)?;
+        self.sessions.check()?;
+        self.manifests.check()?;
+        self.reservations.check()?;
+        let pinned: u64 = self
+            .sessions
+            .by_id
+            .values()
+            .map(|s| s.pins.len() as u64)
+            .sum();
+        if pinned != self.pins.count || self.pins.expiry.len() as u64 != self.pins.count {
+            return Err(format!(
+                "{pinned} pins held by sessions, {} deadlines, the count says {}",
+                self.pins.expiry.len(),
+                self.pins.count
+            ));
+        }
+        if self.reservations.unused_pages > self.pool.free_pages() as u64 {
             return Err("reservations promise more pages than are free".into());
         }
         Ok(())

@@ -6,7 +6,7 @@
 //! an expired session releases it at once and fails with [`Error::LeaseExpired`]; the reaper
 //! catches the sessions nobody touches.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use crate::error::BlockState;
 use crate::table::{Class, Inner, ReservationOwner};
@@ -37,6 +37,52 @@ pub(crate) struct Session {
     pub active_at_ms: u64,
 }
 
+/// The sessions room: every open session, and their lease deadlines in expiry order.
+///
+/// Invariant ([`Sessions::check`]): `expiry` holds exactly one `(expires_at_ms, id)` per open
+/// session, matching the session's own deadline; ids are never reused within an incarnation.
+#[derive(Debug)]
+pub(crate) struct Sessions {
+    pub by_id: HashMap<SessionId, Session>,
+    pub expiry: BTreeSet<(u64, SessionId)>,
+    next: u64,
+}
+
+impl Default for Sessions {
+    fn default() -> Sessions {
+        Sessions {
+            by_id: HashMap::new(),
+            expiry: BTreeSet::new(),
+            next: 1,
+        }
+    }
+}
+
+impl Sessions {
+    fn next_id(&mut self) -> SessionId {
+        let id = SessionId(self.next);
+        self.next += 1;
+        id
+    }
+
+    /// The room's invariant.
+    pub fn check(&self) -> Result<(), String> {
+        if self.expiry.len() != self.by_id.len() {
+            return Err(format!(
+                "{} session deadlines for {} sessions",
+                self.expiry.len(),
+                self.by_id.len()
+            ));
+        }
+        for (id, s) in &self.by_id {
+            if !self.expiry.contains(&(s.expires_at_ms, *id)) {
+                return Err(format!("session {} has no deadline entry", id.0));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Inner {
     pub fn open_session(
         &mut self,
@@ -56,18 +102,17 @@ impl Inner {
                 "session name longer than 128 bytes".into(),
             ));
         }
-        if self.sessions.len() >= c.max_sessions as usize {
+        if self.sessions.by_id.len() >= c.max_sessions as usize {
             self.counters.overload_rejects += 1;
             return Err(Error::Overloaded {
                 what: format!("{} sessions open (the limit)", c.max_sessions),
                 retry_after_ms: 100,
             });
         }
-        let id = SessionId(self.next_session);
-        self.next_session += 1;
+        let id = self.sessions.next_id();
         let now = self.now();
         let expires_at_ms = now + lease_ttl_ms;
-        self.sessions.insert(
+        self.sessions.by_id.insert(
             id,
             Session {
                 name: name.to_owned(),
@@ -81,14 +126,14 @@ impl Inner {
                 active_at_ms: now,
             },
         );
-        self.session_expiry.insert((expires_at_ms, id));
+        self.sessions.expiry.insert((expires_at_ms, id));
         Ok(id)
     }
 
     /// Check that a session exists and its lease holds; release it if the lease has expired.
     pub fn live_session(&mut self, sid: SessionId) -> Result<&mut Session> {
         let now = self.now();
-        let expired = match self.sessions.get(&sid) {
+        let expired = match self.sessions.by_id.get(&sid) {
             // Sessions are only ever named by the daemon on behalf of their own connection, so
             // an unknown one was released (its lease ran out and the reaper took it, or a drain
             // closed it): say so, in the error that tells the client to open a new session.
@@ -109,7 +154,7 @@ impl Inner {
                 sid.0
             )));
         }
-        let s = self.sessions.get_mut(&sid).expect("checked above");
+        let s = self.sessions.by_id.get_mut(&sid).expect("checked above");
         s.active_at_ms = now;
         Ok(s)
     }
@@ -120,17 +165,17 @@ impl Inner {
         let old = s.expires_at_ms;
         s.expires_at_ms = now + s.lease_ttl_ms;
         let new = s.expires_at_ms;
-        self.session_expiry.remove(&(old, sid));
-        self.session_expiry.insert((new, sid));
+        self.sessions.expiry.remove(&(old, sid));
+        self.sessions.expiry.insert((new, sid));
         Ok(new)
     }
 
     /// Release everything a session holds and forget it. Idempotent.
     pub fn close_session(&mut self, sid: SessionId) -> SessionCleanup {
-        let Some(s) = self.sessions.remove(&sid) else {
+        let Some(s) = self.sessions.by_id.remove(&sid) else {
             return SessionCleanup::default();
         };
-        self.session_expiry.remove(&(s.expires_at_ms, sid));
+        self.sessions.expiry.remove(&(s.expires_at_ms, sid));
         let mut out = SessionCleanup::default();
         let mut writing: Vec<u32> = s.writing.into_iter().collect();
         writing.sort_unstable();
@@ -141,7 +186,7 @@ impl Inner {
         let mut pins: Vec<(u32, crate::sessions::Pin)> = s.pins.into_iter().collect();
         pins.sort_unstable_by_key(|(i, _)| *i);
         for (i, pin) in pins {
-            self.pin_expiry.remove(&(pin.expires_at_ms, sid, i));
+            self.pins.expiry.remove(&(pin.expires_at_ms, sid, i));
             self.drop_pin_entry(i, pin.generation);
             out.pins_dropped += 1;
         }
@@ -167,15 +212,15 @@ impl Inner {
             (s.owner.take(), s.reservation.take())
         };
         if let Some(owner) = owner
-            && let Some(sess) = self.sessions.get_mut(&owner)
+            && let Some(sess) = self.sessions.by_id.get_mut(&owner)
         {
             sess.writing.remove(&i);
         }
         if let Some(r) = reservation
-            && let Some(res) = self.reservations.get_mut(&r)
+            && let Some(res) = self.reservations.by_id.get_mut(&r)
         {
             res.pages_used -= 1;
-            self.reserved_unused += 1;
+            self.reservations.unused_pages += 1;
         }
         self.counters.blocks_aborted += 1;
         self.retire_or_free(i);
@@ -189,7 +234,7 @@ impl Inner {
         }
         debug_assert!(s.pins > 0);
         s.pins -= 1;
-        self.pin_count -= 1;
+        self.pins.count -= 1;
         self.settle(i);
     }
 
@@ -198,6 +243,7 @@ impl Inner {
         self.live_session(sid)?;
         let r = self.reserve(bytes, ReservationOwner::Session(sid))?;
         self.sessions
+            .by_id
             .get_mut(&sid)
             .expect("live")
             .reservations

@@ -2,16 +2,19 @@
 //! and the per-state page counts. Every state change of a slot goes through [`Inner::set_state`]
 //! or [`Inner::free_slot`], which keep the counts exact.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::StoreConfig;
+use crate::capacity::Reservations;
 use crate::clock::Clock;
 use crate::error::BlockState;
 use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
-use crate::manifest::Manifest;
+use crate::lru::Lru;
+use crate::manifest::Manifests;
+use crate::pins::PinIndex;
 use crate::pool::Pool;
-use crate::sessions::Session;
+use crate::sessions::Sessions;
 use crate::types::{Accounting, BlockInfo, Counters, Handle, RequestId, ReservationId, SessionId};
 use crate::{Error, Result};
 
@@ -103,22 +106,18 @@ pub(crate) struct Inner {
     pub index: HashMap<BlockKey, u32>,
     pub next_generation: u64,
     pub counts: Accounting,
-    pub lru_head: u32,
-    pub lru_tail: u32,
-    pub lru_len: u32,
-    pub sessions: HashMap<SessionId, Session>,
-    pub next_session: u64,
-    pub session_expiry: BTreeSet<(u64, SessionId)>,
-    pub pin_expiry: BTreeSet<(u64, SessionId, u32)>,
-    pub pin_count: u64,
+    /// The evictable blocks, least recently used last ([`Lru`]).
+    pub lru: Lru,
+    /// The open sessions and their lease deadlines.
+    pub sessions: Sessions,
+    /// Pin deadlines across sessions.
+    pub pins: PinIndex,
     pub namespaces: HashMap<NamespaceId, NamespaceDescriptor>,
-    pub manifests: HashMap<RequestId, Manifest>,
-    pub manifest_expiry: BTreeSet<(u64, RequestId)>,
-    pub reservations: HashMap<ReservationId, Reservation>,
-    pub next_reservation: u64,
-    pub reserved_unused: u64,
+    /// Checkpoint manifests, their deadlines, and the recently ended ones.
+    pub manifests: Manifests,
+    /// Space reservations and the pages they hold back.
+    pub reservations: Reservations,
     pub quarantine: VecDeque<u32>,
-    pub ended_manifests: crate::manifest::Ended,
     pub counters: Counters,
 }
 
@@ -138,22 +137,13 @@ impl Inner {
             clock,
             pool,
             next_generation: 1,
-            lru_head: NIL,
-            lru_tail: NIL,
-            lru_len: 0,
-            sessions: HashMap::new(),
-            next_session: 1,
-            session_expiry: BTreeSet::new(),
-            pin_expiry: BTreeSet::new(),
-            pin_count: 0,
+            lru: Lru::default(),
+            sessions: Sessions::default(),
+            pins: PinIndex::default(),
             namespaces: HashMap::new(),
-            manifests: HashMap::new(),
-            manifest_expiry: BTreeSet::new(),
-            reservations: HashMap::new(),
-            next_reservation: 1,
-            reserved_unused: 0,
+            manifests: Manifests::default(),
+            reservations: Reservations::default(),
             quarantine: VecDeque::new(),
-            ended_manifests: Default::default(),
             counters: Counters::default(),
         })
     }
@@ -316,55 +306,20 @@ impl Inner {
     // ----- LRU of evictable blocks: PUBLISHED, cache class, unpinned. Front = most recent. -----
 
     pub fn lru_push_front(&mut self, i: u32) {
-        debug_assert!(!self.slots[i as usize].in_lru);
-        let old = self.lru_head;
-        {
-            let s = &mut self.slots[i as usize];
-            s.lru_prev = NIL;
-            s.lru_next = old;
-            s.in_lru = true;
-        }
-        if old != NIL {
-            self.slots[old as usize].lru_prev = i;
-        } else {
-            self.lru_tail = i;
-        }
-        self.lru_head = i;
-        self.lru_len += 1;
+        self.lru.push_front(&mut self.slots, i);
     }
 
     pub fn lru_remove(&mut self, i: u32) {
-        if !self.slots[i as usize].in_lru {
-            return;
-        }
-        let (prev, next) = {
-            let s = &mut self.slots[i as usize];
-            s.in_lru = false;
-            (s.lru_prev, s.lru_next)
-        };
-        if prev != NIL {
-            self.slots[prev as usize].lru_next = next;
-        } else {
-            self.lru_head = next;
-        }
-        if next != NIL {
-            self.slots[next as usize].lru_prev = prev;
-        } else {
-            self.lru_tail = prev;
-        }
-        self.lru_len -= 1;
+        self.lru.remove(&mut self.slots, i);
     }
 
     /// Mark a block as just used.
     pub fn lru_touch(&mut self, i: u32) {
-        if self.slots[i as usize].in_lru && self.lru_head != i {
-            self.lru_remove(i);
-            self.lru_push_front(i);
-        }
+        self.lru.touch(&mut self.slots, i);
     }
 
     /// The least recently used evictable block.
     pub fn lru_oldest(&self) -> Option<u32> {
-        (self.lru_tail != NIL).then_some(self.lru_tail)
+        self.lru.oldest()
     }
 }
