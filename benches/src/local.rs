@@ -57,6 +57,11 @@ pub struct LocalArgs {
     /// Skip the `daemon` checksum mode (a second pass at seal).
     #[arg(long)]
     pub skip_daemon_crc: bool,
+    /// Instead of the single-client table: N client processes at once (comma-separated list,
+    /// e.g. 1,2,4,8), aggregate GB/s beside N parallel copies, at 2.5 MiB pages (or the first
+    /// --page-kib).
+    #[arg(long, value_delimiter = ',')]
+    pub clients: Vec<usize>,
 }
 
 const MOVED_CAP_BYTES: u64 = 16 << 30;
@@ -89,6 +94,12 @@ pub fn run(args: &LocalArgs) -> Result<(), String> {
         });
     }
     let mut lat_rows = Vec::new();
+    if !args.clients.is_empty() {
+        if args.clients.iter().any(|&n| n == 0 || n > 64) {
+            return Err("--clients takes counts from 1 to 64".into());
+        }
+        return crate::clients::run(args, &kvd_binary(args)?, &args.clients);
+    }
     match &args.socket {
         Some(sock) => {
             let c = connect(sock)?;
@@ -97,19 +108,7 @@ pub fn run(args: &LocalArgs) -> Result<(), String> {
             run_page_size(args, sock, page, &mut rows, &mut lat_rows)?;
         }
         None => {
-            let kvd = match &args.kvd {
-                Some(p) => p.clone(),
-                None => std::env::current_exe()
-                    .map_err(|e| e.to_string())?
-                    .with_file_name("kvd"),
-            };
-            if !kvd.exists() {
-                return Err(format!(
-                    "no kvd binary at {}; build it with `cargo build --release -p kvd` or pass \
-                     --kvd or --socket",
-                    kvd.display()
-                ));
-            }
+            let kvd = kvd_binary(args)?;
             for &kib in &args.page_kib {
                 let page = (kib << 10) as usize;
                 let d = ChildDaemon::start(&kvd, page, pool_pages(page))?;
@@ -154,12 +153,30 @@ pub fn run(args: &LocalArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn pool_pages(page: usize) -> usize {
+/// The `kvd` binary to start: `--kvd`, or the one beside this binary.
+fn kvd_binary(args: &LocalArgs) -> Result<PathBuf, String> {
+    let kvd = match &args.kvd {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()
+            .map_err(|e| e.to_string())?
+            .with_file_name("kvd"),
+    };
+    if !kvd.exists() {
+        return Err(format!(
+            "no kvd binary at {}; build it with `cargo build --release -p kvd` or pass --kvd or \
+             --socket",
+            kvd.display()
+        ));
+    }
+    Ok(kvd)
+}
+
+pub(crate) fn pool_pages(page: usize) -> usize {
     // Enough for a batch of 64 in flight plus a get set larger than the cache; at most ~1 GiB.
     ((1usize << 30) / page).clamp(160, 640)
 }
 
-fn connect(sock: &Path) -> Result<Client, String> {
+pub(crate) fn connect(sock: &Path) -> Result<Client, String> {
     let opts = ClientOptions {
         lease_ttl_ms: 60_000,
         ..ClientOptions::named("kvd-bench")
@@ -167,7 +184,7 @@ fn connect(sock: &Path) -> Result<Client, String> {
     Client::connect(sock, &opts).map_err(|e| format!("connecting to {}: {e}", sock.display()))
 }
 
-fn descriptor(page: usize) -> NamespaceDescriptor {
+pub(crate) fn descriptor(page: usize) -> NamespaceDescriptor {
     NamespaceDescriptor {
         model_name: "bench/model".into(),
         model_revision: "1".into(),
@@ -188,13 +205,17 @@ fn descriptor(page: usize) -> NamespaceDescriptor {
     }
 }
 
-struct Keys {
+pub(crate) struct Keys {
     ns: NamespaceId,
     next: u64,
 }
 
 impl Keys {
-    fn take(&mut self, n: usize) -> Vec<BlockKey> {
+    pub(crate) fn new(ns: NamespaceId) -> Keys {
+        Keys { ns, next: 0 }
+    }
+
+    pub(crate) fn take(&mut self, n: usize) -> Vec<BlockKey> {
         (0..n)
             .map(|_| {
                 self.next += 1;
@@ -210,8 +231,9 @@ impl Keys {
     }
 }
 
-fn buffers(page: usize, at_least: usize, seed: u8) -> Vec<Vec<u8>> {
-    let n = at_least.max(WORKING_SET_BYTES.div_ceil(page));
+/// At least `at_least` page-sized buffers covering at least `set_bytes`.
+pub(crate) fn buffers(page: usize, at_least: usize, seed: u8, set_bytes: usize) -> Vec<Vec<u8>> {
+    let n = at_least.max(set_bytes.div_ceil(page));
     (0..n)
         .map(|i| {
             let s = seed.wrapping_add(i as u8);
@@ -247,11 +269,11 @@ fn run_page_size(
             "the pool has {pool_pages} pages; batches of {max_batch} need more"
         ));
     }
-    let mut keys = Keys { ns, next: 0 };
+    let mut keys = Keys::new(ns);
     eprintln!("page {} KiB: preparing buffers...", page >> 10);
-    let src = buffers(page, max_batch, 1);
+    let src = buffers(page, max_batch, 1, WORKING_SET_BYTES);
     let src_crc: Vec<u32> = src.iter().map(|b| transport::local::crc32c(0, b)).collect();
-    let mut dst = buffers(page, max_batch, 2);
+    let mut dst = buffers(page, max_batch, 2, WORKING_SET_BYTES);
     let label = human(page);
     let mut modes = vec![Crc::Off, Crc::Client];
     if !args.skip_daemon_crc {
@@ -496,7 +518,7 @@ fn latency(iters: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<(f
     Ok((at(0.50), at(0.99)))
 }
 
-fn touch(v: &mut [u8]) {
+pub(crate) fn touch(v: &mut [u8]) {
     for i in (0..v.len()).step_by(4096) {
         v[i] = i as u8;
     }
@@ -571,7 +593,7 @@ fn blocky_copy_rates() -> Vec<(String, f64)> {
     ]
 }
 
-fn human(page: usize) -> String {
+pub(crate) fn human(page: usize) -> String {
     if page >= 1 << 20 {
         let m = page as f64 / (1 << 20) as f64;
         if m.fract() == 0.0 {
@@ -585,14 +607,14 @@ fn human(page: usize) -> String {
 }
 
 /// A `kvd serve` started for one page size, stopped (SIGTERM, bounded wait, then kill) on drop.
-struct ChildDaemon {
+pub(crate) struct ChildDaemon {
     child: Option<Child>,
-    socket: PathBuf,
+    pub(crate) socket: PathBuf,
     _dir: tempfile::TempDir,
 }
 
 impl ChildDaemon {
-    fn start(kvd: &Path, page: usize, pages: usize) -> Result<ChildDaemon, String> {
+    pub(crate) fn start(kvd: &Path, page: usize, pages: usize) -> Result<ChildDaemon, String> {
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
         let socket = dir.path().join("kvd.sock");
         let pool_mib = (page * pages).div_ceil(1 << 20);
@@ -639,7 +661,7 @@ impl ChildDaemon {
         })
     }
 
-    fn stop(mut self) {
+    pub(crate) fn stop(mut self) {
         self.stop_inner();
     }
 

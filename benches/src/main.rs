@@ -8,6 +8,7 @@
 //! Progress goes to stderr, the summary table to stdout. Every loop is bounded in count and
 //! time.
 
+mod clients;
 mod local;
 
 use clap::{Parser, Subcommand};
@@ -28,7 +29,14 @@ enum Command {
     /// By default it starts its own `kvd serve` for each page size (the `kvd` binary beside
     /// this one: build both with `cargo build --release -p kvd -p kvd-bench`). With `--socket`
     /// it measures a running daemon at that daemon's page size.
+    ///
+    /// With `--clients 1,2,4,8` it runs N client processes at once instead (as tensor-parallel
+    /// ranks do) and reports their aggregate GB/s beside N parallel copies, and the daemon's
+    /// metadata round trips per second.
     Local(local::LocalArgs),
+    /// One client process of `local --clients` (started by it).
+    #[command(hide = true)]
+    LocalWorker(clients::WorkerArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -37,6 +45,13 @@ fn main() -> std::process::ExitCode {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kvd-bench local: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Command::LocalWorker(args) => match clients::worker(&args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvd-bench local-worker: {e}");
                 std::process::ExitCode::FAILURE
             }
         },

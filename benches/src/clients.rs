@@ -1,0 +1,272 @@
+//! `kvd-bench local --clients N[,N...]`: N client processes putting and getting at once through
+//! one daemon, as an engine's tensor-parallel ranks do.
+//!
+//! For each N: first the bound, N threads each copying its own buffers with the same
+//! non-temporal copy the client uses, timed together (aggregate GB/s); then N worker processes
+//! (this binary, `kvd-bench local-worker`), started together at one instant, each looping for the
+//! case's time budget over: `alloc(B)` → B copies fused with CRC-32C → `seal(B)` →
+//! `publish(B)`, then `acquire(B)` of the batch it wrote one iteration earlier → B verified
+//! copies out → `release(B)`. Bytes moved (in and out) and round trips are summed over the
+//! workers and divided by the longest worker's time. The daemon serializes the clients if the
+//! aggregate stays at one client's rate while the bound grows with N.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kvd::keys::BlockKey;
+use kvd::protocol::SealItem;
+use kvd::store::{BlockClass, Handle};
+
+use crate::local::{ChildDaemon, Keys, LocalArgs, buffers, connect, descriptor, touch};
+
+/// Buffers each worker (and each bound thread) copies from and into, at least.
+const WORKER_SET_BYTES: usize = 48 << 20;
+/// Blocks per batch in the multi-client case.
+const BATCH: usize = 8;
+
+/// `kvd-bench local-worker` arguments (started by `--clients`; not for hand use).
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    /// The daemon's socket.
+    #[arg(long)]
+    pub socket: PathBuf,
+    /// Start at this instant (ms since the Unix epoch), so that all workers run together.
+    #[arg(long)]
+    pub start_at_ms: u64,
+    /// Seconds to run.
+    #[arg(long)]
+    pub seconds: f64,
+}
+
+/// One worker's totals.
+#[derive(Debug, Default, Clone, Copy)]
+struct Totals {
+    bytes: u64,
+    round_trips: u64,
+    secs: f64,
+}
+
+/// Run the multi-client cases and print their table.
+pub fn run(args: &LocalArgs, kvd: &Path, counts: &[usize]) -> Result<(), String> {
+    let page = (args
+        .page_kib
+        .iter()
+        .copied()
+        .find(|&k| k == 2560)
+        .unwrap_or(args.page_kib[0])
+        << 10) as usize;
+    let max_n = counts.iter().copied().max().unwrap_or(1);
+    // Two batches in flight per worker, plus room for eviction to work.
+    let pages = (max_n * BATCH * 4).max(crate::local::pool_pages(page));
+    let d = ChildDaemon::start(kvd, page, pages)?;
+    let budget = args.seconds_per_case.max(1.0);
+    let mut rows = Vec::new();
+    for &n in counts {
+        eprintln!("{n} client(s): measuring {n} parallel copies...");
+        let bound = parallel_copy_bound(n, page);
+        eprintln!("  bound: {bound:.2} GB/s; running {n} worker process(es) for {budget:.1} s...");
+        let t = run_workers(&d.socket, n, budget)?;
+        let gbps = t.bytes as f64 / t.secs / 1e9;
+        let ops = t.round_trips as f64 / t.secs;
+        eprintln!(
+            "  {gbps:.2} GB/s ({:.2} of the bound), {ops:.0} round trips/s",
+            gbps / bound
+        );
+        rows.push((n, bound, gbps, ops));
+    }
+    d.stop();
+    println!();
+    println!(
+        "kvd-bench local --clients — {} pages, batch {BATCH}, put+get per iteration",
+        crate::local::human(page)
+    );
+    println!(
+        "{:>8} {:>16} {:>14} {:>7} {:>18}",
+        "clients", "bound GB/s", "kvd GB/s", "ratio", "daemon ops/s"
+    );
+    println!("{}", "-".repeat(68));
+    for (n, bound, gbps, ops) in rows {
+        println!(
+            "{n:>8} {bound:>16.2} {gbps:>14.2} {:>7.2} {ops:>18.0}",
+            gbps / bound
+        );
+    }
+    println!("bound: N threads of the same non-temporal copy, each on its own buffers, timed");
+    println!("together (best of 3); daemon ops/s: metadata round trips (alloc, seal, publish,");
+    println!("acquire, release) answered per second over all clients.");
+    Ok(())
+}
+
+/// N threads, each copying its own buffers block by block, started together: aggregate GB/s,
+/// best of 3.
+fn parallel_copy_bound(n: usize, page: usize) -> f64 {
+    let per = WORKER_SET_BYTES.div_ceil(page) * page;
+    let mut sets: Vec<(Vec<u8>, Vec<u8>)> = (0..n)
+        .map(|_| {
+            let (mut a, mut b) = (vec![0u8; per], vec![0u8; per]);
+            touch(&mut a);
+            touch(&mut b);
+            (a, b)
+        })
+        .collect();
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let barrier = std::sync::Barrier::new(n);
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            for (a, b) in sets.iter_mut() {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    for (src, dst) in a.chunks(page).zip(b.chunks_mut(page)) {
+                        transport::local::copy(dst, src);
+                    }
+                    std::hint::black_box(&b[per / 2]);
+                });
+            }
+        });
+        let secs = t0.elapsed().as_secs_f64();
+        best = best.max((n * per) as f64 / secs / 1e9);
+    }
+    best
+}
+
+fn run_workers(socket: &Path, n: usize, seconds: f64) -> Result<Totals, String> {
+    let me = std::env::current_exe().map_err(|e| e.to_string())?;
+    // Far enough ahead for every worker to connect and prepare its buffers.
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_err(|e| e.to_string())?
+        .as_millis() as u64;
+    let start_at = now_ms + 2_000 + 300 * n as u64;
+    let mut children = Vec::new();
+    for _ in 0..n {
+        let child = Command::new(&me)
+            .arg("local-worker")
+            .arg("--socket")
+            .arg(socket)
+            .args(["--start-at-ms", &start_at.to_string()])
+            .args(["--seconds", &seconds.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("starting a worker: {e}"))?;
+        children.push(child);
+    }
+    let mut total = Totals::default();
+    for mut c in children {
+        let out = c.stdout.take().expect("piped");
+        let line = BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .find(|l| l.starts_with("RESULT"));
+        let status = c.wait().map_err(|e| e.to_string())?;
+        let line = line.ok_or_else(|| format!("a worker reported nothing ({status})"))?;
+        let field = |k: &str| -> Result<f64, String> {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(k))
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| format!("no {k} in {line:?}"))
+        };
+        total.bytes += field("bytes=")? as u64;
+        total.round_trips += field("round_trips=")? as u64;
+        total.secs = total.secs.max(field("secs=")?);
+    }
+    Ok(total)
+}
+
+/// The worker: put and get in a loop until the budget, then print `RESULT ...`.
+pub fn worker(args: &WorkerArgs) -> Result<(), String> {
+    let mut c = connect(&args.socket)?;
+    let page = c.page_size() as usize;
+    let ns = c
+        .register_namespace(&descriptor(page))
+        .map_err(|e| e.to_string())?;
+    let mut keys = Keys::new(ns);
+    let src = buffers(page, BATCH, 1, WORKER_SET_BYTES);
+    let mut dst = buffers(page, BATCH, 2, WORKER_SET_BYTES);
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_err(|e| e.to_string())?
+        .as_millis() as u64;
+    std::thread::sleep(Duration::from_millis(
+        args.start_at_ms.saturating_sub(now_ms),
+    ));
+    let budget = Duration::from_secs_f64(args.seconds);
+    let t0 = Instant::now();
+    let mut t = Totals::default();
+    let mut previous: Vec<BlockKey> = Vec::new();
+    let mut rot = 0usize;
+    // Bounded by time and by a cap on iterations.
+    for _ in 0..1_000_000 {
+        if t0.elapsed() >= budget {
+            break;
+        }
+        let k = keys.take(BATCH);
+        t.bytes += put(&mut c, &k, &src, rot).map_err(|e| e.to_string())?;
+        t.round_trips += 3;
+        if !previous.is_empty() {
+            t.bytes += get(&mut c, &previous, &mut dst, rot).map_err(|e| e.to_string())?;
+            t.round_trips += 2;
+        }
+        previous = k;
+        rot = (rot + BATCH) % src.len();
+    }
+    t.secs = t0.elapsed().as_secs_f64();
+    c.close().map_err(|e| e.to_string())?;
+    println!(
+        "RESULT bytes={} round_trips={} secs={:.6}",
+        t.bytes, t.round_trips, t.secs
+    );
+    Ok(())
+}
+
+fn put(
+    c: &mut kvd::client::Client,
+    k: &[BlockKey],
+    src: &[Vec<u8>],
+    rot: usize,
+) -> kvd::Result<u64> {
+    let allocs = c.alloc(k, BlockClass::Cache, None)?;
+    let mut seals = Vec::with_capacity(k.len());
+    for (i, a) in allocs.into_iter().enumerate() {
+        let a = a?;
+        let data = &src[(rot + i) % src.len()];
+        let crc = c.write_with_crc(&a.handle, 0, data, 0)?;
+        seals.push(SealItem {
+            handle: a.handle,
+            len: data.len() as u64,
+            checksum: Some(crc),
+        });
+    }
+    for r in c.seal(&seals)? {
+        r?;
+    }
+    let handles: Vec<Handle> = seals.iter().map(|s| s.handle).collect();
+    c.publish(&handles)?;
+    Ok(seals.iter().map(|s| s.len).sum())
+}
+
+fn get(
+    c: &mut kvd::client::Client,
+    k: &[BlockKey],
+    dst: &mut [Vec<u8>],
+    rot: usize,
+) -> kvd::Result<u64> {
+    let got = c.acquire(k, Some(60_000))?;
+    let mut handles = Vec::with_capacity(k.len());
+    let mut bytes = 0;
+    for (i, b) in got.into_iter().enumerate() {
+        // A block evicted since it was written is a miss, not an error.
+        let Ok(b) = b else { continue };
+        let n = dst.len();
+        bytes += c.read_verified(&b.handle, &mut dst[(rot + i) % n])?;
+        handles.push(b.handle);
+    }
+    for r in c.release(&handles)? {
+        r?;
+    }
+    Ok(bytes)
+}
