@@ -12,6 +12,7 @@ pub mod admin;
 pub mod config;
 pub mod datadir;
 pub mod drain;
+pub mod limits;
 pub mod metrics;
 pub mod server;
 pub mod status;
