@@ -71,21 +71,23 @@ impl Daemon {
 
     /// Start a daemon on `dir` (which may hold a previous run's generation).
     pub fn start_in(dir: &Path, extra: &[&str]) -> Daemon {
-        let mut args = base_args(dir);
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let stderr = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(dir.join("daemon.log"))
-            .expect("a log file");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvd"))
-            .args(&args)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .expect("starting kvd");
+        Daemon::spawn(dir, command(dir, extra))
+    }
+
+    /// Start a daemon on a fresh temporary data dir whose open-file limit (RLIMIT_NOFILE) is
+    /// `soft` and `hard` from its first instruction, as `ulimit -n` or systemd's `LimitNOFILE=`
+    /// would set it.
+    pub fn start_with_nofile(extra: &[&str], soft: u64, hard: u64) -> Daemon {
+        let tmp = tempfile::tempdir().expect("a temp dir");
+        let mut cmd = command(tmp.path(), extra);
+        limit_nofile(&mut cmd, soft, hard);
+        let mut d = Daemon::spawn(tmp.path(), cmd);
+        d._tmp = Some(tmp);
+        d
+    }
+
+    fn spawn(dir: &Path, mut cmd: Command) -> Daemon {
+        let mut child = cmd.spawn().expect("starting kvd");
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -183,6 +185,43 @@ impl Daemon {
     /// The daemon's log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("daemon.log")).unwrap_or_default()
+    }
+}
+
+/// `kvd serve` on `dir` with [`base_args`] and `extra`, its stdout piped (for the ready line)
+/// and its stderr appended to `dir/daemon.log`.
+pub fn command(dir: &Path, extra: &[&str]) -> Command {
+    let mut args = base_args(dir);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let stderr = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("daemon.log"))
+        .expect("a log file");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvd"));
+    cmd.args(&args)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(stderr);
+    cmd
+}
+
+/// Make `cmd`'s process start with RLIMIT_NOFILE = `soft`, `hard`.
+pub fn limit_nofile(cmd: &mut Command, soft: u64, hard: u64) {
+    use std::os::unix::process::CommandExt as _;
+    let limit = rustix::process::Rlimit {
+        current: Some(soft),
+        maximum: Some(hard),
+    };
+    // SAFETY: the closure runs in the forked child before exec; it makes one raw system call
+    // (rustix's setrlimit, no allocation, no lock) and builds its error from an errno, both
+    // async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || {
+            rustix::process::setrlimit(rustix::process::Resource::Nofile, limit)
+                .map_err(|e| std::io::Error::from_raw_os_error(e.raw_os_error()))
+        });
     }
 }
 

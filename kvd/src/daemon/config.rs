@@ -38,6 +38,19 @@ pub struct ServeArgs {
     /// Accept /drain from other hosts (needs --allow-remote-admin).
     #[arg(long)]
     pub allow_remote_drain: bool,
+    /// Admin HTTP connections held at once; more are answered 503 with Retry-After: 1 and
+    /// closed. Lowered at start if the open-file limit is short [default: 64].
+    #[arg(long)]
+    pub admin_max_connections: Option<u32>,
+    /// How long an admin connection may take to send a whole request head, from its accept or
+    /// its previous answer (so it also bounds a connection that sends nothing), ms
+    /// [default: 5000].
+    #[arg(long)]
+    pub admin_header_timeout_ms: Option<u64>,
+    /// An admin connection on which no byte moves either way for this long is closed (a
+    /// client that stops reading its answers), ms [default: 30000].
+    #[arg(long)]
+    pub admin_idle_timeout_ms: Option<u64>,
     /// The pool's size in MiB, rounded down to whole pages [default: 256].
     #[arg(long)]
     pub pool_mib: Option<u64>,
@@ -107,6 +120,9 @@ pub struct FileConfig {
     pub admin_listen: Option<SocketAddr>,
     pub allow_remote_admin: Option<bool>,
     pub allow_remote_drain: Option<bool>,
+    pub admin_max_connections: Option<u32>,
+    pub admin_header_timeout_ms: Option<u64>,
+    pub admin_idle_timeout_ms: Option<u64>,
     pub pool_mib: Option<u64>,
     pub page_kib: Option<u64>,
     pub huge_pages: Option<String>,
@@ -139,6 +155,12 @@ pub struct DaemonConfig {
     pub admin_listen: SocketAddr,
     /// Whether /drain is accepted from other hosts.
     pub allow_remote_drain: bool,
+    /// Admin HTTP connections held at once, as configured (the fd budget may lower it).
+    pub admin_max_connections: u32,
+    /// How long an admin request head may take to arrive, ms.
+    pub admin_header_timeout_ms: u64,
+    /// How long an admin connection may move no byte, ms.
+    pub admin_idle_timeout_ms: u64,
     /// Pool bytes.
     pub pool_bytes: u64,
     /// Page bytes.
@@ -177,6 +199,17 @@ pub struct DaemonConfig {
 
 /// The embedded defaults: a laptop-sized single node.
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:7460";
+/// Admin HTTP connections held at once: probes, a scrape and operators, with room to spare.
+pub const DEFAULT_ADMIN_MAX_CONNECTIONS: u32 = 64;
+/// A request head has this long to arrive on an admin connection, ms.
+pub const DEFAULT_ADMIN_HEADER_TIMEOUT_MS: u64 = 5_000;
+/// An admin connection that moves no byte for this long is closed, ms.
+pub const DEFAULT_ADMIN_IDLE_TIMEOUT_MS: u64 = 30_000;
+/// The longest admin timeout accepted, ms: beyond it a stuck client holds its slot for longer
+/// than any operator would wait.
+pub const MAX_ADMIN_TIMEOUT_MS: u64 = 600_000;
+/// The most admin connections accepted as a setting (each is a file descriptor).
+pub const MAX_ADMIN_CONNECTIONS: u32 = 65_536;
 
 impl DaemonConfig {
     /// Resolve flags over the file over the defaults, and check the result.
@@ -264,6 +297,18 @@ impl DaemonConfig {
             socket_group: args.socket_group.clone().or(file.socket_group),
             admin_listen,
             allow_remote_drain,
+            admin_max_connections: args
+                .admin_max_connections
+                .or(file.admin_max_connections)
+                .unwrap_or(DEFAULT_ADMIN_MAX_CONNECTIONS),
+            admin_header_timeout_ms: args
+                .admin_header_timeout_ms
+                .or(file.admin_header_timeout_ms)
+                .unwrap_or(DEFAULT_ADMIN_HEADER_TIMEOUT_MS),
+            admin_idle_timeout_ms: args
+                .admin_idle_timeout_ms
+                .or(file.admin_idle_timeout_ms)
+                .unwrap_or(DEFAULT_ADMIN_IDLE_TIMEOUT_MS),
             pool_bytes: pool_mib.saturating_mul(1 << 20),
             page_bytes: page_kib.saturating_mul(1024),
             huge_pages,
@@ -351,6 +396,22 @@ impl DaemonConfig {
         if self.reap_interval_ms == 0 || self.threads == 0 {
             return bad("reap_interval_ms and threads must be at least 1".into());
         }
+        if self.admin_max_connections == 0 || self.admin_max_connections > MAX_ADMIN_CONNECTIONS {
+            return bad(format!(
+                "admin_max_connections must be 1 to {MAX_ADMIN_CONNECTIONS}, not {}",
+                self.admin_max_connections
+            ));
+        }
+        for (name, ms) in [
+            ("admin_header_timeout_ms", self.admin_header_timeout_ms),
+            ("admin_idle_timeout_ms", self.admin_idle_timeout_ms),
+        ] {
+            if ms == 0 || ms > MAX_ADMIN_TIMEOUT_MS {
+                return bad(format!(
+                    "{name} must be 1 to {MAX_ADMIN_TIMEOUT_MS}, not {ms}"
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -396,6 +457,43 @@ mod tests {
         };
         let c = DaemonConfig::resolve(&args).unwrap();
         assert!(!c.allow_remote_drain);
+    }
+
+    #[test]
+    fn admin_bounds_come_from_flags_or_the_file_and_zero_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("kvd.toml");
+        std::fs::write(
+            &f,
+            "admin_max_connections = 8\nadmin_idle_timeout_ms = 900\n",
+        )
+        .unwrap();
+        let args = ServeArgs {
+            config: Some(f),
+            admin_idle_timeout_ms: Some(700),
+            ..ServeArgs::default()
+        };
+        let c = DaemonConfig::resolve(&args).unwrap();
+        assert_eq!(c.admin_max_connections, 8);
+        assert_eq!(c.admin_header_timeout_ms, DEFAULT_ADMIN_HEADER_TIMEOUT_MS);
+        assert_eq!(c.admin_idle_timeout_ms, 700);
+        for bad in [
+            ServeArgs {
+                admin_max_connections: Some(0),
+                ..ServeArgs::default()
+            },
+            ServeArgs {
+                admin_header_timeout_ms: Some(0),
+                ..ServeArgs::default()
+            },
+            ServeArgs {
+                admin_idle_timeout_ms: Some(MAX_ADMIN_TIMEOUT_MS + 1),
+                ..ServeArgs::default()
+            },
+        ] {
+            let e = DaemonConfig::resolve(&bad).unwrap_err();
+            assert!(e.to_string().contains("admin_"), "{e}");
+        }
     }
 
     #[test]

@@ -85,6 +85,16 @@ pub struct Metrics {
     pub corrupt_reports_confirmed: Counter,
     /// Sessions open now (connections past the handshake).
     pub sessions_open: Gauge,
+    /// Admin HTTP connections given a slot.
+    pub admin_connections_accepted: Counter,
+    /// Admin HTTP connections refused at the cap (answered `503`, then closed).
+    pub admin_connections_refused: Counter,
+    /// Admin HTTP connections closed because a request head did not arrive in time.
+    pub admin_header_timeouts: Counter,
+    /// Admin HTTP connections closed because no byte moved for the idle timeout.
+    pub admin_idle_timeouts: Counter,
+    /// Admin HTTP connections holding a slot now.
+    pub admin_connections_open: Gauge,
     /// Result of the last accounting audit (1 balanced, 0 not).
     pub accounting_balanced: Gauge,
     ready: Gauge,
@@ -138,6 +148,11 @@ impl Metrics {
             corrupt_reports: Counter::default(),
             corrupt_reports_confirmed: Counter::default(),
             sessions_open: Gauge::default(),
+            admin_connections_accepted: Counter::default(),
+            admin_connections_refused: Counter::default(),
+            admin_header_timeouts: Counter::default(),
+            admin_idle_timeouts: Counter::default(),
+            admin_connections_open: Gauge::default(),
             accounting_balanced: Gauge::default(),
             ready: Gauge::default(),
             uptime_s: Gauge::default(),
@@ -185,6 +200,26 @@ impl Metrics {
                 "Reported blocks whose daemon-side copy failed too (quarantined)",
                 &m.corrupt_reports_confirmed,
             ),
+            (
+                "kvd_admin_connections_accepted",
+                "Admin HTTP connections given a slot",
+                &m.admin_connections_accepted,
+            ),
+            (
+                "kvd_admin_connections_refused",
+                "Admin HTTP connections refused at the cap (503, closed)",
+                &m.admin_connections_refused,
+            ),
+            (
+                "kvd_admin_header_timeouts",
+                "Admin HTTP connections closed: no whole request head within the header timeout",
+                &m.admin_header_timeouts,
+            ),
+            (
+                "kvd_admin_idle_timeouts",
+                "Admin HTTP connections closed: no byte moved within the idle timeout",
+                &m.admin_idle_timeouts,
+            ),
         ] {
             r.register(name, help, c.clone());
         }
@@ -192,6 +227,11 @@ impl Metrics {
             "kvd_sessions_open",
             "Connections past the handshake",
             m.sessions_open.clone(),
+        );
+        r.register(
+            "kvd_admin_connections_open",
+            "Admin HTTP connections holding a slot",
+            m.admin_connections_open.clone(),
         );
         r.register(
             "kvd_accounting_balanced",
@@ -451,6 +491,8 @@ mod tests {
             "kvd_blocks{state=\"free\"} 4",
             "kvd_node_generation 1",
             "kvd_ready 1",
+            "kvd_admin_connections_refused_total 0",
+            "kvd_admin_connections_open 0",
         ] {
             assert!(text.contains(needle), "no {needle:?} in\n{text}");
         }

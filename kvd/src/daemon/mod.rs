@@ -1,7 +1,8 @@
 //! `kvd serve`: the daemon that runs on every GPU node beside the serving engine.
 //!
-//! Start-up, in order: resolve the [`config`], open the [`datadir`] (lock it, increase the node
-//! generation), create the store and its pool, seal the pool's memfd against resizing (a client
+//! Start-up, in order: resolve the [`config`], raise the open-file limit and share it out
+//! ([`limits`]: the Unix socket first, then the admin HTTP), open the [`datadir`] (lock it,
+//! increase the node generation), create the store and its pool, seal the pool's memfd against resizing (a client
 //! that truncates it could otherwise make the daemon fault), bind the Unix socket (0660) and the
 //! admin HTTP (loopback), then serve: the [`server`] (local protocol), the reaper, and [`admin`].
 //! A signal or `/drain` runs the [`drain`], after which the process exits 0.
@@ -12,6 +13,7 @@ pub mod admin;
 pub mod config;
 pub mod datadir;
 pub mod drain;
+pub mod limits;
 pub mod metrics;
 pub mod peers;
 pub mod server;
@@ -72,6 +74,7 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
 /// Start everything, serve until a drain ends.
 async fn serve(config: DaemonConfig) -> Result<()> {
     let signals = DrainSignals::install()?;
+    let budget = fd_budget(&config)?;
     let datadir = datadir::DataDir::open(&config.data_dir)?;
     let generation = datadir.generation();
     let pool = PoolConfig {
@@ -120,7 +123,7 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     });
     tokio::spawn(server::accept_loop(d.clone(), listener));
     tokio::spawn(server::reaper(d.clone()));
-    tokio::spawn(admin::serve(d.clone(), admin));
+    tokio::spawn(admin::serve(d.clone(), admin, budget));
     tracing::info!(
         node_generation = generation,
         socket = %d.config.socket.display(),
@@ -164,6 +167,41 @@ impl DrainSignals {
             int: signal(SignalKind::interrupt()).map_err(e)?,
         })
     }
+}
+
+/// Raise the open-file limit to the hard limit and share it out; log the limits in force.
+fn fd_budget(config: &DaemonConfig) -> Result<limits::FdBudget> {
+    let nofile = limits::raise_nofile();
+    let b = limits::FdBudget::plan(
+        nofile,
+        config.max_sessions,
+        config.max_pending_connections,
+        config.admin_max_connections,
+    )?;
+    if b.admin_max_connections < config.admin_max_connections {
+        tracing::warn!(
+            configured = config.admin_max_connections,
+            in_force = b.admin_max_connections,
+            nofile_soft = b.nofile_soft,
+            "the open-file limit is short: fewer admin connections than configured (raise \
+             `ulimit -Hn` / LimitNOFILE=)"
+        );
+    }
+    tracing::info!(
+        nofile_soft = b.nofile_soft,
+        nofile_hard = b.nofile_hard,
+        data_socket_fds = b.data_socket_fds,
+        other_fds_reserved = b.reserved_fds,
+        max_sessions = config.max_sessions,
+        max_pending_connections = config.max_pending_connections,
+        handshake_timeout_ms = config.handshake_timeout_ms,
+        admin_max_connections = b.admin_max_connections,
+        admin_refusal_fds = b.admin_refusal_fds,
+        admin_header_timeout_ms = config.admin_header_timeout_ms,
+        admin_idle_timeout_ms = config.admin_idle_timeout_ms,
+        "limits in force"
+    );
+    Ok(b)
 }
 
 async fn wait_for_drain(d: &server::Daemon, signals: DrainSignals) -> Result<()> {

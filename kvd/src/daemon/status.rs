@@ -191,6 +191,29 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
         c.sessions_expired,
         r.daemon.protocol_errors
     );
+    let l = &r.limits;
+    // An older daemon reports no limits (all zero).
+    if l.nofile_soft > 0 {
+        let _ = writeln!(
+            o,
+            "limits: open files {} (hard {}): {} for the socket's connections, {} reserved, {} \
+             + {} for admin HTTP; admin connections {}/{} open, header timeout {} ms, idle \
+             timeout {} ms; admin refused {}, header timeouts {}, idle timeouts {}",
+            l.nofile_soft,
+            l.nofile_hard,
+            l.data_socket_fds_reserved,
+            l.other_fds_reserved,
+            l.admin_max_connections,
+            l.admin_refusal_fds,
+            l.admin_connections_open,
+            l.admin_max_connections,
+            l.admin_header_timeout_ms,
+            l.admin_idle_timeout_ms,
+            r.daemon.admin_connections_refused,
+            r.daemon.admin_header_timeouts,
+            r.daemon.admin_idle_timeouts
+        );
+    }
     o
 }
 
