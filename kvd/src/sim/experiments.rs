@@ -299,8 +299,26 @@ pub fn run_scenario(
             jobs.push((p, w, c));
         }
     }
-    // Every (policy, seed) run is independent and deterministic on its own: run them on a few
-    // threads; the order of the results is the order of `jobs`, whatever the threads do.
+    let results = run_jobs(&jobs, &workloads);
+    let runs = mean_by_policy(&policies, &jobs, results)?;
+    let requests = workloads.iter().map(Vec::len).sum::<usize>() / workloads.len();
+    Ok(ScenarioResult {
+        scenario: scenario.clone(),
+        saturation_per_s: saturation,
+        rate_per_s: rate,
+        requests,
+        repeats,
+        runs,
+    })
+}
+
+/// Runs every `(policy, workload index, config)` job on a few threads. Each run is independent
+/// and deterministic on its own; the results are in the order of `jobs`, whatever the threads
+/// do.
+fn run_jobs(
+    jobs: &[(SimPolicy, usize, RunConfig)],
+    workloads: &[Vec<workload::RequestSpec>],
+) -> Vec<crate::Result<RunOutput>> {
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
         .clamp(1, 8);
@@ -326,10 +344,22 @@ pub fn run_scenario(
             });
         }
     });
+    results
+        .into_iter()
+        .map(|r| r.expect("every job ran"))
+        .collect()
+}
+
+/// Each policy's metrics and series averaged over its runs (one per seed), in `policies` order.
+fn mean_by_policy(
+    policies: &[SimPolicy],
+    jobs: &[(SimPolicy, usize, RunConfig)],
+    results: Vec<crate::Result<RunOutput>>,
+) -> crate::Result<Vec<(SimPolicy, RunOutput)>> {
     let mut by_policy: BTreeMap<usize, (Vec<RunMetrics>, Vec<Vec<super::metrics::SeriesPoint>>)> =
         BTreeMap::new();
     for ((p, _, _), r) in jobs.iter().zip(results) {
-        let out = r.expect("every job ran")?;
+        let out = r?;
         let idx = policies
             .iter()
             .position(|q| q == p)
@@ -338,7 +368,7 @@ pub fn run_scenario(
         e.0.push(out.metrics);
         e.1.push(out.series);
     }
-    let runs = by_policy
+    Ok(by_policy
         .into_iter()
         .map(|(idx, (metrics, series))| {
             (
@@ -350,16 +380,7 @@ pub fn run_scenario(
                 },
             )
         })
-        .collect();
-    let requests = workloads.iter().map(Vec::len).sum::<usize>() / workloads.len();
-    Ok(ScenarioResult {
-        scenario: scenario.clone(),
-        saturation_per_s: saturation,
-        rate_per_s: rate,
-        requests,
-        repeats,
-        runs,
-    })
+        .collect())
 }
 
 /// Runs `exps` in order, calling `progress` with a line before each scenario. Saturation is
