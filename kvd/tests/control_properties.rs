@@ -87,12 +87,9 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Every policy kvd ships (the Lumen placement variants and both baselines).
 fn policy() -> impl Strategy<Value = PolicyKind> {
-    prop_oneof![
-        Just(PolicyKind::Lumen),
-        Just(PolicyKind::FixedRing),
-        Just(PolicyKind::StopRestart)
-    ]
+    prop::sample::select(PolicyKind::ALL.to_vec())
 }
 
 fn cluster(policy: PolicyKind) -> Controller {

@@ -19,16 +19,22 @@ use serde::Serialize;
 
 use super::cluster::{FailureSpec, RunConfig, RunOutput, run};
 use super::config::{ClusterConfig, ModelConfig};
-use super::contenders::SimPolicy;
 use super::metrics::RunMetrics;
 use super::workload::{self, WorkloadConfig};
+use crate::control::PolicyKind;
 
-/// The policies every experiment compares, in table order (the baseline last).
-pub const POLICIES: [SimPolicy; 3] = [
-    SimPolicy::Lumen,
-    SimPolicy::FixedRing,
-    SimPolicy::StopRestart,
+/// The policies every experiment compares by default, in table order (the baseline last):
+/// Lumen with the per-server placement of DESIGN.md §7, the first (mean) rule it replaced,
+/// the fixed ring, and stop-and-restart.
+pub const POLICIES: [PolicyKind; 4] = [
+    PolicyKind::Lumen,
+    PolicyKind::LumenMean,
+    PolicyKind::FixedRing,
+    PolicyKind::StopRestart,
 ];
+
+/// The policy every table compares against.
+pub const BASELINE: PolicyKind = PolicyKind::StopRestart;
 
 /// Which experiment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -106,18 +112,14 @@ pub struct SweepConfig {
     pub repeats: u32,
     /// Overrides the hardware's assist speed-up (Lumen's ASSIST phase), for sensitivity runs.
     pub assist_speedup: Option<f64>,
-    /// Also run the what-if [`SimPolicy::LumenSumPlacement`] (not in the default comparison).
-    pub what_if_sum_placement: bool,
+    /// The policies to run, in table order (must include [`BASELINE`]).
+    pub policies: Vec<PolicyKind>,
 }
 
 impl SweepConfig {
     /// The policies this sweep runs, in table order.
-    pub fn policies(&self) -> Vec<SimPolicy> {
-        let mut v = POLICIES.to_vec();
-        if self.what_if_sum_placement {
-            v.insert(1, SimPolicy::LumenSumPlacement);
-        }
-        v
+    pub fn policies(&self) -> Vec<PolicyKind> {
+        self.policies.clone()
     }
 }
 
@@ -133,7 +135,7 @@ impl Default for SweepConfig {
             max_requests: 2_000_000,
             repeats: 5,
             assist_speedup: None,
-            what_if_sum_placement: false,
+            policies: POLICIES.to_vec(),
         }
     }
 }
@@ -167,12 +169,12 @@ pub struct ScenarioResult {
     /// Seeds the metrics are averaged over.
     pub repeats: u32,
     /// One run per policy.
-    pub runs: Vec<(SimPolicy, RunOutput)>,
+    pub runs: Vec<(PolicyKind, RunOutput)>,
 }
 
 impl ScenarioResult {
     /// The metrics of `policy`.
-    pub fn metrics(&self, policy: SimPolicy) -> Option<&RunMetrics> {
+    pub fn metrics(&self, policy: PolicyKind) -> Option<&RunMetrics> {
         self.runs
             .iter()
             .find(|(p, _)| *p == policy)
@@ -252,7 +254,7 @@ pub fn measure_saturation(model: &ModelConfig, seed: u64) -> crate::Result<f64> 
         },
         1_000_000,
     )?;
-    let mut cfg = RunConfig::new(cluster, SimPolicy::StopRestart, vec![]);
+    let mut cfg = RunConfig::new(cluster, PolicyKind::StopRestart, vec![]);
     cfg.drain_cap_s = 0.0;
     let out = run(&cfg, &wl)?;
     let lo = (warmup_s * 1e6) as u64;
@@ -291,7 +293,7 @@ pub fn run_scenario(
         })
         .collect::<crate::Result<Vec<_>>>()?;
     let policies = sweep.policies();
-    let mut jobs: Vec<(SimPolicy, usize, RunConfig)> = Vec::new();
+    let mut jobs: Vec<(PolicyKind, usize, RunConfig)> = Vec::new();
     for &p in &policies {
         for w in 0..workloads.len() {
             let mut c = RunConfig::new(scenario.cluster.clone(), p, scenario.failures.clone());
@@ -316,7 +318,7 @@ pub fn run_scenario(
 /// and deterministic on its own; the results are in the order of `jobs`, whatever the threads
 /// do.
 fn run_jobs(
-    jobs: &[(SimPolicy, usize, RunConfig)],
+    jobs: &[(PolicyKind, usize, RunConfig)],
     workloads: &[Vec<workload::RequestSpec>],
 ) -> Vec<crate::Result<RunOutput>> {
     let threads = std::thread::available_parallelism()
@@ -352,10 +354,10 @@ fn run_jobs(
 
 /// Each policy's metrics and series averaged over its runs (one per seed), in `policies` order.
 fn mean_by_policy(
-    policies: &[SimPolicy],
-    jobs: &[(SimPolicy, usize, RunConfig)],
+    policies: &[PolicyKind],
+    jobs: &[(PolicyKind, usize, RunConfig)],
     results: Vec<crate::Result<RunOutput>>,
-) -> crate::Result<Vec<(SimPolicy, RunOutput)>> {
+) -> crate::Result<Vec<(PolicyKind, RunOutput)>> {
     let mut by_policy: BTreeMap<usize, (Vec<RunMetrics>, Vec<Vec<super::metrics::SeriesPoint>>)> =
         BTreeMap::new();
     for ((p, _, _), r) in jobs.iter().zip(results) {

@@ -9,7 +9,6 @@
 //! - [`workload`]: Poisson arrivals with conversation-trace prompt and output lengths.
 //! - [`events`]: the `(time, sequence)` event heap with its cap.
 //! - [`worker`]: one worker's batch, KV budget and iteration time model.
-//! - [`contenders`]: the policies compared (the shim's three, and one opt-in what-if).
 //! - [`shim`]: the simulator's adapter to the real [`crate::control::Controller`].
 //! - [`cluster`]: the event loop: routing, checkpoint streaming, failures, restores, restarts.
 //! - [`metrics`]: latencies (overall, interrupted, bystanders) and recovery measures.
@@ -24,7 +23,6 @@
 pub mod cli;
 pub mod cluster;
 pub mod config;
-pub mod contenders;
 pub mod events;
 pub mod experiments;
 pub mod metrics;
@@ -35,5 +33,4 @@ pub mod workload;
 
 pub use cluster::{FailureSpec, RunConfig, RunOutput, run};
 pub use config::{ClusterConfig, EngineConfig, HardwareConfig, ModelConfig};
-pub use contenders::SimPolicy;
 pub use metrics::RunMetrics;

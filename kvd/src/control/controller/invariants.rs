@@ -21,7 +21,40 @@ impl Controller {
     /// A description of the first broken invariant.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let sums = self.check_requests()?;
-        self.check_workers(&sums)
+        self.check_workers(&sums)?;
+        self.check_attribution()
+    }
+
+    /// Per holder, the bytes it holds for each serving worker equal the reservations of the
+    /// requests that worker serves and it holds (what the per-server placement rule reads).
+    fn check_attribution(&self) -> std::result::Result<(), String> {
+        let mut want: BTreeMap<(WorkerId, WorkerId), u64> = BTreeMap::new();
+        for r in self.requests.values() {
+            if let Some(h) = r.holder {
+                *want.entry((h, r.serving)).or_default() += r.reserved_bytes;
+            }
+        }
+        let mut have: BTreeMap<(WorkerId, WorkerId), u64> = BTreeMap::new();
+        for w in self.load.iter() {
+            for (s, b) in w.held_by_server() {
+                have.insert((w.id, s), b);
+            }
+        }
+        if want != have {
+            let diff = want
+                .iter()
+                .find(|(k, v)| have.get(k) != Some(v))
+                .map(|(k, v)| (*k, *v, have.get(k).copied().unwrap_or(0)))
+                .or_else(|| {
+                    have.iter()
+                        .find(|(k, _)| !want.contains_key(k))
+                        .map(|(k, v)| (*k, 0, *v))
+                });
+            return Err(format!(
+                "holder/server attribution (holder, server), want bytes, have bytes: {diff:?}"
+            ));
+        }
+        Ok(())
     }
 
     /// The per-request invariants; returns, per worker, what the requests say it holds and

@@ -276,6 +276,7 @@ impl Controller {
         debug_assert!(rec.migrations_left > 0, "the budget was checked");
         rec.epoch += 1;
         rec.state = RequestState::Migrating;
+        Self::reattribute_holder(&mut self.load, rec, target);
         rec.serving = target;
         rec.migrations_left -= 1;
         rec.migrations += 1;

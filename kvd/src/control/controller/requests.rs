@@ -186,6 +186,7 @@ impl Controller {
             if let Some(w) = self.load.get_mut(rec.serving) {
                 w.serving_requests = w.serving_requests.saturating_sub(1);
             }
+            Self::reattribute_holder(&mut self.load, rec, to);
             rec.serving = to;
             self.load.get_mut(to).expect("in service").serving_requests += 1;
             if rec.holder == Some(to) {
@@ -449,11 +450,21 @@ impl Controller {
         if let Some(h) = rec.holder.take() {
             load.get_mut(h)
                 .expect("a holder is in service")
-                .release(rec.reserved_bytes);
+                .release(rec.reserved_bytes, rec.serving);
         }
         rec.reserved_bytes = 0;
         rec.checkpointed_tokens = 0;
         rec.checkpoint_bytes = 0;
+    }
+
+    /// `rec` is about to be served by `to`: its holder's bytes for it count for `to` from now on
+    /// (call before changing `rec.serving`).
+    pub(super) fn reattribute_holder(load: &mut LoadTable, rec: &RequestRecord, to: WorkerId) {
+        if let Some(h) = rec.holder {
+            load.get_mut(h)
+                .expect("a holder is in service")
+                .reattribute(rec.serving, to, rec.reserved_bytes);
+        }
     }
 
     /// Place `rec`'s checkpoint (it has none now) with the policy, and reserve.
@@ -477,7 +488,7 @@ impl Controller {
                     policy.kind(),
                     rec.id
                 );
-                row.reserve(rec.reserve_bytes);
+                row.reserve(rec.reserve_bytes, rec.serving);
                 rec.holder = Some(h);
                 rec.reserved_bytes = rec.reserve_bytes;
             }

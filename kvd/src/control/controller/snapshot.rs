@@ -1,11 +1,34 @@
 //! The whole controller state out ([`Controller::snapshot`]) and back in
 //! ([`Controller::from_snapshot`]).
 
+use std::collections::BTreeMap;
+
 use super::Controller;
+use crate::control::WorkerId;
 use crate::control::snapshot::{ControllerSnapshot, SNAPSHOT_FORMAT_VERSION};
 use crate::{Error, Result};
 
 impl Controller {
+    /// Derive every holder's per-server attribution from the live requests (a snapshot carries
+    /// it, but it is derived data; one written before it existed has none).
+    fn rebuild_attribution(&mut self) {
+        let mut held: BTreeMap<WorkerId, Vec<(WorkerId, u64)>> = BTreeMap::new();
+        for r in self.requests.values() {
+            if let Some(h) = r.holder {
+                held.entry(h)
+                    .or_default()
+                    .push((r.serving, r.reserved_bytes));
+            }
+        }
+        let ids: Vec<WorkerId> = self.load.iter().map(|w| w.id).collect();
+        for id in ids {
+            let pairs = held.remove(&id).unwrap_or_default();
+            if let Some(row) = self.load.get_mut(id) {
+                row.rebuild_attribution(pairs.into_iter());
+            }
+        }
+    }
+
     /// The whole state as one serializable value.
     pub fn snapshot(&self) -> ControllerSnapshot {
         ControllerSnapshot {
@@ -60,6 +83,7 @@ impl Controller {
             c.terminal.insert(r.id, r);
         }
         c.stats = snapshot.stats;
+        c.rebuild_attribution();
         c.check_invariants()
             .map_err(|e| Error::InvalidArgument(format!("snapshot: {e}")))?;
         Ok(c)

@@ -47,7 +47,7 @@ impl Sim<'_> {
         let spec = self.workload[r];
         let now = self.now();
         let adm = self.shim.admit(r, w, &spec, self.reserve_bytes(r), now)?;
-        if adm.holder.is_none() && self.cfg.policy.kind() != PolicyKind::StopRestart {
+        if adm.holder.is_none() && self.cfg.policy != PolicyKind::StopRestart {
             self.m.unplaced += 1;
         }
         let st = &mut self.reqs[r];

@@ -35,12 +35,12 @@
 use serde::Serialize;
 
 use super::config::ClusterConfig;
-use super::contenders::SimPolicy;
 use super::events::{EventQueue, ReqIdx, SimEvent, SimTime, WorkerIdx, secs_to_us};
 use super::metrics::{RequestOutcome, RunMetrics, SeriesPoint};
 use super::shim::Shim;
 use super::worker::Worker;
 use super::workload::RequestSpec;
+use crate::control::PolicyKind;
 
 mod arrivals;
 mod failures;
@@ -66,7 +66,7 @@ pub struct RunConfig {
     /// The cluster.
     pub cluster: ClusterConfig,
     /// The policy the control shim runs.
-    pub policy: SimPolicy,
+    pub policy: PolicyKind,
     /// Failures, in any order.
     pub failures: Vec<FailureSpec>,
     /// Non-interrupted requests in the system during `[failure, failure + window]` are the
@@ -82,14 +82,10 @@ pub struct RunConfig {
 
 impl RunConfig {
     /// A run of `policy` on `cluster` with `failures` and default limits.
-    pub fn new(
-        cluster: ClusterConfig,
-        policy: impl Into<SimPolicy>,
-        failures: Vec<FailureSpec>,
-    ) -> Self {
+    pub fn new(cluster: ClusterConfig, policy: PolicyKind, failures: Vec<FailureSpec>) -> Self {
         RunConfig {
             cluster,
-            policy: policy.into(),
+            policy,
             failures,
             bystander_window_s: 60.0,
             drain_cap_s: 600.0,
