@@ -14,6 +14,8 @@
 //! - [`policy`]: the [`Policy`] trait and its three implementations, [`Lumen`] (the design),
 //!   [`FixedRing`] (DejaVu-style ring holder) and [`StopRestart`] (no checkpoints).
 //! - [`recovery`]: recovery dispatch, bounded rebalancing, and per-request restore plans.
+//! - [`dispatch`]: Lumen's dispatch, which keeps recomputations off the survivors that serve
+//!   the cheap restores when a cost model says that shortens the stalls.
 //! - [`request`]: the request state machine with epochs, and stream sequence numbers.
 //! - [`controller`]: the [`Controller`] that owns the tables, applies [`Event`]s and returns
 //!   [`Decision`]s; one file per concern (events, workers, requests, recovery, invariants).
@@ -50,6 +52,7 @@
 //! ```
 
 pub mod controller;
+pub mod dispatch;
 pub mod load;
 pub mod placement;
 pub mod policy;

@@ -34,6 +34,8 @@ pub struct ScoreParams {
     pub lambda: f64,
     /// Host-to-GPU bandwidth used to turn bytes into restore milliseconds, in bytes per ms.
     pub host_to_gpu_bytes_per_ms: u64,
+    /// Prefill throughput used to turn tokens into recompute milliseconds (recovery dispatch).
+    pub prefill_tokens_per_ms: u32,
 }
 
 /// How the placement score estimates the restore delay `p_w(r)`.
@@ -150,6 +152,7 @@ mod tests {
     const P: ScoreParams = ScoreParams {
         lambda: 1.0,
         host_to_gpu_bytes_per_ms: 1000,
+        prefill_tokens_per_ms: 10,
     };
     const ALL: [RestoreEstimate; 3] = [
         RestoreEstimate::PerServer,

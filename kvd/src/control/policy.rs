@@ -16,6 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::WorkerId;
+use super::dispatch;
 use super::load::LoadTable;
 use super::placement::{self, RestoreEstimate, ScoreParams};
 use super::recovery::{self, Dispatched, Interrupted};
@@ -152,26 +153,7 @@ impl Policy for Lumen {
     }
 
     fn dispatch(&self, load: &LoadTable, interrupted: &[Interrupted]) -> Dispatched {
-        let mut dispatches = recovery::dispatch_holders_first(load, interrupted, true);
-        let checkpointed: Vec<u32> = dispatches
-            .iter()
-            .map(|d| {
-                interrupted
-                    .binary_search_by_key(&d.request_id, |r| r.request_id)
-                    .map_or(0, |i| {
-                        if d.kv_source.is_some() {
-                            interrupted[i].checkpointed_tokens
-                        } else {
-                            0
-                        }
-                    })
-            })
-            .collect();
-        let rebalance_moves = recovery::rebalance(load, &mut dispatches, &checkpointed);
-        Dispatched {
-            dispatches,
-            rebalance_moves,
-        }
+        dispatch::dispatch_by_cost(load, interrupted, self.params)
     }
 }
 

@@ -97,6 +97,11 @@ struct RunArgs {
     /// Old name for adding lumen_total to --policies.
     #[arg(long, hide = true)]
     what_if_sum_placement: bool,
+    /// Also write <exp>_trace.csv: one row per interrupted request of every run (policy, seed):
+    /// where it resumed, what it loaded and recomputed and why, and its stall split into
+    /// restore (copies), queue (waiting for a batch) and prefill (until its next token).
+    #[arg(long)]
+    trace: bool,
     /// Skip the PNG plots (CSV and Markdown only).
     #[arg(long)]
     no_plots: bool,
@@ -206,6 +211,7 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
         repeats: a.repeats,
         assist_speedup: a.assist_speedup,
         policies,
+        trace: a.trace,
         ..SweepConfig::default()
     };
     let started = std::time::Instant::now();

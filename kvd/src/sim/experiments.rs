@@ -20,6 +20,7 @@ use serde::Serialize;
 use super::cluster::{FailureSpec, RunConfig, RunOutput, run};
 use super::config::{ClusterConfig, ModelConfig};
 use super::metrics::RunMetrics;
+use super::trace::RecoveryTrace;
 use super::workload::{self, WorkloadConfig};
 use crate::control::PolicyKind;
 
@@ -107,13 +108,15 @@ pub struct SweepConfig {
     pub max_events: u64,
     /// Requests one workload may hold.
     pub max_requests: usize,
-    /// Each scenario runs with this many seeds (`seed`, `seed + 1`, ...; the failed workers
-    /// stay those drawn from `seed`), and reports the mean of each metric over them.
+    /// Each scenario runs with this many seeds (`seed`, `seed + 1`, ...; each seed draws its own
+    /// arrivals and its own failed workers), and reports the mean of each metric over them.
     pub repeats: u32,
     /// Overrides the hardware's assist speed-up (Lumen's ASSIST phase), for sensitivity runs.
     pub assist_speedup: Option<f64>,
     /// The policies to run, in table order (must include [`BASELINE`]).
     pub policies: Vec<PolicyKind>,
+    /// Keep every run's recovery trace (one row per interrupted request) for `<exp>_trace.csv`.
+    pub trace: bool,
 }
 
 impl SweepConfig {
@@ -136,6 +139,7 @@ impl Default for SweepConfig {
             repeats: 5,
             assist_speedup: None,
             policies: POLICIES.to_vec(),
+            trace: false,
         }
     }
 }
@@ -170,6 +174,8 @@ pub struct ScenarioResult {
     pub repeats: u32,
     /// One run per policy.
     pub runs: Vec<(PolicyKind, RunOutput)>,
+    /// With [`SweepConfig::trace`]: each run's recovery trace, `(policy, seed, rows)`.
+    pub traces: Vec<(PolicyKind, u64, Vec<RecoveryTrace>)>,
 }
 
 impl ScenarioResult {
@@ -190,6 +196,27 @@ pub fn pick_failed(n: u32, k: u32, seed: u64, label: &str) -> Vec<usize> {
     let mut v = rand::seq::index::sample(&mut rng, n as usize, k as usize).into_vec();
     v.sort_unstable();
     v
+}
+
+/// The failures of `scenario` in its run with `seed`: the same times and sizes, the workers
+/// drawn again from `seed` (the first seed's draw is the scenario's own), so the repeats vary
+/// which workers fail as well as the arrivals. Whether a failed worker's checkpoint holder
+/// failed too depends on that draw (for a fixed ring: whether two failed workers are
+/// neighbours), so one draw for every seed would make the comparison turn on it.
+pub fn failures_for_seed(scenario: &Scenario, seed: u64) -> Vec<FailureSpec> {
+    scenario
+        .failures
+        .iter()
+        .map(|f| FailureSpec {
+            at_s: f.at_s,
+            workers: pick_failed(
+                scenario.cluster.workers,
+                f.workers.len() as u32,
+                seed,
+                &scenario.label,
+            ),
+        })
+        .collect()
 }
 
 /// The scenarios of `exp`.
@@ -296,12 +323,22 @@ pub fn run_scenario(
     let mut jobs: Vec<(PolicyKind, usize, RunConfig)> = Vec::new();
     for &p in &policies {
         for w in 0..workloads.len() {
-            let mut c = RunConfig::new(scenario.cluster.clone(), p, scenario.failures.clone());
+            let failures = failures_for_seed(scenario, sweep.seed.wrapping_add(w as u64));
+            let mut c = RunConfig::new(scenario.cluster.clone(), p, failures);
             c.max_events = sweep.max_events;
             jobs.push((p, w, c));
         }
     }
-    let results = run_jobs(&jobs, &workloads);
+    let mut results = run_jobs(&jobs, &workloads);
+    let mut traces = Vec::new();
+    for ((p, w, _), r) in jobs.iter().zip(&mut results) {
+        if let Ok(out) = r {
+            let rows = std::mem::take(&mut out.trace);
+            if sweep.trace {
+                traces.push((*p, sweep.seed.wrapping_add(*w as u64), rows));
+            }
+        }
+    }
     let runs = mean_by_policy(&policies, &jobs, results)?;
     let requests = workloads.iter().map(Vec::len).sum::<usize>() / workloads.len();
     Ok(ScenarioResult {
@@ -311,6 +348,7 @@ pub fn run_scenario(
         requests,
         repeats,
         runs,
+        traces,
     })
 }
 
@@ -379,6 +417,7 @@ fn mean_by_policy(
                     metrics: super::metrics::mean_metrics(&metrics),
                     records: Vec::new(),
                     series: super::metrics::mean_series(&series),
+                    trace: Vec::new(),
                 },
             )
         })

@@ -11,6 +11,8 @@
 //! - [`worker`]: one worker's batch, KV budget and iteration time model.
 //! - [`shim`]: the simulator's adapter to the real [`crate::control::Controller`].
 //! - [`cluster`]: the event loop: routing, checkpoint streaming, failures, restores, restarts.
+//! - [`trace`]: one row per interrupted request: where it went, what it recomputed and why,
+//!   and where its stall went (restore, queue, prefill).
 //! - [`metrics`]: latencies (overall, interrupted, bystanders) and recovery measures.
 //! - [`experiments`]: the four built-in experiments and the saturation measurement.
 //! - [`report`]: CSV, Markdown and PNG output.
@@ -28,6 +30,7 @@ pub mod experiments;
 pub mod metrics;
 pub mod report;
 pub mod shim;
+pub mod trace;
 pub mod worker;
 pub mod workload;
 

@@ -257,6 +257,24 @@ pub fn write_all(
             &series_csv(*exp, results),
             &mut files,
         )?;
+        if results.iter().any(|r| !r.traces.is_empty()) {
+            let rows: Vec<(String, Vec<crate::sim::trace::RecoveryTrace>)> = results
+                .iter()
+                .flat_map(|r| {
+                    r.traces.iter().map(|(p, seed, t)| {
+                        (
+                            format!("{},{},{p},{seed}", exp.name(), r.scenario.label),
+                            t.clone(),
+                        )
+                    })
+                })
+                .collect();
+            write(
+                dir.join(format!("{}_trace.csv", exp.name())),
+                &crate::sim::trace::trace_csv("experiment,scenario,policy,seed", &rows),
+                &mut files,
+            )?;
+        }
     }
     write(dir.join("summary.md"), &summary_markdown(all), &mut files)?;
     if plots {

@@ -56,6 +56,7 @@ impl ControlConfig {
         ScoreParams {
             lambda: self.lambda,
             host_to_gpu_bytes_per_ms: self.host_to_gpu_bytes_per_ms,
+            prefill_tokens_per_ms: self.prefill_tokens_per_ms,
         }
     }
 

@@ -104,7 +104,7 @@ impl Controller {
     /// A controller with the configured policy and no workers.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the configuration is out of bounds.
+    /// [`crate::Error::InvalidArgument`] when the configuration is out of bounds.
     pub fn new(config: ControlConfig) -> Result<Self> {
         let policy = config.policy.build(config.score_params());
         Self::with_policy(config, policy)
@@ -114,7 +114,7 @@ impl Controller {
     /// policy's [`Policy::kind`]).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the configuration is out of bounds.
+    /// [`crate::Error::InvalidArgument`] when the configuration is out of bounds.
     pub fn with_policy(mut config: ControlConfig, policy: Box<dyn Policy>) -> Result<Self> {
         config.validate()?;
         config.policy = policy.kind();

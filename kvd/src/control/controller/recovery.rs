@@ -147,6 +147,8 @@ impl Controller {
                         request_id: r.id,
                         live_holder: r.holder,
                         checkpointed_tokens: r.checkpointed_tokens,
+                        history_tokens: r.history_tokens(),
+                        bytes_per_token: r.bytes_per_token(),
                     });
                 }
             } else if holder_died {

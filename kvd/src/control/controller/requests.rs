@@ -140,7 +140,7 @@ impl Controller {
     /// (`now − arrival`) on the serving worker.
     ///
     /// # Errors
-    /// As [`Controller::checked`]: unknown request, stale or future epoch, cancelled request.
+    /// As the epoch check: unknown request, stale or future epoch, cancelled request.
     pub fn prefill_started(
         &mut self,
         id: RequestId,
@@ -164,7 +164,7 @@ impl Controller {
     /// was its holder, the checkpoint moves elsewhere ([`Decision::Checkpoint`]).
     ///
     /// # Errors
-    /// As [`Controller::checked`]; [`Error::Unavailable`] when `to` is not in service.
+    /// As the epoch check; [`Error::Unavailable`] when `to` is not in service.
     pub fn transfer_started(
         &mut self,
         id: RequestId,
@@ -207,7 +207,7 @@ impl Controller {
     /// Decoding started.
     ///
     /// # Errors
-    /// As [`Controller::checked`].
+    /// As the epoch check.
     pub fn decoding_started(
         &mut self,
         id: RequestId,
@@ -222,7 +222,7 @@ impl Controller {
     /// number is a replay).
     ///
     /// # Errors
-    /// As [`Controller::checked`]; [`Error::InvalidArgument`] beyond `max_new_tokens`.
+    /// As the epoch check; [`Error::InvalidArgument`] beyond `max_new_tokens`.
     pub fn tokens_committed(
         &mut self,
         id: RequestId,
@@ -252,7 +252,7 @@ impl Controller {
     /// (monotonic).
     ///
     /// # Errors
-    /// As [`Controller::checked`]; [`Error::InvalidArgument`] without a holder, or beyond the
+    /// As the epoch check; [`Error::InvalidArgument`] without a holder, or beyond the
     /// history or the reservation.
     pub fn checkpoint_stored(
         &mut self,
@@ -290,7 +290,7 @@ impl Controller {
     /// The gateway acknowledged stream frame `sequence_no` (monotonic).
     ///
     /// # Errors
-    /// As [`Controller::checked`].
+    /// As the epoch check.
     pub fn frame_acked(
         &mut self,
         id: RequestId,
@@ -313,7 +313,7 @@ impl Controller {
     /// The request finished: `COMPLETED`, its reservation released.
     ///
     /// # Errors
-    /// As [`Controller::checked`]; [`Error::InvalidArgument`] while cancelling.
+    /// As the epoch check; [`Error::InvalidArgument`] while cancelling.
     pub fn finished(&mut self, id: RequestId, epoch: Epoch, _now_ms: u64) -> Result<Vec<Decision>> {
         let Found::Live = self.checked(id, epoch)? else {
             return Ok(vec![]);
@@ -359,7 +359,7 @@ impl Controller {
     /// The worker confirms the cancel: `CANCELLED`, reservation released.
     ///
     /// # Errors
-    /// As [`Controller::checked`]; [`Error::InvalidArgument`] when no cancel is pending.
+    /// As the epoch check; [`Error::InvalidArgument`] when no cancel is pending.
     pub fn cancelled(
         &mut self,
         id: RequestId,
@@ -381,7 +381,7 @@ impl Controller {
     /// The engine failed the request: `FAILED`, reservation released.
     ///
     /// # Errors
-    /// As [`Controller::checked`].
+    /// As the epoch check.
     pub fn request_failed(
         &mut self,
         id: RequestId,

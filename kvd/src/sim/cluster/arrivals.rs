@@ -82,6 +82,12 @@ impl Sim<'_> {
             let a = self.scratch.admitted[i];
             self.shim
                 .prefill_started(a.req, self.reqs[a.req].epoch, now)?;
+            if let Some(row) = self.reqs[a.req].trace_row {
+                let m = &mut self.trace[row].marks;
+                if m.ready_us.is_some() {
+                    m.batch_us.get_or_insert(now);
+                }
+            }
         }
         let incarnation = self.workers[w].incarnation;
         self.q.push(

@@ -3,6 +3,7 @@
 
 use super::super::events::{ReqIdx, SimEvent, WorkerIdx, secs_to_us};
 use super::super::shim::{ShimFailure, ShimRestore};
+use super::super::trace::{Marks, RecoveryKind, RecoveryTrace};
 use super::super::worker::{EngineState, Waiting};
 use super::Sim;
 
@@ -68,11 +69,37 @@ impl Sim<'_> {
     /// The live requests on a failed worker (queued, running, or restoring), in index order.
     /// Requests whose holder failed lose their checkpoint (its host memory died with it).
     fn interrupt(&mut self, ws: &[WorkerIdx]) -> Vec<ReqIdx> {
+        let now = self.now();
         let failed = |w: Option<WorkerIdx>| w.is_some_and(|w| ws.contains(&w));
         let mut interrupted = Vec::new();
         for (r, st) in self.reqs.iter_mut().enumerate() {
             if st.done {
                 continue;
+            }
+            if let Some(server) = st.worker.filter(|&w| ws.contains(&w)) {
+                st.trace_row = Some(self.trace.len());
+                self.trace.push(RecoveryTrace {
+                    req: r,
+                    failure_s: 0.0,
+                    server,
+                    holder: st.holder,
+                    holder_failed: failed(st.holder),
+                    checkpointed_tokens: st.ckpt_tokens,
+                    computed_tokens: st.context_tokens,
+                    history_tokens: self.workload[r].prompt_tokens + st.generated,
+                    target: None,
+                    load_tokens: 0,
+                    prefill_tokens: 0,
+                    kind: RecoveryKind::Failed,
+                    restore_s: 0.0,
+                    queue_s: 0.0,
+                    prefill_s: 0.0,
+                    stall_s: 0.0,
+                    marks: Marks {
+                        failure_us: now,
+                        ..Marks::default()
+                    },
+                });
             }
             if failed(st.holder) {
                 st.holder = None;
@@ -147,6 +174,19 @@ impl Sim<'_> {
         let load = p.load_tokens.min(st.ckpt_tokens).min(history);
         let computed_before = st.context_tokens;
         self.m.recomputed_tokens += u64::from(computed_before.saturating_sub(load));
+        if let Some(row) = st.trace_row {
+            let t = &mut self.trace[row];
+            t.target = Some(p.target);
+            t.load_tokens = load;
+            t.prefill_tokens = history - load;
+            t.kind = match (load > 0, p.kv_source) {
+                (true, Some(src)) if src == p.target => RecoveryKind::LocalRestore,
+                (true, _) => RecoveryKind::RemoteRestore,
+                _ if t.holder_failed => RecoveryKind::HolderFailed,
+                _ if t.holder.is_none() => RecoveryKind::NoHolder,
+                _ => RecoveryKind::NoCheckpointYet,
+            };
+        }
         st.epoch = p.epoch;
         st.worker = Some(p.target);
         st.context_tokens = load;
@@ -179,6 +219,9 @@ impl Sim<'_> {
             self.reqs[r].holder = p.new_holder;
         }
         let st = &mut self.reqs[r];
+        if let Some(row) = st.trace_row {
+            self.trace[row].marks.ready_us = Some(ready);
+        }
         let (incarnation, epoch) = (self.workers[p.target].incarnation, st.incarnation);
         self.q.push(
             ready,

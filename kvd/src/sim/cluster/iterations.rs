@@ -45,6 +45,9 @@ impl Sim<'_> {
         if rec.interrupted && rec.resumed_us.is_none() {
             rec.resumed_us = Some(now);
         }
+        if let Some(row) = st.trace_row.take() {
+            self.trace[row].marks.next_token_us = Some(now);
+        }
         if first_of_incarnation {
             let epoch = self.reqs[r].epoch;
             self.shim.decoding_started(r, epoch, now)?;

@@ -38,6 +38,7 @@ use super::config::ClusterConfig;
 use super::events::{EventQueue, ReqIdx, SimEvent, SimTime, WorkerIdx, secs_to_us};
 use super::metrics::{RequestOutcome, RunMetrics, SeriesPoint};
 use super::shim::Shim;
+use super::trace::RecoveryTrace;
 use super::worker::Worker;
 use super::workload::RequestSpec;
 use crate::control::PolicyKind;
@@ -104,6 +105,8 @@ pub struct RunOutput {
     pub records: Vec<RequestOutcome>,
     /// Samples, one per `sample_every_s`.
     pub series: Vec<SeriesPoint>,
+    /// One row per interruption of a request, in the order they happened.
+    pub trace: Vec<RecoveryTrace>,
 }
 
 /// Runs one policy over `workload`.
@@ -156,6 +159,7 @@ struct Sim<'a> {
     series: Vec<SeriesPoint>,
     m: RunMetrics,
     scratch: Scratch,
+    trace: Vec<RecoveryTrace>,
 }
 
 impl<'a> Sim<'a> {
@@ -203,6 +207,7 @@ impl<'a> Sim<'a> {
             series: Vec::new(),
             m: RunMetrics::default(),
             scratch: Scratch::default(),
+            trace: Vec::new(),
         })
     }
 

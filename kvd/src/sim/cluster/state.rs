@@ -31,6 +31,8 @@ pub(super) struct ReqSim {
     pub(super) decoding: bool,
     /// Completed or failed.
     pub(super) done: bool,
+    /// The recovery-trace row of its current interruption, until its next token.
+    pub(super) trace_row: Option<usize>,
 }
 
 /// One request's part of a checkpoint chunk.

@@ -77,10 +77,14 @@ impl Sim<'_> {
         for (p, t) in self.series.iter_mut().zip(by_second) {
             p.ttft_mean_s = t;
         }
+        for t in &mut self.trace {
+            t.settle();
+        }
         RunOutput {
             metrics: self.m,
             records: self.records,
             series: self.series,
+            trace: self.trace,
         }
     }
 }
