@@ -87,12 +87,9 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Every policy kvd ships (the Lumen placement variants and both baselines).
 fn policy() -> impl Strategy<Value = PolicyKind> {
-    prop_oneof![
-        Just(PolicyKind::Lumen),
-        Just(PolicyKind::FixedRing),
-        Just(PolicyKind::StopRestart)
-    ]
+    prop::sample::select(PolicyKind::ALL.to_vec())
 }
 
 fn cluster(policy: PolicyKind) -> Controller {
@@ -301,8 +298,12 @@ proptest! {
         }
     }
 
+    /// Lumen's dispatch may keep recomputations on a few survivors (docs/CONTROL.md,
+    /// "Recovery"); what it promises of the checkpoint restores is that they are balanced by
+    /// count: no survivor serves more than the mean over the survivors serving restores, plus
+    /// one. And the rebalancing terminates within one move per restore.
     #[test]
-    fn rebalancing_terminates_and_leaves_no_worker_above_the_mean_plus_one(
+    fn rebalancing_terminates_and_no_survivor_serves_more_restores_than_the_mean_plus_one(
         workers in 2u32..16,
         requests in prop::collection::vec((0u32..16, 0u32..16, 0u32..2000), 1..200),
         failing in prop::collection::btree_set(0u32..16, 1..4),
@@ -315,19 +316,21 @@ proptest! {
             let a = c.admit(AdmitRequest {
                 request_id: i as u64, serving: s % workers, prompt_tokens: prompt + 1,
                 max_new_tokens: 1, reserve_bytes: 1, deadline_ms: None }, 0).unwrap();
-            c.checkpoint_stored(i as u64, a.epoch, *prompt, 0, 0).unwrap();
+            // Every checkpoint covers the whole prompt (at least one token, so a restore
+            // always loads something and shows as one in the plan).
+            c.checkpoint_stored(i as u64, a.epoch, prompt + 1, 0, 0).unwrap();
         }
         let failing: Vec<u32> = failing.into_iter().filter(|w| *w < workers).collect();
         prop_assume!(!failing.is_empty() && failing.len() < workers as usize);
         let plan = c.fail_workers(&failing, 1).unwrap();
-        let survivors = workers as usize - failing.len();
-        let mut counts = BTreeMap::<u32, usize>::new();
-        for r in &plan.restores {
-            *counts.entry(r.target).or_default() += 1;
+        let mut restores = BTreeMap::<u32, usize>::new();
+        for r in plan.restores.iter().filter(|r| r.kv_source.is_some()) {
+            *restores.entry(r.target).or_default() += 1;
         }
-        let mean = plan.restores.len() as f64 / survivors as f64;
-        for (w, n) in counts {
-            prop_assert!(n as f64 <= mean + 1.0, "worker {} has {} recovering, mean {}", w, n, mean);
+        let total: usize = restores.values().sum();
+        let mean = total as f64 / restores.len().max(1) as f64;
+        for (w, n) in restores {
+            prop_assert!(n as f64 <= mean + 1.0, "worker {} serves {} restores, mean {}", w, n, mean);
         }
         prop_assert!(plan.rebalance_moves as usize <= plan.restores.len());
     }

@@ -21,8 +21,6 @@ fn cluster(policy: PolicyKind, workers: u32) -> Controller {
     c
 }
 
-/// Admit `id` on `serving`, run it to decoding with `generated` tokens and a checkpoint of the
-/// whole history on its holder. Returns the holder.
 /// Give workers queueing delays: each `(request, worker, wait_ms)` is admitted at 0 and starts
 /// prefill after `wait_ms`.
 fn queue_delays(c: &mut Controller, waits: &[(u64, WorkerId, u64)]) {
@@ -43,6 +41,8 @@ fn queue_delays(c: &mut Controller, waits: &[(u64, WorkerId, u64)]) {
     }
 }
 
+/// Admit `id` on `serving`, run it to decoding with `generated` tokens and a checkpoint of the
+/// whole history on its holder. Returns the holder.
 fn decoding(c: &mut Controller, id: u64, serving: WorkerId, generated: u32) -> Option<WorkerId> {
     let a = c
         .admit(
@@ -478,4 +478,89 @@ fn when_every_worker_dies_interrupted_requests_fail_with_a_reason() {
     let plan = c.fail_workers(&[0, 1], 10).unwrap();
     assert!(plan.failed_requests[0].2.contains("no surviving worker"));
     assert_eq!(c.in_flight(), 0);
+}
+
+#[test]
+fn one_workers_checkpoints_spread_over_every_holder_so_its_failure_restores_locally_everywhere() {
+    // Holders 1-7 wait 7..1 ms; each checkpoint is ~10.7 ms of restore at the default
+    // bandwidth, more than the spread of the queues. The per-server rule (lumen) deals worker
+    // 0's 28 checkpoints round-robin; the mean rule (lumen_mean) piles them on the fastest queue,
+    // so the failure's restores queue there or are moved off it and pulled over the network.
+    let mut outcome = Vec::new();
+    for policy in [PolicyKind::Lumen, PolicyKind::LumenMean] {
+        let mut c = cluster(policy, 8);
+        let waits: Vec<(u64, WorkerId, u64)> = (1..8)
+            .map(|w| (1000 + u64::from(w), w, u64::from(8 - w)))
+            .collect();
+        queue_delays(&mut c, &waits);
+        let mut per_holder = [0u32; 8];
+        for id in 0..28 {
+            let h = decoding(&mut c, id, 0, 10).expect("room for every checkpoint");
+            per_holder[h as usize] += 1;
+        }
+        let plan = c.fail_workers(&[0], 100).unwrap();
+        assert_eq!(plan.restores.len(), 28, "{policy}");
+        let remote = plan
+            .restores
+            .iter()
+            .filter(|r| r.kv_source != Some(r.target))
+            .count();
+        outcome.push((per_holder, remote, plan.rebalance_moves));
+        c.check_invariants().unwrap();
+    }
+    let (spread, remote, moves) = outcome[0];
+    assert_eq!(spread, [0, 4, 4, 4, 4, 4, 4, 4], "lumen deals round-robin");
+    assert_eq!(
+        (remote, moves),
+        (0, 0),
+        "every restore is local, nothing moves"
+    );
+    let (herded, remote, moves) = outcome[1];
+    assert!(
+        herded[7] > 4,
+        "lumen_mean herds onto the fastest queue: {herded:?}"
+    );
+    assert!(
+        remote > 0 && moves > 0,
+        "so rebalancing pulls KV over the network"
+    );
+}
+
+#[test]
+fn every_placement_variant_keeps_the_holder_off_the_serving_worker_across_a_handoff_and_a_failure()
+{
+    for policy in PolicyKind::ALL {
+        let mut c = cluster(policy, 4);
+        let a = c
+            .admit(
+                AdmitRequest {
+                    request_id: 1,
+                    serving: 0,
+                    prompt_tokens: 1024,
+                    max_new_tokens: 512,
+                    reserve_bytes: 256 * MIB,
+                    deadline_ms: None,
+                },
+                0,
+            )
+            .unwrap();
+        c.prefill_started(1, a.epoch, 5).unwrap();
+        // Prefill on 0, decode on the holder: the checkpoint must move elsewhere.
+        let to = a.holder.unwrap_or(1);
+        c.transfer_started(1, a.epoch, to, 40).unwrap();
+        let r = c.request(1).unwrap();
+        assert_eq!(r.serving, to, "{policy}");
+        assert_ne!(r.holder, Some(to), "{policy}: never its own holder");
+        assert_eq!(
+            r.holder.is_some(),
+            policy != PolicyKind::StopRestart,
+            "{policy}"
+        );
+        let plan = c.fail_workers(&[to], 100).unwrap();
+        assert_eq!(plan.restores.len(), 1, "{policy}");
+        for r in &plan.restores {
+            assert_ne!(r.new_holder, Some(r.target), "{policy}");
+        }
+        c.check_invariants().unwrap();
+    }
 }

@@ -1,7 +1,8 @@
 //! Every request is accounted for, whatever the policy and however many workers fail.
 
+use kvd::control::PolicyKind;
 use kvd::sim::workload::{WorkloadConfig, generate};
-use kvd::sim::{ClusterConfig, FailureSpec, ModelConfig, RunConfig, SimPolicy, run};
+use kvd::sim::{ClusterConfig, FailureSpec, ModelConfig, RunConfig, run};
 
 fn small_cluster() -> ClusterConfig {
     let mut c = ClusterConfig::new(4, ModelConfig::qwen3_14b());
@@ -26,12 +27,7 @@ fn workload(rate: f64, seconds: f64, seed: u64) -> Vec<kvd::sim::workload::Reque
 #[test]
 fn every_request_completes_or_is_reported_failed_and_tokens_delivered_equal_tokens_requested() {
     let wl = workload(20.0, 20.0, 5);
-    for policy in [
-        SimPolicy::Lumen,
-        SimPolicy::FixedRing,
-        SimPolicy::StopRestart,
-        SimPolicy::LumenSumPlacement,
-    ] {
+    for policy in PolicyKind::ALL {
         for failed in [vec![1], vec![0, 1], vec![0, 1, 2]] {
             let cfg = RunConfig::new(
                 small_cluster(),

@@ -30,8 +30,13 @@ fn the_same_seed_gives_identical_csv() {
     assert_eq!(first.0, second.0, "metrics CSV");
     assert_eq!(first.1, second.1, "series CSV");
     assert_eq!(first.2, second.2, "Markdown summary");
-    // One row per scenario and policy: 2 scenarios x 3 policies, plus the header.
-    assert_eq!(first.0.lines().count(), 7);
+    // One row per scenario and policy, plus the header.
+    let sweep = short_sweep(3);
+    let scenarios = kvd::sim::experiments::scenarios(Experiment::A, &sweep).len();
+    assert_eq!(
+        first.0.lines().count(),
+        scenarios * sweep.policies().len() + 1
+    );
 }
 
 #[test]

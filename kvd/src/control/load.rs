@@ -76,6 +76,10 @@ pub struct WorkerLoad {
     pub assisting: Option<WorkerId>,
     /// While a survivor is assisted: the recovering worker assisting it.
     pub assisted_by: Option<WorkerId>,
+    /// Per serving worker: the part of `reserved_bytes` held for requests that worker serves
+    /// (sums to `reserved_bytes`). What one server's failure would make this worker restore.
+    #[serde(default)]
+    held_for_server: BTreeMap<WorkerId, u64>,
     /// Last queueing-delay samples (arrival → prefill start), ms, oldest first; bounded.
     delay_samples_ms: VecDeque<u64>,
     /// Sum of `delay_samples_ms`.
@@ -94,6 +98,7 @@ impl WorkerLoad {
             phase: WorkerPhase::FullService,
             assisting: None,
             assisted_by: None,
+            held_for_server: BTreeMap::new(),
             delay_samples_ms: VecDeque::new(),
             delay_sum_ms: 0,
         }
@@ -132,6 +137,17 @@ impl WorkerLoad {
         }
     }
 
+    /// Bytes this worker holds for checkpoints of requests served by `serving`: what it would
+    /// have to restore if `serving` failed.
+    pub fn held_for(&self, serving: WorkerId) -> u64 {
+        self.held_for_server.get(&serving).copied().unwrap_or(0)
+    }
+
+    /// Every `(serving worker, bytes held for its requests)`, by serving worker.
+    pub fn held_by_server(&self) -> impl Iterator<Item = (WorkerId, u64)> + '_ {
+        self.held_for_server.iter().map(|(&s, &b)| (s, b))
+    }
+
     /// Record one queueing-delay sample, keeping at most `window` samples.
     pub(crate) fn record_delay(&mut self, delay_ms: u64, window: u32) {
         let window = window.max(1) as usize;
@@ -148,28 +164,69 @@ impl WorkerLoad {
         self.delay_samples_ms.len()
     }
 
-    /// Reserve `bytes` for a checkpoint this worker will hold.
+    /// Reserve `bytes` for a checkpoint this worker will hold for a request served by
+    /// `serving`.
     ///
     /// # Panics
-    /// If the reservation does not fit (callers check [`WorkerLoad::free_bytes`] first).
-    pub(crate) fn reserve(&mut self, bytes: u64) {
+    /// If the reservation does not fit (callers check [`WorkerLoad::free_bytes`] first), or
+    /// `serving` is this worker (a holder never holds its own requests).
+    pub(crate) fn reserve(&mut self, bytes: u64, serving: WorkerId) {
         assert!(
             bytes <= self.free_bytes(),
             "reservation over capacity on worker {}",
             self.id
         );
+        assert_ne!(serving, self.id, "a worker never holds its own checkpoint");
         self.reserved_bytes += bytes;
         self.held_checkpoints += 1;
+        *self.held_for_server.entry(serving).or_default() += bytes;
     }
 
-    /// Release a reservation made by [`WorkerLoad::reserve`].
-    pub(crate) fn release(&mut self, bytes: u64) {
+    /// Release a reservation made by [`WorkerLoad::reserve`] for a request served by `serving`.
+    pub(crate) fn release(&mut self, bytes: u64, serving: WorkerId) {
         assert!(
             self.held_checkpoints > 0 && self.reserved_bytes >= bytes,
             "release without reserve"
         );
         self.reserved_bytes -= bytes;
         self.held_checkpoints -= 1;
+        self.take_from_server(serving, bytes);
+    }
+
+    /// A request whose checkpoint this worker holds is now served by `to` instead of `from`
+    /// (a hand-off or a migration): its bytes count for `to`.
+    pub(crate) fn reattribute(&mut self, from: WorkerId, to: WorkerId, bytes: u64) {
+        if from == to {
+            return;
+        }
+        self.take_from_server(from, bytes);
+        *self.held_for_server.entry(to).or_default() += bytes;
+    }
+
+    fn take_from_server(&mut self, serving: WorkerId, bytes: u64) {
+        let held = self
+            .held_for_server
+            .get_mut(&serving)
+            .filter(|b| **b >= bytes)
+            .unwrap_or_else(|| {
+                panic!(
+                    "worker {} releases bytes it never held for {serving}",
+                    self.id
+                )
+            });
+        *held -= bytes;
+        if *held == 0 {
+            self.held_for_server.remove(&serving);
+        }
+    }
+
+    /// Rebuild the per-server attribution from `(serving worker, bytes)` pairs, one per held
+    /// checkpoint (a snapshot from before the attribution existed).
+    pub(crate) fn rebuild_attribution(&mut self, held: impl Iterator<Item = (WorkerId, u64)>) {
+        self.held_for_server.clear();
+        for (s, b) in held {
+            *self.held_for_server.entry(s).or_default() += b;
+        }
     }
 
     /// Forget every checkpoint and request: the worker died.
@@ -180,6 +237,7 @@ impl WorkerLoad {
         self.phase = WorkerPhase::Failed;
         self.assisting = None;
         self.assisted_by = None;
+        self.held_for_server.clear();
         self.delay_samples_ms.clear();
         self.delay_sum_ms = 0;
     }
@@ -248,18 +306,22 @@ mod tests {
     #[test]
     fn free_capacity_is_capacity_minus_reservations() {
         let mut w = WorkerLoad::new(1, 100);
-        w.reserve(60);
+        w.reserve(60, 2);
         assert_eq!(w.free_bytes(), 40);
         assert_eq!(w.mean_held_reservation_bytes(), 60.0);
-        w.release(60);
+        assert_eq!((w.held_for(2), w.held_for(3)), (60, 0));
+        w.reattribute(2, 3, 60);
+        assert_eq!((w.held_for(2), w.held_for(3)), (0, 60));
+        w.release(60, 3);
         assert_eq!(w.free_bytes(), 100);
+        assert_eq!(w.held_by_server().count(), 0);
     }
 
     #[test]
     #[should_panic(expected = "over capacity")]
     fn a_reservation_over_capacity_is_a_bug() {
         let mut w = WorkerLoad::new(1, 100);
-        w.reserve(101);
+        w.reserve(101, 2);
     }
 
     #[test]

@@ -14,9 +14,11 @@
 //! - [`policy`]: the [`Policy`] trait and its three implementations, [`Lumen`] (the design),
 //!   [`FixedRing`] (DejaVu-style ring holder) and [`StopRestart`] (no checkpoints).
 //! - [`recovery`]: recovery dispatch, bounded rebalancing, and per-request restore plans.
+//! - [`dispatch`]: Lumen's dispatch, which keeps recomputations off the survivors that serve
+//!   the cheap restores when a cost model says that shortens the stalls.
 //! - [`request`]: the request state machine with epochs, and stream sequence numbers.
 //! - [`controller`]: the [`Controller`] that owns the tables, applies [`Event`]s and returns
-//!   [`Decision`]s.
+//!   [`Decision`]s; one file per concern (events, workers, requests, recovery, invariants).
 //! - [`snapshot`]: the whole controller state as one serializable value.
 //! - `service` (feature `server`): `kvd control`, the controller as an HTTP/JSON service.
 //!
@@ -50,6 +52,7 @@
 //! ```
 
 pub mod controller;
+pub mod dispatch;
 pub mod load;
 pub mod placement;
 pub mod policy;
@@ -68,7 +71,13 @@ pub use snapshot::ControllerSnapshot;
 
 /// A worker (one inference engine instance: a GPU or a TP group). Plain `u32` for the C ABI.
 pub type WorkerId = u32;
-/// A request, unique within a controller. Plain `u64` for the C ABI.
+/// A request, unique within a controller. Plain `u64` for the C ABI and the JSON service.
+///
+/// The store numbers the same requests with its own newtype (`crate::store::RequestId(u64)`,
+/// for manifests and reservations). They are the same number; they stay two declarations only
+/// until the crate split, where one `RequestId` moves to the core crate that both the store and
+/// the control shim depend on (control must not depend on the store; the store is being changed
+/// elsewhere). A `#[serde(transparent)]` newtype there keeps this type's wire form.
 pub type RequestId = u64;
 /// A request epoch: the incarnation of a request. Starts at 1 on admission; increases by one
 /// at every migration and at a cancel. Events that name an older epoch are dropped.

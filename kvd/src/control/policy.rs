@@ -1,6 +1,9 @@
 //! Placement and recovery policies behind one trait.
 //!
-//! - [`Lumen`]: the design (load-aware holder, holders-first dispatch, rebalancing).
+//! - [`Lumen`]: the design (load-aware holder, holders-first dispatch, rebalancing), with one
+//!   of three restore-delay estimates in its placement score ([`RestoreEstimate`]): per server
+//!   (DESIGN.md §7, [`PolicyKind::Lumen`]), the first rule's mean held footprint
+//!   ([`PolicyKind::LumenMean`]) or the total held ([`PolicyKind::LumenTotal`]).
 //! - [`FixedRing`]: DejaVu's design: the holder is the next worker in a ring; recovery always at
 //!   the holder; no rebalancing.
 //! - [`StopRestart`]: no checkpoints; every interrupted request recomputes its prompt plus its
@@ -13,17 +16,25 @@
 use serde::{Deserialize, Serialize};
 
 use super::WorkerId;
+use super::dispatch;
 use super::load::LoadTable;
-use super::placement::{self, ScoreParams};
+use super::placement::{self, RestoreEstimate, ScoreParams};
 use super::recovery::{self, Dispatched, Interrupted};
 
 /// The policies kvd ships, by name (what a snapshot and the CLI record).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyKind {
-    /// [`Lumen`].
+    /// [`Lumen`] with the per-server restore estimate of DESIGN.md §7 (the default).
     #[default]
     Lumen,
+    /// [`Lumen`] with the first rule's estimate, the mean footprint a holder holds (kept to
+    /// compare: it herds checkpoints onto the worker with the lowest queueing delay).
+    LumenMean,
+    /// [`Lumen`] with the total footprint a holder holds plus this request's.
+    LumenTotal,
     /// [`FixedRing`].
     FixedRing,
     /// [`StopRestart`].
@@ -31,27 +42,75 @@ pub enum PolicyKind {
 }
 
 impl PolicyKind {
+    /// Every policy kvd ships, the default first.
+    pub const ALL: [PolicyKind; 5] = [
+        PolicyKind::Lumen,
+        PolicyKind::LumenMean,
+        PolicyKind::LumenTotal,
+        PolicyKind::FixedRing,
+        PolicyKind::StopRestart,
+    ];
+
     /// The policy object for this kind.
     pub fn build(self, params: ScoreParams) -> Box<dyn Policy> {
         match self {
-            PolicyKind::Lumen => Box::new(Lumen { params }),
+            PolicyKind::Lumen | PolicyKind::LumenMean | PolicyKind::LumenTotal => {
+                let estimate = self.restore_estimate().expect("a Lumen kind");
+                Box::new(Lumen { params, estimate })
+            }
             PolicyKind::FixedRing => Box::new(FixedRing),
             PolicyKind::StopRestart => Box::new(StopRestart),
         }
+    }
+
+    /// The restore estimate of a Lumen kind's placement score (`None` for the baselines).
+    pub fn restore_estimate(self) -> Option<RestoreEstimate> {
+        match self {
+            PolicyKind::Lumen => Some(RestoreEstimate::PerServer),
+            PolicyKind::LumenMean => Some(RestoreEstimate::MeanHeld),
+            PolicyKind::LumenTotal => Some(RestoreEstimate::TotalHeld),
+            PolicyKind::FixedRing | PolicyKind::StopRestart => None,
+        }
+    }
+
+    /// Whether this is one of the Lumen placements (load-aware holder, rebalancing, and the
+    /// LOADING_DRAFT → ASSIST → HOTSWAP restart).
+    pub fn is_lumen(self) -> bool {
+        self.restore_estimate().is_some()
+    }
+
+    /// Its name in the CLI, snapshots, files and tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Lumen => "lumen",
+            PolicyKind::LumenMean => "lumen_mean",
+            PolicyKind::LumenTotal => "lumen_total",
+            PolicyKind::FixedRing => "fixed_ring",
+            PolicyKind::StopRestart => "stop_restart",
+        }
+    }
+}
+
+impl std::fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
 impl std::str::FromStr for PolicyKind {
     type Err = crate::Error;
     fn from_str(s: &str) -> crate::Result<Self> {
-        match s {
-            "lumen" => Ok(PolicyKind::Lumen),
-            "fixed_ring" | "fixed-ring" => Ok(PolicyKind::FixedRing),
-            "stop_restart" | "stop-restart" => Ok(PolicyKind::StopRestart),
-            _ => Err(crate::Error::InvalidArgument(format!(
-                "unknown policy {s:?}; expected lumen, fixed_ring or stop_restart"
-            ))),
-        }
+        let norm = s.trim().replace('-', "_");
+        PolicyKind::ALL
+            .into_iter()
+            .find(|k| k.name() == norm)
+            .ok_or_else(|| {
+                let names: Vec<&str> = PolicyKind::ALL.iter().map(|k| k.name()).collect();
+                crate::Error::InvalidArgument(format!(
+                    "unknown policy {s:?}; expected one of {} (dashes or underscores)",
+                    names.join(", ")
+                ))
+            })
     }
 }
 
@@ -76,38 +135,25 @@ pub trait Policy: std::fmt::Debug + Send + Sync {
 pub struct Lumen {
     /// λ and the bandwidth of the placement score.
     pub params: ScoreParams,
+    /// How the score estimates the restore delay on a candidate holder.
+    pub estimate: RestoreEstimate,
 }
 
 impl Policy for Lumen {
     fn kind(&self) -> PolicyKind {
-        PolicyKind::Lumen
+        match self.estimate {
+            RestoreEstimate::PerServer => PolicyKind::Lumen,
+            RestoreEstimate::MeanHeld => PolicyKind::LumenMean,
+            RestoreEstimate::TotalHeld => PolicyKind::LumenTotal,
+        }
     }
 
     fn place(&self, load: &LoadTable, serving: WorkerId, reserve_bytes: u64) -> Option<WorkerId> {
-        placement::load_aware_holder(load, serving, reserve_bytes, self.params)
+        placement::load_aware_holder(load, serving, reserve_bytes, self.estimate, self.params)
     }
 
     fn dispatch(&self, load: &LoadTable, interrupted: &[Interrupted]) -> Dispatched {
-        let mut dispatches = recovery::dispatch_holders_first(load, interrupted, true);
-        let checkpointed: Vec<u32> = dispatches
-            .iter()
-            .map(|d| {
-                interrupted
-                    .binary_search_by_key(&d.request_id, |r| r.request_id)
-                    .map_or(0, |i| {
-                        if d.kv_source.is_some() {
-                            interrupted[i].checkpointed_tokens
-                        } else {
-                            0
-                        }
-                    })
-            })
-            .collect();
-        let rebalance_moves = recovery::rebalance(load, &mut dispatches, &checkpointed);
-        Dispatched {
-            dispatches,
-            rebalance_moves,
-        }
+        dispatch::dispatch_by_cost(load, interrupted, self.params)
     }
 }
 

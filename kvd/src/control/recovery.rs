@@ -6,11 +6,13 @@
 //!    first: a request whose holder survived goes to its holder (KV reuse, no network). The
 //!    others (holder in `F` too, or no checkpoint) are recomputed on the least-loaded survivor,
 //!    one at a time, counting what was already handed out.
-//! 2. **Rebalance** (policy [`super::Lumen`] only). With `n` survivors and `m` recovering
-//!    requests, the threshold is `⌈m / n⌉`. While some survivor has more than the threshold,
-//!    its recovering request with the smallest checkpointed prefix (cheapest to move) moves to
-//!    the survivor with the fewest. Each move lowers `Σ count²` by at least 2, so the loop ends;
-//!    it is also capped at `m` moves. Afterwards no survivor is above `mean + 1`.
+//! 2. **Rebalance** ([`rebalance_among`], used by [`super::dispatch`], Lumen's dispatch, which
+//!    also decides which survivors take the recomputations). With `n` survivors and `m`
+//!    recovering requests, the threshold is `⌈m / n⌉`. While some survivor has more than the
+//!    threshold, its recovering request with the smallest checkpointed prefix (cheapest to
+//!    move) moves to the survivor with the fewest. Each move lowers `Σ count²` by at least 2,
+//!    so the loop ends; it is also capped at `m` moves. Afterwards no survivor is above
+//!    `mean + 1`.
 //! 3. **Plan.** Per request a [`RestorePlan`]: the longest contiguous verified checkpoint prefix
 //!    to load (whole blocks only, from the holder, local when the target is the holder), the
 //!    suffix to prefill, and the stream sequence number to resume at.
@@ -30,6 +32,12 @@ pub struct Interrupted {
     pub live_holder: Option<WorkerId>,
     /// Tokens its checkpoint covers (0 without a live holder).
     pub checkpointed_tokens: u32,
+    /// Its token history (prompt + committed generated tokens): what a recomputation prefills.
+    #[serde(default)]
+    pub history_tokens: u32,
+    /// KV bytes per token of its model: what loading a checkpointed token copies.
+    #[serde(default)]
+    pub bytes_per_token: u64,
 }
 
 /// A policy's answer for one interrupted request: where it resumes and where its KV comes from.
@@ -157,8 +165,23 @@ pub fn dispatch_holders_first(
 /// `checkpointed` gives each dispatched request's checkpointed prefix (same order as
 /// `dispatches`). Bounded by `dispatches.len()` moves.
 pub fn rebalance(load: &LoadTable, dispatches: &mut [Dispatch], checkpointed: &[u32]) -> u32 {
-    debug_assert_eq!(dispatches.len(), checkpointed.len());
     let survivors: Vec<WorkerId> = load.in_service().map(|w| w.id).collect();
+    rebalance_among(load, &survivors, dispatches, checkpointed)
+}
+
+/// [`rebalance`] over the survivors in `survivors` only (sorted by id, all in service): the
+/// threshold is `⌈dispatches on them / their number⌉`; dispatches to other workers stay.
+pub fn rebalance_among(
+    load: &LoadTable,
+    survivors: &[WorkerId],
+    dispatches: &mut [Dispatch],
+    checkpointed: &[u32],
+) -> u32 {
+    debug_assert_eq!(dispatches.len(), checkpointed.len());
+    debug_assert!(
+        survivors.windows(2).all(|w| w[0] < w[1]),
+        "sorted survivors"
+    );
     let n = survivors.len();
     if n == 0 || dispatches.is_empty() {
         return 0;
@@ -250,11 +273,15 @@ mod tests {
                 request_id: 1,
                 live_holder: Some(2),
                 checkpointed_tokens: 64,
+                history_tokens: 80,
+                bytes_per_token: 1,
             },
             Interrupted {
                 request_id: 2,
                 live_holder: None,
                 checkpointed_tokens: 0,
+                history_tokens: 80,
+                bytes_per_token: 1,
             },
         ];
         let d = dispatch_holders_first(&t, &rs, true);

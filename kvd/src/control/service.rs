@@ -51,7 +51,13 @@ pub struct ControlArgs {
     /// Address to listen on (port 0 picks a free port; the bound address is printed).
     #[arg(long, default_value = "127.0.0.1:7450")]
     pub listen: SocketAddr,
-    /// Placement and recovery policy: lumen, fixed_ring or stop_restart.
+    /// Placement and recovery policy. lumen: the holder minimises q_w + λ·p_w with p_w = (what
+    /// w already holds for the same serving worker + this request) / host-to-GPU bandwidth, so
+    /// one worker's checkpoints spread over many holders (DESIGN.md section 7). lumen_mean: the
+    /// first rule, p_w = the mean footprint w holds (herds onto the shortest queue; kept to
+    /// compare). lumen_total: p_w = (everything w holds + this request) / bandwidth.
+    /// fixed_ring: the next worker in id order (DejaVu). stop_restart: no checkpoints,
+    /// recompute on failure. Dashes or underscores.
     #[arg(long, default_value = "lumen")]
     pub policy: String,
     /// λ, the weight of the restore delay in the placement score.

@@ -4,14 +4,16 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
-use super::experiments::{self, Experiment, SweepConfig};
+use super::experiments::{self, BASELINE, Experiment, SweepConfig};
 use super::report;
+use crate::control::PolicyKind;
 
 const SIM_HELP: &str = "\
 A deterministic discrete-event model of an LLM serving cluster (iteration-level batching,
 chunked prefill, GPU KV budget, checkpoint streaming, restores, worker restarts) that drives
-kvd's real control shim. Each experiment runs Lumen, FixedRing and StopRestart on identical
-arrivals and writes CSV, a Markdown summary and PNG plots. The model, its defaults and their
+kvd's real control shim. Each experiment runs the chosen policies (default: lumen,
+lumen_mean, fixed_ring, stop_restart) on identical arrivals and writes CSV, a Markdown summary
+and PNG plots. The model, its defaults and their
 sources are in docs/SIMULATION.md.
 
 Examples:
@@ -19,6 +21,7 @@ Examples:
   kvd sim run --experiment a --out sim-out      one experiment (seconds)
   kvd sim run --experiment all --out docs/sim   the default sweep (well under 2 minutes)
   kvd sim run -e b,c --seed 7 --load 0.85 --out /tmp/bc
+  kvd sim run -e b --policies lumen,lumen_total,fixed_ring --out /tmp/b   placement variants
   kvd sim saturation                            measured requests/s of one worker per model
 
 Same seed, same numbers: the CSV and Markdown are byte-identical across runs.";
@@ -79,10 +82,26 @@ struct RunArgs {
     /// (Lumen's ASSIST phase; default 1.3). 1.0 turns the assist's effect off.
     #[arg(long)]
     assist_speedup: Option<f64>,
-    /// Also run a what-if variant of Lumen whose placement score grows with the checkpoints a
-    /// worker already holds (lumen_sum_placement; see docs/SIMULATION.md).
-    #[arg(long)]
+    /// The policies to compare, comma-separated, in table order; stop_restart (the baseline of
+    /// every comparison) is added when missing. lumen: the per-server placement of DESIGN.md
+    /// section 7 (p_w = what w holds for this server + this request, over host-to-GPU
+    /// bandwidth); lumen_mean: the first rule (the mean footprint w holds; herds);
+    /// lumen_total: everything w holds + this request; fixed_ring: DejaVu's next worker;
+    /// stop_restart: no checkpoints.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "lumen,lumen_mean,fixed_ring,stop_restart"
+    )]
+    policies: Vec<String>,
+    /// Old name for adding lumen_total to --policies.
+    #[arg(long, hide = true)]
     what_if_sum_placement: bool,
+    /// Also write <exp>_trace.csv: one row per interrupted request of every run (policy, seed):
+    /// where it resumed, what it loaded and recomputed and why, and its stall split into
+    /// restore (copies), queue (waiting for a batch) and prefill (until its next token).
+    #[arg(long)]
+    trace: bool,
     /// Skip the PNG plots (CSV and Markdown only).
     #[arg(long)]
     no_plots: bool,
@@ -170,6 +189,18 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
             a.failure_at_s, a.duration_s
         )));
     }
+    let mut policies: Vec<PolicyKind> = a
+        .policies
+        .iter()
+        .map(|p| p.parse::<PolicyKind>())
+        .collect::<crate::Result<_>>()?;
+    if a.what_if_sum_placement && !policies.contains(&PolicyKind::LumenTotal) {
+        policies.insert(policies.len().saturating_sub(2), PolicyKind::LumenTotal);
+    }
+    policies.dedup();
+    if !policies.contains(&BASELINE) {
+        policies.push(BASELINE);
+    }
     let sweep = SweepConfig {
         seed: a.seed,
         duration_s: a.duration_s,
@@ -179,7 +210,8 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
         max_events: a.max_events,
         repeats: a.repeats,
         assist_speedup: a.assist_speedup,
-        what_if_sum_placement: a.what_if_sum_placement,
+        policies,
+        trace: a.trace,
         ..SweepConfig::default()
     };
     let started = std::time::Instant::now();

@@ -39,7 +39,7 @@ pub type ReqIdx = usize;
 
 /// What can happen in the cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Event {
+pub enum SimEvent {
     /// A request arrives at the router.
     Arrival(ReqIdx),
     /// A worker's iteration ends. `incarnation` drops events of a worker that failed since.
@@ -105,7 +105,7 @@ struct Key {
 #[derive(Debug)]
 struct Entry {
     key: Key,
-    event: Event,
+    event: SimEvent,
 }
 
 impl PartialEq for Entry {
@@ -171,7 +171,7 @@ impl EventQueue {
     ///
     /// # Panics
     /// If `time` is in the past: an event never changes what already happened.
-    pub fn push(&mut self, time: SimTime, event: Event) {
+    pub fn push(&mut self, time: SimTime, event: SimEvent) {
         assert!(
             time >= self.now,
             "event {event:?} scheduled at {time} us, before now ({} us)",
@@ -189,7 +189,7 @@ impl EventQueue {
     ///
     /// # Errors
     /// [`crate::Error::Deadline`] once `max_events` events were handed out.
-    pub fn pop(&mut self) -> crate::Result<Option<(SimTime, Event)>> {
+    pub fn pop(&mut self) -> crate::Result<Option<(SimTime, SimEvent)>> {
         let Some(Reverse(entry)) = self.heap.pop() else {
             return Ok(None);
         };
@@ -215,18 +215,18 @@ mod tests {
     #[test]
     fn events_come_out_by_time_then_by_the_order_they_were_scheduled() {
         let mut q = EventQueue::new(100);
-        q.push(5, Event::Sample);
-        q.push(3, Event::Arrival(1));
-        q.push(5, Event::Arrival(2));
-        q.push(3, Event::Arrival(0));
+        q.push(5, SimEvent::Sample);
+        q.push(3, SimEvent::Arrival(1));
+        q.push(5, SimEvent::Arrival(2));
+        q.push(3, SimEvent::Arrival(0));
         let order: Vec<_> = std::iter::from_fn(|| q.pop().unwrap()).collect();
         assert_eq!(
             order,
             vec![
-                (3, Event::Arrival(1)),
-                (3, Event::Arrival(0)),
-                (5, Event::Sample),
-                (5, Event::Arrival(2)),
+                (3, SimEvent::Arrival(1)),
+                (3, SimEvent::Arrival(0)),
+                (5, SimEvent::Sample),
+                (5, SimEvent::Arrival(2)),
             ]
         );
     }
@@ -235,7 +235,7 @@ mod tests {
     fn the_event_cap_stops_a_run_with_an_error_that_says_what_to_do() {
         let mut q = EventQueue::new(2);
         for i in 0..3 {
-            q.push(i, Event::Sample);
+            q.push(i, SimEvent::Sample);
         }
         assert!(q.pop().unwrap().is_some());
         assert!(q.pop().unwrap().is_some());

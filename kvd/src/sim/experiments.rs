@@ -19,16 +19,23 @@ use serde::Serialize;
 
 use super::cluster::{FailureSpec, RunConfig, RunOutput, run};
 use super::config::{ClusterConfig, ModelConfig};
-use super::contenders::SimPolicy;
 use super::metrics::RunMetrics;
+use super::trace::RecoveryTrace;
 use super::workload::{self, WorkloadConfig};
+use crate::control::PolicyKind;
 
-/// The policies every experiment compares, in table order (the baseline last).
-pub const POLICIES: [SimPolicy; 3] = [
-    SimPolicy::Lumen,
-    SimPolicy::FixedRing,
-    SimPolicy::StopRestart,
+/// The policies every experiment compares by default, in table order (the baseline last):
+/// Lumen with the per-server placement of DESIGN.md §7, the first (mean) rule it replaced,
+/// the fixed ring, and stop-and-restart.
+pub const POLICIES: [PolicyKind; 4] = [
+    PolicyKind::Lumen,
+    PolicyKind::LumenMean,
+    PolicyKind::FixedRing,
+    PolicyKind::StopRestart,
 ];
+
+/// The policy every table compares against.
+pub const BASELINE: PolicyKind = PolicyKind::StopRestart;
 
 /// Which experiment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -101,23 +108,21 @@ pub struct SweepConfig {
     pub max_events: u64,
     /// Requests one workload may hold.
     pub max_requests: usize,
-    /// Each scenario runs with this many seeds (`seed`, `seed + 1`, ...; the failed workers
-    /// stay those drawn from `seed`), and reports the mean of each metric over them.
+    /// Each scenario runs with this many seeds (`seed`, `seed + 1`, ...; each seed draws its own
+    /// arrivals and its own failed workers), and reports the mean of each metric over them.
     pub repeats: u32,
     /// Overrides the hardware's assist speed-up (Lumen's ASSIST phase), for sensitivity runs.
     pub assist_speedup: Option<f64>,
-    /// Also run the what-if [`SimPolicy::LumenSumPlacement`] (not in the default comparison).
-    pub what_if_sum_placement: bool,
+    /// The policies to run, in table order (must include [`BASELINE`]).
+    pub policies: Vec<PolicyKind>,
+    /// Keep every run's recovery trace (one row per interrupted request) for `<exp>_trace.csv`.
+    pub trace: bool,
 }
 
 impl SweepConfig {
     /// The policies this sweep runs, in table order.
-    pub fn policies(&self) -> Vec<SimPolicy> {
-        let mut v = POLICIES.to_vec();
-        if self.what_if_sum_placement {
-            v.insert(1, SimPolicy::LumenSumPlacement);
-        }
-        v
+    pub fn policies(&self) -> Vec<PolicyKind> {
+        self.policies.clone()
     }
 }
 
@@ -133,7 +138,8 @@ impl Default for SweepConfig {
             max_requests: 2_000_000,
             repeats: 5,
             assist_speedup: None,
-            what_if_sum_placement: false,
+            policies: POLICIES.to_vec(),
+            trace: false,
         }
     }
 }
@@ -167,12 +173,14 @@ pub struct ScenarioResult {
     /// Seeds the metrics are averaged over.
     pub repeats: u32,
     /// One run per policy.
-    pub runs: Vec<(SimPolicy, RunOutput)>,
+    pub runs: Vec<(PolicyKind, RunOutput)>,
+    /// With [`SweepConfig::trace`]: each run's recovery trace, `(policy, seed, rows)`.
+    pub traces: Vec<(PolicyKind, u64, Vec<RecoveryTrace>)>,
 }
 
 impl ScenarioResult {
     /// The metrics of `policy`.
-    pub fn metrics(&self, policy: SimPolicy) -> Option<&RunMetrics> {
+    pub fn metrics(&self, policy: PolicyKind) -> Option<&RunMetrics> {
         self.runs
             .iter()
             .find(|(p, _)| *p == policy)
@@ -188,6 +196,27 @@ pub fn pick_failed(n: u32, k: u32, seed: u64, label: &str) -> Vec<usize> {
     let mut v = rand::seq::index::sample(&mut rng, n as usize, k as usize).into_vec();
     v.sort_unstable();
     v
+}
+
+/// The failures of `scenario` in its run with `seed`: the same times and sizes, the workers
+/// drawn again from `seed` (the first seed's draw is the scenario's own), so the repeats vary
+/// which workers fail as well as the arrivals. Whether a failed worker's checkpoint holder
+/// failed too depends on that draw (for a fixed ring: whether two failed workers are
+/// neighbours), so one draw for every seed would make the comparison turn on it.
+pub fn failures_for_seed(scenario: &Scenario, seed: u64) -> Vec<FailureSpec> {
+    scenario
+        .failures
+        .iter()
+        .map(|f| FailureSpec {
+            at_s: f.at_s,
+            workers: pick_failed(
+                scenario.cluster.workers,
+                f.workers.len() as u32,
+                seed,
+                &scenario.label,
+            ),
+        })
+        .collect()
 }
 
 /// The scenarios of `exp`.
@@ -252,7 +281,7 @@ pub fn measure_saturation(model: &ModelConfig, seed: u64) -> crate::Result<f64> 
         },
         1_000_000,
     )?;
-    let mut cfg = RunConfig::new(cluster, SimPolicy::StopRestart, vec![]);
+    let mut cfg = RunConfig::new(cluster, PolicyKind::StopRestart, vec![]);
     cfg.drain_cap_s = 0.0;
     let out = run(&cfg, &wl)?;
     let lo = (warmup_s * 1e6) as u64;
@@ -291,16 +320,45 @@ pub fn run_scenario(
         })
         .collect::<crate::Result<Vec<_>>>()?;
     let policies = sweep.policies();
-    let mut jobs: Vec<(SimPolicy, usize, RunConfig)> = Vec::new();
+    let mut jobs: Vec<(PolicyKind, usize, RunConfig)> = Vec::new();
     for &p in &policies {
         for w in 0..workloads.len() {
-            let mut c = RunConfig::new(scenario.cluster.clone(), p, scenario.failures.clone());
+            let failures = failures_for_seed(scenario, sweep.seed.wrapping_add(w as u64));
+            let mut c = RunConfig::new(scenario.cluster.clone(), p, failures);
             c.max_events = sweep.max_events;
             jobs.push((p, w, c));
         }
     }
-    // Every (policy, seed) run is independent and deterministic on its own: run them on a few
-    // threads; the order of the results is the order of `jobs`, whatever the threads do.
+    let mut results = run_jobs(&jobs, &workloads);
+    let mut traces = Vec::new();
+    for ((p, w, _), r) in jobs.iter().zip(&mut results) {
+        if let Ok(out) = r {
+            let rows = std::mem::take(&mut out.trace);
+            if sweep.trace {
+                traces.push((*p, sweep.seed.wrapping_add(*w as u64), rows));
+            }
+        }
+    }
+    let runs = mean_by_policy(&policies, &jobs, results)?;
+    let requests = workloads.iter().map(Vec::len).sum::<usize>() / workloads.len();
+    Ok(ScenarioResult {
+        scenario: scenario.clone(),
+        saturation_per_s: saturation,
+        rate_per_s: rate,
+        requests,
+        repeats,
+        runs,
+        traces,
+    })
+}
+
+/// Runs every `(policy, workload index, config)` job on a few threads. Each run is independent
+/// and deterministic on its own; the results are in the order of `jobs`, whatever the threads
+/// do.
+fn run_jobs(
+    jobs: &[(PolicyKind, usize, RunConfig)],
+    workloads: &[Vec<workload::RequestSpec>],
+) -> Vec<crate::Result<RunOutput>> {
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
         .clamp(1, 8);
@@ -326,10 +384,22 @@ pub fn run_scenario(
             });
         }
     });
+    results
+        .into_iter()
+        .map(|r| r.expect("every job ran"))
+        .collect()
+}
+
+/// Each policy's metrics and series averaged over its runs (one per seed), in `policies` order.
+fn mean_by_policy(
+    policies: &[PolicyKind],
+    jobs: &[(PolicyKind, usize, RunConfig)],
+    results: Vec<crate::Result<RunOutput>>,
+) -> crate::Result<Vec<(PolicyKind, RunOutput)>> {
     let mut by_policy: BTreeMap<usize, (Vec<RunMetrics>, Vec<Vec<super::metrics::SeriesPoint>>)> =
         BTreeMap::new();
     for ((p, _, _), r) in jobs.iter().zip(results) {
-        let out = r.expect("every job ran")?;
+        let out = r?;
         let idx = policies
             .iter()
             .position(|q| q == p)
@@ -338,7 +408,7 @@ pub fn run_scenario(
         e.0.push(out.metrics);
         e.1.push(out.series);
     }
-    let runs = by_policy
+    Ok(by_policy
         .into_iter()
         .map(|(idx, (metrics, series))| {
             (
@@ -347,19 +417,11 @@ pub fn run_scenario(
                     metrics: super::metrics::mean_metrics(&metrics),
                     records: Vec::new(),
                     series: super::metrics::mean_series(&series),
+                    trace: Vec::new(),
                 },
             )
         })
-        .collect();
-    let requests = workloads.iter().map(Vec::len).sum::<usize>() / workloads.len();
-    Ok(ScenarioResult {
-        scenario: scenario.clone(),
-        saturation_per_s: saturation,
-        rate_per_s: rate,
-        requests,
-        repeats,
-        runs,
-    })
+        .collect())
 }
 
 /// Runs `exps` in order, calling `progress` with a line before each scenario. Saturation is

@@ -20,7 +20,7 @@ use super::events::{SimTime, us_to_secs};
 
 /// What happened to one request.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct RequestRecord {
+pub struct RequestOutcome {
     /// Arrival at the router.
     pub arrival_us: SimTime,
     /// Output tokens asked for.
@@ -39,7 +39,7 @@ pub struct RequestRecord {
     pub failed: Option<String>,
 }
 
-impl RequestRecord {
+impl RequestOutcome {
     /// TTFT in seconds, when it produced a token.
     pub fn ttft_s(&self) -> Option<f64> {
         self.first_token_us
@@ -107,8 +107,8 @@ pub struct Latencies {
 impl Latencies {
     /// The latencies of the records `keep` selects.
     pub fn of<'a>(
-        records: impl Iterator<Item = &'a RequestRecord>,
-        keep: impl Fn(&RequestRecord) -> bool,
+        records: impl Iterator<Item = &'a RequestOutcome>,
+        keep: impl Fn(&RequestOutcome) -> bool,
     ) -> Self {
         let (mut ttft, mut tpot, mut e2e) = (Vec::new(), Vec::new(), Vec::new());
         for r in records.filter(|r| keep(r)) {
@@ -193,7 +193,7 @@ pub struct SeriesPoint {
 /// Mean TTFT of the requests arriving in each of `buckets` periods of `period_us`, for the
 /// time-series plot.
 pub fn ttft_by_arrival_period(
-    records: &[RequestRecord],
+    records: &[RequestOutcome],
     period_us: SimTime,
     buckets: usize,
 ) -> Vec<f64> {
@@ -318,7 +318,7 @@ mod tests {
 
     #[test]
     fn tpot_spreads_the_decode_time_over_all_tokens_after_the_first() {
-        let r = RequestRecord {
+        let r = RequestOutcome {
             arrival_us: 1_000_000,
             output_tokens: 11,
             delivered_tokens: 11,

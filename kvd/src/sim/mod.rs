@@ -9,9 +9,10 @@
 //! - [`workload`]: Poisson arrivals with conversation-trace prompt and output lengths.
 //! - [`events`]: the `(time, sequence)` event heap with its cap.
 //! - [`worker`]: one worker's batch, KV budget and iteration time model.
-//! - [`contenders`]: the policies compared (the shim's three, and one opt-in what-if).
 //! - [`shim`]: the simulator's adapter to the real [`crate::control::Controller`].
 //! - [`cluster`]: the event loop: routing, checkpoint streaming, failures, restores, restarts.
+//! - [`trace`]: one row per interrupted request: where it went, what it recomputed and why,
+//!   and where its stall went (restore, queue, prefill).
 //! - [`metrics`]: latencies (overall, interrupted, bystanders) and recovery measures.
 //! - [`experiments`]: the four built-in experiments and the saturation measurement.
 //! - [`report`]: CSV, Markdown and PNG output.
@@ -24,16 +25,15 @@
 pub mod cli;
 pub mod cluster;
 pub mod config;
-pub mod contenders;
 pub mod events;
 pub mod experiments;
 pub mod metrics;
 pub mod report;
 pub mod shim;
+pub mod trace;
 pub mod worker;
 pub mod workload;
 
 pub use cluster::{FailureSpec, RunConfig, RunOutput, run};
 pub use config::{ClusterConfig, EngineConfig, HardwareConfig, ModelConfig};
-pub use contenders::SimPolicy;
 pub use metrics::RunMetrics;

@@ -15,9 +15,10 @@ use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
-use super::contenders::SimPolicy;
+use super::experiments::BASELINE;
 use super::experiments::{Experiment, ScenarioResult};
 use super::metrics::{Latencies, RunMetrics};
+use crate::control::PolicyKind;
 
 /// The CSV header of [`metrics_csv`].
 pub const CSV_HEADER: &str = "experiment,scenario,model,workers,load,failed_workers,policy,\
@@ -144,12 +145,12 @@ pub fn summary_markdown(all: &BTreeMap<Experiment, Vec<ScenarioResult>>) -> Stri
         );
         out.push_str("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n");
         for r in results {
-            let Some(base) = r.metrics(SimPolicy::BASELINE) else {
+            let Some(base) = r.metrics(BASELINE) else {
                 continue;
             };
             for (p, o) in &r.runs {
                 let m: &RunMetrics = &o.metrics;
-                let b = *p == SimPolicy::BASELINE;
+                let b = *p == BASELINE;
                 let _ = writeln!(
                     out,
                     "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.2} |",
@@ -197,12 +198,12 @@ pub fn terminal_table(all: &BTreeMap<Experiment, Vec<ScenarioResult>>) -> String
     );
     for (exp, results) in all {
         for r in results {
-            let Some(base) = r.metrics(SimPolicy::BASELINE) else {
+            let Some(base) = r.metrics(BASELINE) else {
                 continue;
             };
             for (p, o) in &r.runs {
                 let m = &o.metrics;
-                let b = *p == SimPolicy::BASELINE;
+                let b = *p == BASELINE;
                 let _ = writeln!(
                     out,
                     "{:<4} {:<8} {:<19} {:>6} {:>16} {:>16} {:>16}",
@@ -256,6 +257,24 @@ pub fn write_all(
             &series_csv(*exp, results),
             &mut files,
         )?;
+        if results.iter().any(|r| !r.traces.is_empty()) {
+            let rows: Vec<(String, Vec<crate::sim::trace::RecoveryTrace>)> = results
+                .iter()
+                .flat_map(|r| {
+                    r.traces.iter().map(|(p, seed, t)| {
+                        (
+                            format!("{},{},{p},{seed}", exp.name(), r.scenario.label),
+                            t.clone(),
+                        )
+                    })
+                })
+                .collect();
+            write(
+                dir.join(format!("{}_trace.csv", exp.name())),
+                &crate::sim::trace::trace_csv("experiment,scenario,policy,seed", &rows),
+                &mut files,
+            )?;
+        }
     }
     write(dir.join("summary.md"), &summary_markdown(all), &mut files)?;
     if plots {
@@ -312,12 +331,13 @@ fn ensure_font() -> Result<(), String> {
     .clone()
 }
 
-fn policy_color(p: SimPolicy) -> RGBColor {
+fn policy_color(p: PolicyKind) -> RGBColor {
     match p {
-        SimPolicy::Lumen => RGBColor(31, 119, 180),
-        SimPolicy::FixedRing => RGBColor(255, 127, 14),
-        SimPolicy::StopRestart => RGBColor(127, 127, 127),
-        SimPolicy::LumenSumPlacement => RGBColor(44, 160, 44),
+        PolicyKind::Lumen => RGBColor(31, 119, 180),
+        PolicyKind::FixedRing => RGBColor(255, 127, 14),
+        PolicyKind::StopRestart => RGBColor(127, 127, 127),
+        PolicyKind::LumenMean => RGBColor(148, 103, 189),
+        PolicyKind::LumenTotal => RGBColor(44, 160, 44),
     }
 }
 
@@ -352,7 +372,7 @@ fn bars_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> crate::
     ];
     let groups = results.len().max(1) as i32;
     // Each scenario is a group of one bar per policy and a gap: `width` x units.
-    let policies: Vec<SimPolicy> = results
+    let policies: Vec<PolicyKind> = results
         .first()
         .map(|r| r.runs.iter().map(|(p, _)| *p).collect())
         .unwrap_or_default();

@@ -6,7 +6,6 @@
 //! microseconds to the controller's milliseconds, indices to ids) and unpacks the decisions.
 
 use super::config::ClusterConfig;
-use super::contenders::SimPolicy;
 use super::events::{ReqIdx, SimTime, WorkerIdx};
 use super::workload::RequestSpec;
 use crate::control::{
@@ -80,21 +79,21 @@ impl Shim {
     ///
     /// # Errors
     /// What [`Controller::new`] and [`Controller::add_worker`] return for a bad configuration.
-    pub fn new(policy: SimPolicy, cluster: &ClusterConfig) -> crate::Result<Self> {
+    pub fn new(policy: PolicyKind, cluster: &ClusterConfig) -> crate::Result<Self> {
         let cfg = ControlConfig {
-            policy: policy.kind(),
+            policy,
             host_to_gpu_bytes_per_ms: (cluster.hardware.pcie_h2d_bytes_per_s / 1000.0) as u64,
             prefill_tokens_per_ms: ((1e-3 / cluster.model.iter_per_token_s) as u32).max(1),
             max_workers: cluster.workers.max(1),
             ..ControlConfig::default()
         };
-        let mut ctl = policy.controller(cfg)?;
+        let mut ctl = Controller::new(cfg)?;
         for w in 0..cluster.workers as usize {
             ctl.add_worker(wid(w), cluster.hardware.host_checkpoint_bytes, 0)?;
         }
         Ok(Shim {
             ctl,
-            policy: policy.kind(),
+            policy,
             max_output_tokens: cluster.engine.max_output_tokens,
         })
     }
@@ -108,7 +107,7 @@ impl Shim {
     /// (Lumen) or reloads the full model directly (the baselines). The control API has no
     /// such question; the simulator answers it from the policy kind.
     pub fn uses_recovery_phases(&self) -> bool {
-        self.policy == PolicyKind::Lumen
+        self.policy.is_lumen()
     }
 
     /// Admits `spec` on worker `w`, reserving `reserve_bytes` for its checkpoint.

@@ -45,7 +45,7 @@ pub fn iteration_time_s(
 
 /// Where a worker is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum WorkerPhase {
+pub enum EngineState {
     /// Serving with the full model.
     Serving,
     /// Dead, or restarting without a draft (reloading the full model).
@@ -125,7 +125,7 @@ pub struct Worker {
     /// Its index.
     pub idx: usize,
     /// Its phase.
-    pub phase: WorkerPhase,
+    pub phase: EngineState,
     /// Bumped at every failure: events from an earlier incarnation are dropped.
     pub incarnation: u32,
     /// Requests waiting for the batch, in order.
@@ -157,7 +157,7 @@ impl Worker {
     pub fn new(idx: usize, kv_budget_tokens: u64) -> Self {
         Worker {
             idx,
-            phase: WorkerPhase::Serving,
+            phase: EngineState::Serving,
             incarnation: 0,
             waiting: VecDeque::new(),
             resumed: VecDeque::new(),
@@ -180,7 +180,7 @@ impl Worker {
 
     /// Whether it takes work.
     pub fn is_serving(&self) -> bool {
-        self.phase == WorkerPhase::Serving
+        self.phase == EngineState::Serving
     }
 
     /// Kills the worker: every request on it is returned (batch first, then the queue), its KV is
@@ -197,7 +197,7 @@ impl Worker {
         self.pending_stall_s = 0.0;
         self.speedup = 1.0;
         self.incarnation += 1;
-        self.phase = WorkerPhase::Down;
+        self.phase = EngineState::Down;
         lost
     }
 
@@ -214,7 +214,28 @@ impl Worker {
         if !self.is_serving() {
             return None;
         }
-        let cap = cfg.engine.max_batch_requests as usize;
+        self.admit_from_queues(cfg.engine.max_batch_requests as usize, now_us, admitted);
+        let (tokens, decode_context) = self.schedule_tokens(cfg.engine.prefill_chunk_tokens);
+        if tokens == 0 {
+            return None;
+        }
+        let t = iteration_time_s(
+            &cfg.model,
+            cfg.worker_hbm_bytes_per_s(),
+            tokens,
+            decode_context,
+        ) / self.speedup
+            + self.pending_stall_s;
+        self.pending_stall_s = 0.0;
+        self.busy = true;
+        self.iterations += 1;
+        Some(t)
+    }
+
+    /// Moves requests from the queues into the batch (restored ones first, then new ones,
+    /// first come first served) while the batch has room and the head's final context fits
+    /// the GPU KV budget (head of line: a request that does not fit waits).
+    fn admit_from_queues(&mut self, cap: usize, now_us: SimTime, admitted: &mut Vec<Admitted>) {
         while self.batch.len() < cap {
             let from_resumed = !self.resumed.is_empty();
             let queue = if from_resumed {
@@ -256,11 +277,14 @@ impl Worker {
                 resumed: from_resumed,
             });
         }
-        let mut budget = cfg.engine.prefill_chunk_tokens;
+    }
+
+    /// What the next iteration computes: one token per decoding request and up to `budget`
+    /// prefill tokens, restored requests' suffixes first (they are running requests), then
+    /// new prompts in batch order. Returns (tokens in the batch, decode context tokens).
+    fn schedule_tokens(&mut self, mut budget: u32) -> (u64, u64) {
         let mut tokens = 0u64;
         let mut decode_context = 0u64;
-        // Restored requests' suffixes first (they are running requests), then new prompts in
-        // batch order.
         for pass_resumed in [true, false] {
             for s in self.batch.iter_mut().filter(|s| s.resumed == pass_resumed) {
                 if s.prefill_remaining == 0 {
@@ -275,20 +299,7 @@ impl Worker {
                 }
             }
         }
-        if tokens == 0 {
-            return None;
-        }
-        let t = iteration_time_s(
-            &cfg.model,
-            cfg.worker_hbm_bytes_per_s(),
-            tokens,
-            decode_context,
-        ) / self.speedup
-            + self.pending_stall_s;
-        self.pending_stall_s = 0.0;
-        self.busy = true;
-        self.iterations += 1;
-        Some(t)
+        (tokens, decode_context)
     }
 
     /// Applies the iteration in flight: prefill chunks land, decoding requests get a token,
@@ -443,6 +454,6 @@ mod tests {
         assert_eq!(lost, vec![0, 1, 2, 8, 9]);
         assert_eq!(w.kv_used_tokens, 0);
         assert_eq!(w.incarnation, 1);
-        assert_eq!(w.phase, WorkerPhase::Down);
+        assert_eq!(w.phase, EngineState::Down);
     }
 }
