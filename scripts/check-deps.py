@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fail when what engines link (libkvd, kvd-client) pulls in a daemon dependency.
+"""Fail when what engines link (libkvd, kvd-client) or what a router links (kvd-control) pulls in a
+daemon dependency.
 
 The check reads the dependency graph cargo resolves for a whole-workspace build (`cargo metadata`,
 features unified across the workspace, as a real build sees them), not `cargo tree -p`, which
@@ -9,7 +10,7 @@ import json
 import subprocess
 import sys
 
-ROOTS = sys.argv[1:] or ["kvd-ffi", "kvd-client"]
+ROOTS = sys.argv[1:] or ["kvd-ffi", "kvd-client", "kvd-control"]
 FORBIDDEN = {
     "tokio", "axum", "hyper", "clap", "plotters", "rand", "prometheus-client",
     "tracing-subscriber", "etcd-client",

@@ -42,12 +42,12 @@ cargo fmt --all -- --check
 echo "== cargo clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-echo "== what engines link (libkvd, kvd-client) has none of the daemon's dependencies"
+echo "== what engines and routers link (libkvd, kvd-client, kvd-control) has none of the daemon's dependencies"
 python3 scripts/check-deps.py
 
 # The library crates build and test on their own (their own features, not the workspace's);
 # the rest of the workspace is tested together.
-LIB_CRATES=(kvd-core kvd-client kvd-store)
+LIB_CRATES=(kvd-core kvd-client kvd-store kvd-control kvd-sim)
 exclude=()
 for p in "${LIB_CRATES[@]}"; do exclude+=(--exclude "$p"); done
 

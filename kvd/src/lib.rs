@@ -1,25 +1,30 @@
-//! kvd: a per-node KV-cache block store for distributed LLM serving.
+//! kvd: the daemon and the command line of a per-node KV-cache block store for distributed LLM
+//! serving. The libraries it is made of are crates of their own (see `docs/ARCHITECTURE.md`);
+//! this crate re-exports them under the names the daemon, the tests and the benches use:
 //!
-//! Read `docs/ARCHITECTURE.md` first. The modules, in the order data flows through them:
+//! - [`keys`], [`error`], [`clock`], [`protocol`]: `kvd-core`, the shared vocabulary.
+//! - [`store`] (with [`pool`]): `kvd-store`, the page pool and the block store.
+//! - [`client`]: `kvd-client`, the Rust client of the local protocol (what libkvd links).
+//! - [`control`]: `kvd-control`, the control shim: placement, recovery, request epochs.
+//! - [`sim`] (feature `sim`): `kvd-sim`, the cluster simulator driving [`control`].
 //!
-//! - [`pool`]: the memfd-backed host-memory region, carved into fixed-size pages.
-//! - [`keys`]: namespaces (the identity of a KV layout) and chained block tags.
-//! - [`store`]: the block table and its lifecycle, pins, sessions and leases, manifests,
-//!   reservations, eviction, integrity, and the reaper.
-//! - [`control`]: the control shim: load-aware checkpoint placement and recovery planning.
-//! - [`sim`] (feature `sim`): a deterministic cluster simulator driving [`control`].
-//! - [`protocol`]: the local protocol's frames and messages (engine ↔ daemon, Unix socket).
-//! - [`client`]: the Rust client of the local protocol, with the mapped pool.
+//! and holds what only the daemon needs:
+//!
 //! - [`daemon`] (feature `server`): `kvd serve`, the admin HTTP, drain, and `kvd status`.
+//! - [`control_service`] (feature `server`): `kvd control`, the control shim over HTTP/JSON.
+//! - [`openmetrics`] (feature `server`): the metric-encoding helpers both of them use.
 
-pub mod control;
+#[cfg(feature = "server")]
+pub mod control_service;
 #[cfg(feature = "server")]
 pub mod daemon;
-#[cfg(feature = "sim")]
-pub mod sim;
+#[cfg(feature = "server")]
+pub mod openmetrics;
 
-// The library crates, under the names the daemon, the tests and the benches use.
 pub use kvd_client as client;
+pub use kvd_control as control;
 pub use kvd_core::{Error, Result, clock, error, keys, protocol};
+#[cfg(feature = "sim")]
+pub use kvd_sim as sim;
 pub use kvd_store as store;
 pub use kvd_store::pool;

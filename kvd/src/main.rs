@@ -28,7 +28,7 @@ SIGTERM or POST /drain drains gracefully and exits 0. See docs/DAEMON.md."
     /// Print a running daemon's status (pool occupancy by state, sessions, rates).
     Status(kvd::daemon::status::StatusArgs),
     /// Run the control shim (checkpoint placement, recovery planning) as an HTTP/JSON service.
-    Control(kvd::control::service::ControlArgs),
+    Control(kvd::control_service::ControlArgs),
     /// Simulate a serving cluster with failing workers and compare recovery policies.
     #[cfg(feature = "sim")]
     Sim(kvd::sim::cli::SimArgs),
@@ -39,7 +39,7 @@ fn main() -> std::process::ExitCode {
     match cli.command {
         Command::Serve(args) => kvd::daemon::run(*args),
         Command::Status(args) => kvd::daemon::status::run(args),
-        Command::Control(args) => kvd::control::service::run(args),
+        Command::Control(args) => kvd::control_service::run(args),
         #[cfg(feature = "sim")]
         Command::Sim(args) => kvd::sim::cli::run(args),
     }

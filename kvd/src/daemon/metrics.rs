@@ -17,7 +17,7 @@ use std::sync::atomic::AtomicU64;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
-use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
@@ -32,8 +32,8 @@ pub const LATENCY_BUCKETS_S: [f64; 14] = [
     100e-3,
 ];
 
-/// The content type of [`Metrics::render`]'s output.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub use crate::openmetrics::CONTENT_TYPE;
+use crate::openmetrics::{counter, gauge};
 
 type OpLabel = [(&'static str, &'static str); 1];
 
@@ -299,26 +299,6 @@ struct StoreCollector {
     store: Arc<Store>,
     inflight_rejects: Counter,
     connections_refused: Counter,
-}
-
-/// Encode one constant gauge (for collectors that read state at scrape time).
-pub(crate) fn gauge(
-    e: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    v: i64,
-) -> std::fmt::Result {
-    ConstGauge::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Gauge)?)
-}
-
-/// Encode one constant counter (`_total` is appended).
-pub(crate) fn counter(
-    e: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    v: u64,
-) -> std::fmt::Result {
-    ConstCounter::new(v).encode(e.encode_descriptor(name, help, None, MetricType::Counter)?)
 }
 
 impl Collector for StoreCollector {

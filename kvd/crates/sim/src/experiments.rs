@@ -1,0 +1,499 @@
+//! The built-in experiments. Each compares Lumen, FixedRing and StopRestart on identical
+//! seeds and arrivals (one workload per scenario, generated before any policy runs):
+//!
+//! - **a**: one failure; 4 workers of Qwen3-32B (TP 2) and 8 workers of Qwen3-14B.
+//! - **b**: 1, 2, 3 and 4 simultaneous failures on 8 workers (14B).
+//! - **c**: one failure on 8 workers (14B) at 50 %, 70 % and 85 % of measured saturation.
+//! - **d**: 25 % of the workers failing at once, for 4, 8, 16, 32 and 64 workers (14B).
+//!
+//! Load is a fraction of the *measured* saturation: a two-worker cluster of the same model is
+//! overloaded (arrivals at several times its capacity) and its completion rate after warm-up is
+//! the per-worker saturation throughput ([`measure_saturation`]). The failed workers of a
+//! scenario are drawn from the seed (the same draw for every policy).
+
+use std::collections::BTreeMap;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use super::cluster::{FailureSpec, RunConfig, RunOutput, run};
+use super::config::{ClusterConfig, ModelConfig};
+use super::metrics::RunMetrics;
+use super::trace::RecoveryTrace;
+use super::workload::{self, WorkloadConfig};
+use kvd_control::PolicyKind;
+
+/// The policies every experiment compares by default, in table order (the baseline last):
+/// Lumen with the per-server placement of DESIGN.md §7, the first (mean) rule it replaced,
+/// the fixed ring, and stop-and-restart.
+pub const POLICIES: [PolicyKind; 4] = [
+    PolicyKind::Lumen,
+    PolicyKind::LumenMean,
+    PolicyKind::FixedRing,
+    PolicyKind::StopRestart,
+];
+
+/// The policy every table compares against.
+pub const BASELINE: PolicyKind = PolicyKind::StopRestart;
+
+/// Which experiment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub enum Experiment {
+    /// One failure, two cluster shapes.
+    A,
+    /// 1 to 4 simultaneous failures.
+    B,
+    /// Load sweep.
+    C,
+    /// Scale sweep, 25 % failing.
+    D,
+}
+
+impl Experiment {
+    /// All of them, in order.
+    pub const ALL: [Experiment; 4] = [Experiment::A, Experiment::B, Experiment::C, Experiment::D];
+
+    /// Its one-letter name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Experiment::A => "a",
+            Experiment::B => "b",
+            Experiment::C => "c",
+            Experiment::D => "d",
+        }
+    }
+
+    /// A one-line description.
+    pub fn title(self) -> &'static str {
+        match self {
+            Experiment::A => "one failure: 4 workers (Qwen3-32B, TP 2) and 8 workers (Qwen3-14B)",
+            Experiment::B => "1, 2, 3, 4 simultaneous failures on 8 workers (Qwen3-14B)",
+            Experiment::C => "one failure on 8 workers (Qwen3-14B) at 50/70/85 % of saturation",
+            Experiment::D => "25 % of workers failing, 4 to 64 workers (Qwen3-14B)",
+        }
+    }
+
+    /// Parses `a`, `b`, `c`, `d`.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidArgument`] naming the choices.
+    pub fn parse(s: &str) -> crate::Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "a" => Ok(Experiment::A),
+            "b" => Ok(Experiment::B),
+            "c" => Ok(Experiment::C),
+            "d" => Ok(Experiment::D),
+            _ => Err(crate::Error::InvalidArgument(format!(
+                "unknown experiment {s:?}; choose a, b, c, d or all"
+            ))),
+        }
+    }
+}
+
+/// Knobs shared by all experiments.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SweepConfig {
+    /// The seed of every workload and every failure draw.
+    pub seed: u64,
+    /// Arrivals run from 0 to this many simulated seconds.
+    pub duration_s: f64,
+    /// The failure happens at this simulated second.
+    pub failure_at_s: f64,
+    /// Load as a fraction of measured saturation (experiments a, b, d).
+    pub load: f64,
+    /// Largest cluster in experiment d.
+    pub max_workers_d: u32,
+    /// Events one run may take.
+    pub max_events: u64,
+    /// Requests one workload may hold.
+    pub max_requests: usize,
+    /// Each scenario runs with this many seeds (`seed`, `seed + 1`, ...; each seed draws its own
+    /// arrivals and its own failed workers), and reports the mean of each metric over them.
+    pub repeats: u32,
+    /// Overrides the hardware's assist speed-up (Lumen's ASSIST phase), for sensitivity runs.
+    pub assist_speedup: Option<f64>,
+    /// The policies to run, in table order (must include [`BASELINE`]).
+    pub policies: Vec<PolicyKind>,
+    /// Keep every run's recovery trace (one row per interrupted request) for `<exp>_trace.csv`.
+    pub trace: bool,
+}
+
+impl SweepConfig {
+    /// The policies this sweep runs, in table order.
+    pub fn policies(&self) -> Vec<PolicyKind> {
+        self.policies.clone()
+    }
+}
+
+impl Default for SweepConfig {
+    fn default() -> Self {
+        SweepConfig {
+            seed: 1,
+            duration_s: 160.0,
+            failure_at_s: 40.0,
+            load: 0.7,
+            max_workers_d: 64,
+            max_events: 200_000_000,
+            max_requests: 2_000_000,
+            repeats: 5,
+            assist_speedup: None,
+            policies: POLICIES.to_vec(),
+            trace: false,
+        }
+    }
+}
+
+/// One scenario: a cluster, a load, a failure; run once per policy.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Scenario {
+    /// The experiment it belongs to.
+    pub experiment: Experiment,
+    /// A short label (`8w-14b`, `fail-3`, `load-85`).
+    pub label: String,
+    /// The cluster.
+    pub cluster: ClusterConfig,
+    /// Load as a fraction of measured saturation.
+    pub load: f64,
+    /// The failure(s).
+    pub failures: Vec<FailureSpec>,
+}
+
+/// A scenario's results: one run per policy, in [`SweepConfig::policies`] order.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ScenarioResult {
+    /// The scenario.
+    pub scenario: Scenario,
+    /// Measured saturation of the whole cluster, requests per second.
+    pub saturation_per_s: f64,
+    /// The arrival rate used.
+    pub rate_per_s: f64,
+    /// Requests in one workload (the mean over the seeds).
+    pub requests: usize,
+    /// Seeds the metrics are averaged over.
+    pub repeats: u32,
+    /// One run per policy.
+    pub runs: Vec<(PolicyKind, RunOutput)>,
+    /// With [`SweepConfig::trace`]: each run's recovery trace, `(policy, seed, rows)`.
+    pub traces: Vec<(PolicyKind, u64, Vec<RecoveryTrace>)>,
+}
+
+impl ScenarioResult {
+    /// The metrics of `policy`.
+    pub fn metrics(&self, policy: PolicyKind) -> Option<&RunMetrics> {
+        self.runs
+            .iter()
+            .find(|(p, _)| *p == policy)
+            .map(|(_, o)| &o.metrics)
+    }
+}
+
+/// `k` distinct workers of `n`, drawn from the seed and the scenario label (sorted).
+pub fn pick_failed(n: u32, k: u32, seed: u64, label: &str) -> Vec<usize> {
+    let salt = blake3::hash(label.as_bytes());
+    let salt = u64::from_le_bytes(salt.as_bytes()[..8].try_into().expect("8 bytes"));
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ salt);
+    let mut v = rand::seq::index::sample(&mut rng, n as usize, k as usize).into_vec();
+    v.sort_unstable();
+    v
+}
+
+/// The failures of `scenario` in its run with `seed`: the same times and sizes, the workers
+/// drawn again from `seed` (the first seed's draw is the scenario's own), so the repeats vary
+/// which workers fail as well as the arrivals. Whether a failed worker's checkpoint holder
+/// failed too depends on that draw (for a fixed ring: whether two failed workers are
+/// neighbours), so one draw for every seed would make the comparison turn on it.
+pub fn failures_for_seed(scenario: &Scenario, seed: u64) -> Vec<FailureSpec> {
+    scenario
+        .failures
+        .iter()
+        .map(|f| FailureSpec {
+            at_s: f.at_s,
+            workers: pick_failed(
+                scenario.cluster.workers,
+                f.workers.len() as u32,
+                seed,
+                &scenario.label,
+            ),
+        })
+        .collect()
+}
+
+/// The scenarios of `exp`.
+pub fn scenarios(exp: Experiment, sweep: &SweepConfig) -> Vec<Scenario> {
+    let one = |label: &str, mut cluster: ClusterConfig, load: f64, k: u32| {
+        if let Some(a) = sweep.assist_speedup {
+            cluster.hardware.assist_speedup = a;
+        }
+        let workers = pick_failed(cluster.workers, k, sweep.seed, label);
+        Scenario {
+            experiment: exp,
+            label: label.to_string(),
+            cluster,
+            load,
+            failures: vec![FailureSpec {
+                at_s: sweep.failure_at_s,
+                workers,
+            }],
+        }
+    };
+    let c14 = |n| ClusterConfig::new(n, ModelConfig::qwen3_14b());
+    match exp {
+        Experiment::A => vec![
+            one(
+                "4w-32b",
+                ClusterConfig::new(4, ModelConfig::qwen3_32b()),
+                sweep.load,
+                1,
+            ),
+            one("8w-14b", c14(8), sweep.load, 1),
+        ],
+        Experiment::B => (1..=4)
+            .map(|k| one(&format!("fail-{k}"), c14(8), sweep.load, k))
+            .collect(),
+        Experiment::C => [0.5, 0.7, 0.85]
+            .iter()
+            .map(|&l| one(&format!("load-{:.0}", l * 100.0), c14(8), l, 1))
+            .collect(),
+        Experiment::D => [4u32, 8, 16, 32, 64]
+            .iter()
+            .filter(|&&n| n <= sweep.max_workers_d)
+            .map(|&n| one(&format!("{n}w"), c14(n), sweep.load, (n / 4).max(1)))
+            .collect(),
+    }
+}
+
+/// Saturation throughput of one worker of `model`, requests per second: a two-worker cluster
+/// under arrivals at several times its capacity, completions per second after a warm-up.
+///
+/// # Errors
+/// Those of [`run`].
+pub fn measure_saturation(model: &ModelConfig, seed: u64) -> crate::Result<f64> {
+    let (warmup_s, window_s) = (20.0, 60.0);
+    let cluster = ClusterConfig::new(2, model.clone());
+    // Far above what one worker can do (about 10-20 requests/s for these models).
+    let rate = 2.0 * 60.0;
+    let wl = workload::generate(
+        &WorkloadConfig {
+            rate_per_s: rate,
+            duration_s: window_s,
+            seed: seed ^ 0x5a7,
+        },
+        1_000_000,
+    )?;
+    let mut cfg = RunConfig::new(cluster, PolicyKind::StopRestart, vec![]);
+    cfg.drain_cap_s = 0.0;
+    let out = run(&cfg, &wl)?;
+    let lo = (warmup_s * 1e6) as u64;
+    let hi = (window_s * 1e6) as u64;
+    let done = out
+        .records
+        .iter()
+        .filter(|r| r.finish_us.is_some_and(|t| t >= lo && t < hi))
+        .count();
+    Ok(done as f64 / (window_s - warmup_s) / 2.0)
+}
+
+/// Runs every policy of `scenario` on the same workloads (one per seed) at `load` x
+/// saturation, and averages each policy's metrics and series over the seeds.
+///
+/// # Errors
+/// Those of [`workload::generate`] and [`run`].
+pub fn run_scenario(
+    scenario: &Scenario,
+    sweep: &SweepConfig,
+    per_worker_saturation: f64,
+) -> crate::Result<ScenarioResult> {
+    let saturation = per_worker_saturation * f64::from(scenario.cluster.workers);
+    let rate = saturation * scenario.load;
+    let repeats = sweep.repeats.max(1);
+    let workloads = (0..repeats)
+        .map(|i| {
+            workload::generate(
+                &WorkloadConfig {
+                    rate_per_s: rate,
+                    duration_s: sweep.duration_s,
+                    seed: sweep.seed.wrapping_add(u64::from(i)),
+                },
+                sweep.max_requests,
+            )
+        })
+        .collect::<crate::Result<Vec<_>>>()?;
+    let policies = sweep.policies();
+    let mut jobs: Vec<(PolicyKind, usize, RunConfig)> = Vec::new();
+    for &p in &policies {
+        for w in 0..workloads.len() {
+            let failures = failures_for_seed(scenario, sweep.seed.wrapping_add(w as u64));
+            let mut c = RunConfig::new(scenario.cluster.clone(), p, failures);
+            c.max_events = sweep.max_events;
+            jobs.push((p, w, c));
+        }
+    }
+    let mut results = run_jobs(&jobs, &workloads);
+    let mut traces = Vec::new();
+    for ((p, w, _), r) in jobs.iter().zip(&mut results) {
+        if let Ok(out) = r {
+            let rows = std::mem::take(&mut out.trace);
+            if sweep.trace {
+                traces.push((*p, sweep.seed.wrapping_add(*w as u64), rows));
+            }
+        }
+    }
+    let runs = mean_by_policy(&policies, &jobs, results)?;
+    let requests = workloads.iter().map(Vec::len).sum::<usize>() / workloads.len();
+    Ok(ScenarioResult {
+        scenario: scenario.clone(),
+        saturation_per_s: saturation,
+        rate_per_s: rate,
+        requests,
+        repeats,
+        runs,
+        traces,
+    })
+}
+
+/// Runs every `(policy, workload index, config)` job on a few threads. Each run is independent
+/// and deterministic on its own; the results are in the order of `jobs`, whatever the threads
+/// do.
+fn run_jobs(
+    jobs: &[(PolicyKind, usize, RunConfig)],
+    workloads: &[Vec<workload::RequestSpec>],
+) -> Vec<crate::Result<RunOutput>> {
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .clamp(1, 8);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut results: Vec<Option<crate::Result<RunOutput>>> = Vec::new();
+    results.resize_with(jobs.len(), || None);
+    let slots = std::sync::Mutex::new(&mut results);
+    std::thread::scope(|s| {
+        for _ in 0..threads.min(jobs.len()) {
+            s.spawn(|| {
+                // Bounded: each thread takes jobs until none is left.
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some((_, w, cfg)) = jobs.get(i) else {
+                        break;
+                    };
+                    let mut r = run(cfg, &workloads[*w]);
+                    if let Ok(out) = &mut r {
+                        out.records = Vec::new(); // reports use the metrics and the series
+                    }
+                    slots.lock().expect("no thread panics holding the lock")[i] = Some(r);
+                }
+            });
+        }
+    });
+    results
+        .into_iter()
+        .map(|r| r.expect("every job ran"))
+        .collect()
+}
+
+/// Each policy's metrics and series averaged over its runs (one per seed), in `policies` order.
+fn mean_by_policy(
+    policies: &[PolicyKind],
+    jobs: &[(PolicyKind, usize, RunConfig)],
+    results: Vec<crate::Result<RunOutput>>,
+) -> crate::Result<Vec<(PolicyKind, RunOutput)>> {
+    let mut by_policy: BTreeMap<usize, (Vec<RunMetrics>, Vec<Vec<super::metrics::SeriesPoint>>)> =
+        BTreeMap::new();
+    for ((p, _, _), r) in jobs.iter().zip(results) {
+        let out = r?;
+        let idx = policies
+            .iter()
+            .position(|q| q == p)
+            .expect("a known policy");
+        let e = by_policy.entry(idx).or_default();
+        e.0.push(out.metrics);
+        e.1.push(out.series);
+    }
+    Ok(by_policy
+        .into_iter()
+        .map(|(idx, (metrics, series))| {
+            (
+                policies[idx],
+                RunOutput {
+                    metrics: super::metrics::mean_metrics(&metrics),
+                    records: Vec::new(),
+                    series: super::metrics::mean_series(&series),
+                    trace: Vec::new(),
+                },
+            )
+        })
+        .collect())
+}
+
+/// Runs `exps` in order, calling `progress` with a line before each scenario. Saturation is
+/// measured once per model.
+///
+/// # Errors
+/// The first error of any run.
+pub fn run_experiments(
+    exps: &[Experiment],
+    sweep: &SweepConfig,
+    mut progress: impl FnMut(&str),
+) -> crate::Result<BTreeMap<Experiment, Vec<ScenarioResult>>> {
+    let mut saturation: BTreeMap<&'static str, f64> = BTreeMap::new();
+    let mut out = BTreeMap::new();
+    for &exp in exps {
+        let mut results = Vec::new();
+        for sc in scenarios(exp, sweep) {
+            let name = sc.cluster.model.name;
+            let sat = match saturation.get(name) {
+                Some(s) => *s,
+                None => {
+                    progress(&format!("measuring saturation of one {name} worker"));
+                    let s = measure_saturation(&sc.cluster.model, sweep.seed)?;
+                    progress(&format!("  {name}: {s:.2} requests/s per worker"));
+                    saturation.insert(name, s);
+                    s
+                }
+            };
+            progress(&format!(
+                "experiment {} / {}: {} workers, load {:.0} %, failing {:?}",
+                exp.name(),
+                sc.label,
+                sc.cluster.workers,
+                sc.load * 100.0,
+                sc.failures.iter().map(|f| &f.workers).collect::<Vec<_>>()
+            ));
+            let started = std::time::Instant::now();
+            let r = run_scenario(&sc, sweep, sat)?;
+            progress(&format!(
+                "  {} requests x {} policies x {} seeds in {:.1} s",
+                r.requests,
+                r.runs.len(),
+                r.repeats,
+                started.elapsed().as_secs_f64()
+            ));
+            results.push(r);
+        }
+        out.insert(exp, results);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_workers_are_drawn_from_the_seed_and_are_distinct() {
+        let a = pick_failed(64, 16, 3, "64w");
+        assert_eq!(a, pick_failed(64, 16, 3, "64w"));
+        assert_eq!(a.len(), 16);
+        assert!(a.windows(2).all(|w| w[0] < w[1]));
+        assert_ne!(a, pick_failed(64, 16, 4, "64w"));
+    }
+
+    #[test]
+    fn experiment_d_fails_a_quarter_of_the_workers() {
+        let s = scenarios(Experiment::D, &SweepConfig::default());
+        let shape: Vec<(u32, usize)> = s
+            .iter()
+            .map(|s| (s.cluster.workers, s.failures[0].workers.len()))
+            .collect();
+        assert_eq!(shape, vec![(4, 1), (8, 2), (16, 4), (32, 8), (64, 16)]);
+    }
+}

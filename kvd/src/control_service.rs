@@ -1,0 +1,460 @@
+//! `kvd control`: the controller as an HTTP/JSON service.
+//!
+//! Gateways and engines report events and read decisions over plain HTTP/1.1 with JSON bodies.
+//! Every event call answers with the decisions it caused, so nothing is polled. State changes
+//! go through one mutex around one [`Controller`]; every critical section is a bounded,
+//! in-memory computation (a recovery plan for 10,000 requests takes well under 10 ms).
+//!
+//! | Method | Path                 | Body → Answer                                              |
+//! |--------|----------------------|------------------------------------------------------------|
+//! | GET    | `/healthz`           | → `ok`                                                     |
+//! | POST   | `/events`            | `{"events":[Event…]}` (≤ 1024) → `{"results":[…]}`         |
+//! | POST   | `/admit`             | `AdmitRequest` → `Admission`                               |
+//! | POST   | `/workers/failed`    | `{"workers":[id…]}` → `RecoveryPlan`                       |
+//! | GET    | `/workers`           | → the load table                                           |
+//! | GET    | `/requests/{id}`     | → the request's record                                     |
+//! | GET    | `/stats`             | → counters                                                 |
+//! | GET    | `/metrics`           | → the counters and load in OpenMetrics text (Prometheus)   |
+//! | GET    | `/snapshot`          | → the whole state ([`crate::control::ControllerSnapshot`])          |
+//!
+//! Errors answer with an HTTP status and `{"code": <kvd status code>, "error": "<message>"}`;
+//! inside a batch each event has its own `{"ok": …}` entry. Request bodies are capped at
+//! [`MAX_BODY_BYTES`]. The service listens on loopback unless `--allow-remote` is given (the
+//! admin surface changes state; see the trust model in DESIGN.md §5a).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use axum::Json;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+use crate::clock::{Clock, MonotonicClock};
+use crate::control::{
+    AdmitRequest, ControlConfig, Controller, ControllerSnapshot, Decision, Event, PolicyKind,
+    RequestId, WorkerId,
+};
+
+/// Largest request body accepted, bytes.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+/// Most events in one `/events` batch.
+pub const MAX_EVENTS_PER_BATCH: usize = 1024;
+
+/// `kvd control` arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ControlArgs {
+    /// Address to listen on (port 0 picks a free port; the bound address is printed).
+    #[arg(long, default_value = "127.0.0.1:7450")]
+    pub listen: SocketAddr,
+    /// Placement and recovery policy. lumen: the holder minimises q_w + λ·p_w with p_w = (what
+    /// w already holds for the same serving worker + this request) / host-to-GPU bandwidth, so
+    /// one worker's checkpoints spread over many holders (DESIGN.md section 7). lumen_mean: the
+    /// first rule, p_w = the mean footprint w holds (herds onto the shortest queue; kept to
+    /// compare). lumen_total: p_w = (everything w holds + this request) / bandwidth.
+    /// fixed_ring: the next worker in id order (DejaVu). stop_restart: no checkpoints,
+    /// recompute on failure. Dashes or underscores.
+    #[arg(long, default_value = "lumen")]
+    pub policy: String,
+    /// λ, the weight of the restore delay in the placement score.
+    #[arg(long, default_value_t = 1.0)]
+    pub lambda: f64,
+    /// Migrations allowed per request.
+    #[arg(long, default_value_t = 3)]
+    pub migration_budget: u32,
+    /// Restore the controller from this snapshot file (JSON from `GET /snapshot`) at start.
+    #[arg(long)]
+    pub snapshot: Option<PathBuf>,
+    /// Allow listening on a non-loopback address.
+    #[arg(long)]
+    pub allow_remote: bool,
+}
+
+/// The shared state of the service: one controller and the clock that stamps events.
+#[derive(Debug)]
+struct Shared {
+    controller: Mutex<Controller>,
+    clock: MonotonicClock,
+    /// Added to the clock so time continues past the restored snapshot's timestamps.
+    clock_offset_ms: u64,
+}
+
+impl Shared {
+    fn now_ms(&self) -> u64 {
+        self.clock_offset_ms + self.clock.now_ms()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Controller> {
+        // A panic inside the controller is a bug; the state it left is still the best we have.
+        self.controller.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// An error as the service answers it.
+#[derive(Debug)]
+struct ApiError(Error);
+
+#[derive(Debug, Serialize, Deserialize)]
+struct ErrorBody {
+    code: i32,
+    error: String,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = match &self.0 {
+            Error::NotFound(_) => StatusCode::NOT_FOUND,
+            Error::StaleEpoch { .. } | Error::AlreadyExists(_) => StatusCode::CONFLICT,
+            Error::NoSpace { .. } | Error::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
+            Error::Io(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        (
+            status,
+            Json(ErrorBody {
+                code: self.0.code(),
+                error: self.0.to_string(),
+            }),
+        )
+            .into_response()
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        ApiError(e)
+    }
+}
+
+/// A batch of events.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct EventBatch {
+    /// The events, applied in order.
+    pub events: Vec<Event>,
+}
+
+/// The outcome of one event of a batch.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct EventResult {
+    /// Whether it applied.
+    pub ok: bool,
+    /// The decisions it caused.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decisions: Vec<Decision>,
+    /// The kvd status code on error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<i32>,
+    /// The error on error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The answer to a batch.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct BatchResults {
+    /// One entry per event, in order.
+    pub results: Vec<EventResult>,
+}
+
+/// Body of `/workers/failed`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct FailedWorkers {
+    /// The dead workers.
+    pub workers: Vec<WorkerId>,
+}
+
+type Api<T> = Result<Json<T>, ApiError>;
+
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+async fn events(State(s): State<Arc<Shared>>, Json(batch): Json<EventBatch>) -> Api<BatchResults> {
+    if batch.events.len() > MAX_EVENTS_PER_BATCH {
+        return Err(Error::InvalidArgument(format!(
+            "{} events in one batch (at most {MAX_EVENTS_PER_BATCH})",
+            batch.events.len()
+        ))
+        .into());
+    }
+    let now = s.now_ms();
+    let mut c = s.lock();
+    let results = batch
+        .events
+        .iter()
+        .map(|e| match c.apply(e, now) {
+            Ok(decisions) => EventResult {
+                ok: true,
+                decisions,
+                code: None,
+                error: None,
+            },
+            Err(e) => EventResult {
+                ok: false,
+                decisions: vec![],
+                code: Some(e.code()),
+                error: Some(e.to_string()),
+            },
+        })
+        .collect();
+    Ok(Json(BatchResults { results }))
+}
+
+async fn admit(
+    State(s): State<Arc<Shared>>,
+    Json(req): Json<AdmitRequest>,
+) -> Api<crate::control::Admission> {
+    let now = s.now_ms();
+    Ok(Json(s.lock().admit(req, now)?))
+}
+
+async fn workers_failed(
+    State(s): State<Arc<Shared>>,
+    Json(body): Json<FailedWorkers>,
+) -> Api<crate::control::RecoveryPlan> {
+    let now = s.now_ms();
+    Ok(Json(s.lock().fail_workers(&body.workers, now)?))
+}
+
+async fn workers(State(s): State<Arc<Shared>>) -> Api<crate::control::LoadTable> {
+    Ok(Json(s.lock().load().clone()))
+}
+
+async fn request(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<RequestId>,
+) -> Api<crate::control::RequestRecord> {
+    let c = s.lock();
+    let r = c
+        .request(id)
+        .ok_or_else(|| Error::NotFound(format!("request {id}")))?;
+    Ok(Json(r.clone()))
+}
+
+async fn stats(State(s): State<Arc<Shared>>) -> Api<crate::control::Stats> {
+    Ok(Json(s.lock().stats().clone()))
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    let m = ControllerMetrics::read(&s.lock());
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(m));
+    let mut text = String::with_capacity(4096);
+    prometheus_client::encoding::text::encode(&mut text, &registry)
+        .expect("writing to a String cannot fail");
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            crate::openmetrics::CONTENT_TYPE,
+        )],
+        text,
+    )
+        .into_response()
+}
+
+/// What `/metrics` reports, read from the controller under its lock and encoded after it.
+#[derive(Debug)]
+struct ControllerMetrics {
+    /// Every field of [`crate::control::Stats`], by name (so a new counter is exported without edits).
+    stats: Vec<(String, u64)>,
+    phases: Vec<(&'static str, i64)>,
+    in_flight: i64,
+    free_checkpoint_bytes: i64,
+    reserved_checkpoint_bytes: i64,
+    held_checkpoints: i64,
+}
+
+impl ControllerMetrics {
+    fn read(c: &Controller) -> ControllerMetrics {
+        let stats = match serde_json::to_value(c.stats()) {
+            Ok(serde_json::Value::Object(map)) => map
+                .into_iter()
+                .filter_map(|(k, v)| v.as_u64().map(|v| (k, v)))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let phases = [
+            ("failed", crate::control::WorkerPhase::Failed),
+            ("loading_draft", crate::control::WorkerPhase::LoadingDraft),
+            ("assist", crate::control::WorkerPhase::Assist),
+            ("hotswap", crate::control::WorkerPhase::HotSwap),
+            ("full_service", crate::control::WorkerPhase::FullService),
+        ]
+        .map(|(name, p)| {
+            (
+                name,
+                c.load().iter().filter(|w| w.phase == p).count() as i64,
+            )
+        })
+        .to_vec();
+        let load = c.load();
+        ControllerMetrics {
+            stats,
+            phases,
+            in_flight: c.in_flight() as i64,
+            free_checkpoint_bytes: load.in_service().map(|w| w.free_bytes() as i64).sum(),
+            reserved_checkpoint_bytes: load.iter().map(|w| w.reserved_bytes as i64).sum(),
+            held_checkpoints: load.iter().map(|w| i64::from(w.held_checkpoints)).sum(),
+        }
+    }
+}
+
+impl prometheus_client::collector::Collector for ControllerMetrics {
+    fn encode(
+        &self,
+        mut e: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        use crate::openmetrics::{counter, gauge};
+        use prometheus_client::encoding::EncodeMetric;
+        for (name, v) in &self.stats {
+            let help = format!("kvd::control::Stats::{name}");
+            counter(&mut e, &format!("kvd_control_{name}"), &help, *v)?;
+        }
+        let mut family = e.encode_descriptor(
+            "kvd_control_workers",
+            "Workers by phase",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (phase, n) in &self.phases {
+            let labels = [("phase", *phase)];
+            prometheus_client::metrics::gauge::ConstGauge::new(*n)
+                .encode(family.encode_family(&labels)?)?;
+        }
+        gauge(
+            &mut e,
+            "kvd_control_in_flight_requests",
+            "Requests not yet terminal",
+            self.in_flight,
+        )?;
+        gauge(
+            &mut e,
+            "kvd_control_free_checkpoint_bytes",
+            "Checkpoint capacity free on in-service workers",
+            self.free_checkpoint_bytes,
+        )?;
+        gauge(
+            &mut e,
+            "kvd_control_reserved_checkpoint_bytes",
+            "Checkpoint bytes reserved on holders",
+            self.reserved_checkpoint_bytes,
+        )?;
+        gauge(
+            &mut e,
+            "kvd_control_held_checkpoints",
+            "Checkpoints held across workers",
+            self.held_checkpoints,
+        )
+    }
+}
+
+async fn snapshot(State(s): State<Arc<Shared>>) -> Api<ControllerSnapshot> {
+    Ok(Json(s.lock().snapshot()))
+}
+
+/// The service's routes over `controller` (exposed for embedding the service in another axum
+/// application).
+pub fn router(controller: Controller, clock_offset_ms: u64) -> Router {
+    let shared = Arc::new(Shared {
+        controller: Mutex::new(controller),
+        clock: MonotonicClock::new(),
+        clock_offset_ms,
+    });
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/events", post(events))
+        .route("/admit", post(admit))
+        .route("/workers/failed", post(workers_failed))
+        .route("/workers", get(workers))
+        .route("/requests/{id}", get(request))
+        .route("/stats", get(stats))
+        .route("/metrics", get(metrics))
+        .route("/snapshot", get(snapshot))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(shared)
+}
+
+/// Build the controller `args` describe (fresh, or from the snapshot file).
+///
+/// # Errors
+/// Bad arguments, an unreadable or invalid snapshot.
+pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u64)> {
+    if !args.listen.ip().is_loopback() && !args.allow_remote {
+        return Err(Error::InvalidArgument(format!(
+            "{} is not a loopback address; pass --allow-remote to listen there",
+            args.listen
+        )));
+    }
+    match &args.snapshot {
+        Some(path) => {
+            let bytes =
+                std::fs::read(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+            let snap: ControllerSnapshot = serde_json::from_slice(&bytes)
+                .map_err(|e| Error::Protocol(format!("snapshot {}: {e}", path.display())))?;
+            let offset = snap
+                .requests
+                .iter()
+                .chain(snap.terminal.iter())
+                .map(|r| r.arrival_ms)
+                .max()
+                .unwrap_or(0);
+            Ok((Controller::from_snapshot(snap)?, offset))
+        }
+        None => {
+            let config = ControlConfig {
+                policy: args.policy.parse::<PolicyKind>()?,
+                lambda: args.lambda,
+                migration_budget: args.migration_budget,
+                ..ControlConfig::default()
+            };
+            Ok((Controller::new(config)?, 0))
+        }
+    }
+}
+
+/// Run `kvd control` until Ctrl-C. Prints `kvd control listening on ADDR` once bound.
+pub fn run(args: ControlArgs) -> std::process::ExitCode {
+    let (controller, offset) = match controller_from_args(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvd control: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvd control: runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result: std::io::Result<()> = rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen).await?;
+        println!("kvd control listening on {}", listener.local_addr()?);
+        use std::io::Write;
+        std::io::stdout().flush()?;
+        axum::serve(listener, router(controller, offset))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvd control: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
