@@ -21,8 +21,9 @@ use kvd::store::{BlockClass, Handle};
 
 use crate::local::{ChildDaemon, Keys, LocalArgs, buffers, connect, descriptor, touch};
 
-/// Buffers each worker (and each bound thread) copies from and into, at least.
-const WORKER_SET_BYTES: usize = 48 << 20;
+/// Buffers each worker (and each bound thread) copies from and into, at least: larger than any
+/// cache the host may have behind the VM's reported 32 MiB L3, so every copy goes to memory.
+const WORKER_SET_BYTES: usize = 256 << 20;
 /// Blocks per batch in the multi-client case.
 const BATCH: usize = 8;
 
@@ -161,7 +162,7 @@ fn run_workers(socket: &Path, n: usize, seconds: f64) -> Result<Totals, String> 
         .duration_since(UNIX_EPOCH)
         .map_err(|e| e.to_string())?
         .as_millis() as u64;
-    let start_at = now_ms + 2_000 + 300 * n as u64;
+    let start_at = now_ms + 3_000 + 800 * n as u64;
     let mut children = Vec::new();
     for _ in 0..n {
         let child = Command::new(&me)
