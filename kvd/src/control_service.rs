@@ -20,7 +20,7 @@
 //! Errors answer with an HTTP status and `{"code": <kvd status code>, "error": "<message>"}`;
 //! inside a batch each event has its own `{"ok": …}` entry. Request bodies are capped at
 //! [`MAX_BODY_BYTES`]. The service listens on loopback unless `--allow-remote` is given (the
-//! admin surface changes state; see the trust model in DESIGN.md §5a).
+//! admin surface changes state; see the trust model in docs/DAEMON.md).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -10,7 +10,7 @@
 //!
 //! `/drain` is the only endpoint that changes state. Even when the admin address is opened to
 //! other hosts (`--allow-remote-admin`), it answers only loopback peers unless
-//! `--allow-remote-drain` is also given (DESIGN §5a).
+//! `--allow-remote-drain` is also given (the trust model, docs/DAEMON.md).
 //!
 //! # Bounds
 //!

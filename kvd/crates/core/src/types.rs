@@ -174,7 +174,7 @@ pub struct ReapReport {
 }
 
 /// Page counts per state. `free + allocated + writing + sealed + published + retired +
-/// quarantined == total` always (DESIGN invariant 3).
+/// quarantined == total` always (invariant 3, docs/ARCHITECTURE.md).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Accounting {
     /// Pages in the pool.

@@ -1,6 +1,6 @@
 //! Readers: lookups, pins with a TTL, and reads of pinned blocks.
 //!
-//! Only PUBLISHED blocks are visible (DESIGN invariant 1). A pin keeps a block's page from being
+//! Only PUBLISHED blocks are visible (invariant 1, docs/ARCHITECTURE.md). A pin keeps a block's page from being
 //! reused: a block removed or evicted while pinned is RETIRED and its page returns to the pool
 //! when the last pin is released or expires. Every pin belongs to a session and has a TTL.
 

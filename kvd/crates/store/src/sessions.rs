@@ -2,7 +2,7 @@
 //!
 //! Every writer and reader acts within a session that holds a heartbeat lease. The session owns
 //! its unfinished blocks (ALLOCATED, WRITING, SEALED), its pins and its reservations; when it
-//! closes or its lease expires, all of them are released (DESIGN invariant 4). An operation on
+//! closes or its lease expires, all of them are released (invariant 4, docs/ARCHITECTURE.md). An operation on
 //! an expired session releases it at once and fails with [`Error::LeaseExpired`]; the reaper
 //! catches the sessions nobody touches.
 

@@ -5,7 +5,7 @@
 //! manifest begin/extend/end, heartbeats, clock advances with reaper ticks that expire leases,
 //! pins and manifests, and allocations that force eviction) run against both the store and a
 //! plain model that predicts every outcome, including which block eviction takes. After every
-//! step DESIGN.md's invariants 1-4 are checked: only PUBLISHED blocks are visible, every stale
+//! step the invariants 1-4 of docs/ARCHITECTURE.md are checked: only PUBLISHED blocks are visible, every stale
 //! handle is refused, the accounting balances and matches the model, and a dead session leaves
 //! nothing behind.
 
