@@ -11,10 +11,9 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvd::Error;
@@ -285,40 +284,8 @@ fn helper_hog_that_holds_every_connection_it_can() {
 #[test]
 fn one_process_holding_every_connection_it_may_cannot_lock_out_another() {
     let d = Daemon::start(&HOG_FLAGS);
-    let mut hog = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "helper_hog_that_holds_every_connection_it_can",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("KVD_TEST_SOCKET", &d.socket)
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(d.dir.join("hog.log")).unwrap())
-        .spawn()
-        .unwrap();
-    let stdout = hog.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(l);
-        }
-    });
-    let line = loop {
-        match rx.recv_timeout(Duration::from_secs(60)) {
-            // libtest prints the test's name on the same line before its output.
-            Ok(l) if l.contains("HOLDING") => break l[l.find("HOLDING").unwrap()..].to_owned(),
-            Ok(_) => {}
-            Err(_) => {
-                let _ = hog.kill();
-                panic!(
-                    "the hog never reported; its stderr:\n{}",
-                    std::fs::read_to_string(d.dir.join("hog.log")).unwrap_or_default()
-                );
-            }
-        }
-    };
+    let mut hog = Helper::start(&d, "helper_hog_that_holds_every_connection_it_can");
+    let line = hog.wait_for("HOLDING", Duration::from_secs(60));
     eprintln!("{line}");
     let field = |k: &str| -> u32 {
         line.split_whitespace()
@@ -351,7 +318,7 @@ fn one_process_holding_every_connection_it_may_cannot_lock_out_another() {
 
     // The hog's sessions are visible, with who holds them.
     let st = d.status();
-    let hog_pid = hog.id();
+    let hog_pid = hog.pid();
     let held: Vec<_> = st
         .sessions
         .iter()
@@ -364,8 +331,7 @@ fn one_process_holding_every_connection_it_may_cannot_lock_out_another() {
             .iter()
             .any(|s| s.peer.is_some_and(|p| p.pid == std::process::id()))
     );
-    let _ = hog.kill();
-    let _ = hog.wait();
+    hog.kill9();
     wait_until(Duration::from_secs(20), "the hog's sessions close", || {
         d.status().stats.sessions == 1
     });

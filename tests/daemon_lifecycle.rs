@@ -4,8 +4,7 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvd::Error;
@@ -48,41 +47,8 @@ fn kill_9_of_a_writer_leaves_no_orphan_block_after_its_lease() {
         .unwrap();
     survivor.write(&mine.handle, 0, &pattern(1000, 3)).unwrap();
 
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "helper_writer_that_hangs_mid_write",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("KVD_TEST_SOCKET", &d.socket)
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(d.dir.join("helper.log")).unwrap())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(l);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(l) if l.contains("WRITING") => break,
-            Ok(_) => {}
-            Err(_) => {
-                let _ = child.kill();
-                panic!(
-                    "the helper writer never reported WRITING; its stderr:\n{}",
-                    std::fs::read_to_string(d.dir.join("helper.log")).unwrap_or_default()
-                );
-            }
-        }
-    }
+    let mut helper = Helper::start(&d, "helper_writer_that_hangs_mid_write");
+    helper.wait_for("WRITING", Duration::from_secs(30));
     let st = d.status();
     assert_eq!(st.stats.sessions, 2);
     assert_eq!(
@@ -90,8 +56,7 @@ fn kill_9_of_a_writer_leaves_no_orphan_block_after_its_lease() {
         "three of the helper's, one of ours"
     );
 
-    signal(child.id(), rustix::process::Signal::KILL);
-    let _ = child.wait();
+    helper.kill9();
     let killed_at = Instant::now();
     wait_until(
         Duration::from_millis(HELPER_LEASE_MS) + Duration::from_secs(30),

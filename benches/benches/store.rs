@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvd::clock::MonotonicClock;
-use kvd::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor, NamespaceId, block_tags};
+use kvd::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId, block_tags};
 use kvd::pool::{HugePages, PoolConfig};
 use kvd::store::{BlockClass, SessionId, Store, StoreConfig};
 
@@ -24,22 +24,11 @@ const WORKING_SET: usize = 256 * 1024 * 1024;
 
 fn descriptor(tokens_per_block: u32, bytes: u64) -> NamespaceDescriptor {
     NamespaceDescriptor {
-        model_name: "Qwen/Qwen3-14B".into(),
         model_revision: "bench".into(),
-        tokenizer: "qwen3".into(),
-        adapter: String::new(),
-        cache_salt: String::new(),
-        dtype: KvDtype::Bf16,
-        num_layers: 40,
-        num_kv_heads: 8,
-        head_dim: 128,
         tokens_per_block,
         bytes_per_block: bytes,
-        tp_rank: 0,
-        tp_size: 1,
-        pp_rank: 0,
-        pp_size: 1,
         rope: String::new(),
+        ..NamespaceDescriptor::example_qwen3_14b()
     }
 }
 

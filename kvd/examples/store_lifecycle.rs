@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use kvd::clock::MonotonicClock;
-use kvd::keys::{BlockKey, KvDtype, NamespaceDescriptor, block_tags};
+use kvd::keys::{BlockKey, NamespaceDescriptor, block_tags};
 use kvd::pool::{HugePages, PoolConfig};
 use kvd::store::{BlockClass, RequestId, Store, StoreConfig};
 
@@ -15,22 +15,9 @@ fn main() -> kvd::Result<()> {
     // A Qwen3-14B-shaped layout with small blocks so the example runs anywhere: 16 tokens per
     // block of 16 KiB (a real deployment uses 16 × 160 KiB = 2.5 MiB pages).
     let layout = NamespaceDescriptor {
-        model_name: "Qwen/Qwen3-14B".into(),
         model_revision: "example".into(),
-        tokenizer: "qwen3".into(),
-        adapter: String::new(),
-        cache_salt: String::new(),
-        dtype: KvDtype::Bf16,
-        num_layers: 40,
-        num_kv_heads: 8,
-        head_dim: 128,
-        tokens_per_block: 16,
         bytes_per_block: 16 * 1024,
-        tp_rank: 0,
-        tp_size: 1,
-        pp_rank: 0,
-        pp_size: 1,
-        rope: "theta=1000000".into(),
+        ..NamespaceDescriptor::example_qwen3_14b()
     };
     let store = Store::new(
         StoreConfig::new(PoolConfig {

@@ -340,3 +340,86 @@ pub fn wait_stopped(pid: u32) {
             .unwrap_or(false)
     });
 }
+
+/// A helper process: this test binary started again to run one ignored test (which acts out a
+/// client: a writer that hangs, a hog), talking to `d`'s socket (as `KVD_TEST_SOCKET`). Killed
+/// on drop.
+#[derive(Debug)]
+pub struct Helper {
+    /// The child process.
+    pub child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    log: PathBuf,
+}
+
+impl Helper {
+    /// Start the ignored test `name` as a helper of `d`; its stderr goes to `<d.dir>/<name>.log`.
+    pub fn start(d: &Daemon, name: &str) -> Helper {
+        let log = d.dir.join(format!("{name}.log"));
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                name,
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("KVD_TEST_SOCKET", &d.socket)
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Helper { child, lines, log }
+    }
+
+    /// Wait (at most `timeout`) for the helper to print a line containing `marker`; returns
+    /// the line from the marker on (libtest prints the test's name before it on the same line).
+    /// Panics with the helper's stderr when it does not.
+    pub fn wait_for(&mut self, marker: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    if let Some(at) = l.find(marker) {
+                        return l[at..].to_owned();
+                    }
+                }
+                Err(_) => {
+                    let _ = self.child.kill();
+                    panic!(
+                        "the helper never printed {marker:?} within {timeout:?}; its stderr:\n{}",
+                        std::fs::read_to_string(&self.log).unwrap_or_default()
+                    );
+                }
+            }
+        }
+    }
+
+    /// The helper's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// kill -9 and reap it.
+    pub fn kill9(&mut self) {
+        signal(self.child.id(), rustix::process::Signal::KILL);
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -55,16 +55,11 @@ impl PageGenerations {
             return Err(Error::InvalidArgument("a table of zero pages".into()));
         }
         let len = pages as usize * WORD_BYTES;
-        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-            .map_err(|e| Error::Io(format!("memfd_create: {e}")))?;
-        rustix::fs::ftruncate(&fd, len as u64)
-            .map_err(|e| Error::Io(format!("sizing the page table to {len} bytes: {e}")))?;
-        let file = File::from(fd);
-        let map = MmapOptions::new()
-            .len(len)
-            .populate()
-            .map_raw(&file)
-            .map_err(|e| Error::Io(format!("mapping the page table: {e}")))?;
+        let (file, map) = super::region::memfd_mapped(
+            name,
+            len,
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )?;
         rustix::fs::fcntl_add_seals(
             &file,
             SealFlags::FUTURE_WRITE | SealFlags::GROW | SealFlags::SHRINK | SealFlags::SEAL,

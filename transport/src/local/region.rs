@@ -87,16 +87,7 @@ impl SharedRegion {
         if hugetlb {
             flags |= MemfdFlags::HUGETLB;
         }
-        let fd = rustix::fs::memfd_create(name, flags)
-            .map_err(|e| Error::Io(format!("memfd_create: {e}")))?;
-        rustix::fs::ftruncate(&fd, len as u64)
-            .map_err(|e| Error::Io(format!("sizing the region to {len} bytes: {e}")))?;
-        let file = File::from(fd);
-        let map = MmapOptions::new()
-            .len(len)
-            .populate()
-            .map_raw(&file)
-            .map_err(|e| Error::Io(format!("mapping the region ({len} bytes): {e}")))?;
+        let (file, map) = memfd_mapped(name, len, flags)?;
         let backing = if hugetlb {
             Backing::HugeTlb
         } else {
@@ -291,6 +282,21 @@ impl SharedRegion {
         // SAFETY: the caller's contract, passed on.
         Ok(super::crc32c(0, unsafe { self.bytes(offset, len)? }))
     }
+}
+
+/// A sealable memfd of `len` bytes named `name`, and its populated shared writable mapping.
+pub(super) fn memfd_mapped(name: &str, len: usize, flags: MemfdFlags) -> Result<(File, MmapRaw)> {
+    let fd = rustix::fs::memfd_create(name, flags)
+        .map_err(|e| Error::Io(format!("memfd_create {name}: {e}")))?;
+    rustix::fs::ftruncate(&fd, len as u64)
+        .map_err(|e| Error::Io(format!("sizing {name} to {len} bytes: {e}")))?;
+    let file = File::from(fd);
+    let map = MmapOptions::new()
+        .len(len)
+        .populate()
+        .map_raw(&file)
+        .map_err(|e| Error::Io(format!("mapping {name} ({len} bytes): {e}")))?;
+    Ok((file, map))
 }
 
 #[cfg(test)]
