@@ -708,3 +708,32 @@ fn read_handshake(stream: &UnixStream) -> Result<(HelloReply, Vec<OwnedFd>)> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_closed_peer_is_seen_without_waiting() {
+        let (a, b) = UnixStream::pair().unwrap();
+        assert!(!daemon_hung_up(&a), "an open peer");
+        drop(b);
+        assert!(daemon_hung_up(&a), "the peer's end closed");
+    }
+
+    #[test]
+    fn the_lease_is_reckoned_to_hold_three_quarters_of_its_ttl_after_a_request() {
+        assert_eq!(lease_margin(10_000), Duration::from_millis(7_500));
+        assert_eq!(lease_margin(10), Duration::from_millis(8));
+    }
+
+    #[test]
+    fn a_missing_daemon_is_an_io_error_that_names_the_socket() {
+        let dir = std::env::temp_dir().join(format!("kvd-client-test-{}", std::process::id()));
+        let e = Client::connect(dir.join("nothing.sock"), &ClientOptions::named("t")).unwrap_err();
+        assert!(
+            matches!(&e, Error::Io(m) if m.contains("nothing.sock")),
+            "{e}"
+        );
+    }
+}

@@ -331,3 +331,52 @@ impl Client {
         Ok(unsafe { self.pool.bytes_mut(at, cap)? })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handle(slot: u32, generation: u64) -> Handle {
+        Handle {
+            node_generation: 7,
+            slot,
+            generation,
+        }
+    }
+
+    #[test]
+    fn a_page_that_moved_on_reports_the_stale_generation_and_its_new_occupant() {
+        let daemon = PageGenerations::create("test-pages", 4).unwrap();
+        let mine =
+            PageGenerations::map_read_only(daemon.fd().try_clone_to_owned().unwrap(), 4).unwrap();
+        daemon.mark_occupied(1, 10);
+        check_held(&mine, &handle(1, 10), 7).unwrap();
+        daemon.mark_vacated(1, 10);
+        daemon.mark_occupied(1, 12);
+        let e = check_held(&mine, &handle(1, 10), 7).unwrap_err();
+        assert_eq!(
+            e,
+            Error::StaleGeneration {
+                handle_node: 7,
+                handle_slot: 10,
+                current_node: 7,
+                current_slot: 12,
+            }
+        );
+        // A freed page has no occupant at all.
+        daemon.mark_vacated(1, 12);
+        assert!(matches!(
+            check_held(&mine, &handle(1, 12), 7),
+            Err(Error::StaleGeneration {
+                current_slot: 0,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_handle_outside_the_table_is_never_held() {
+        let daemon = PageGenerations::create("test-pages", 2).unwrap();
+        assert!(check_held(&daemon, &handle(5, 1), 7).is_err());
+    }
+}
