@@ -25,7 +25,7 @@ use crate::local::{ChildDaemon, Keys, LocalArgs, buffers, connect, descriptor, t
 /// cache the host may have behind the VM's reported 32 MiB L3, so every copy goes to memory.
 const WORKER_SET_BYTES: usize = 256 << 20;
 /// Blocks per batch in the multi-client case.
-const BATCH: usize = 8;
+const BATCH: usize = 32;
 
 /// `kvd-bench local-worker` arguments (started by `--clients`; not for hand use).
 #[derive(Debug, Clone, clap::Args)]

@@ -32,7 +32,7 @@
 //! # Driving it (a simulator, a router, the service)
 //!
 //! ```
-//! use kvd::control::{AdmitRequest, ControlConfig, Controller};
+//! use kvd_control::{AdmitRequest, ControlConfig, Controller};
 //!
 //! let mut c = Controller::new(ControlConfig::default()).unwrap();
 //! for w in 0..4 {
