@@ -39,6 +39,21 @@ pub struct WorkerArgs {
     /// Seconds to run.
     #[arg(long)]
     pub seconds: f64,
+    /// Checksum in the copies (CRC-32C fused with the copy in, verified in the copy out);
+    /// without it, the seal carries each source buffer's CRC computed before timing.
+    #[arg(long)]
+    pub checksums: bool,
+}
+
+/// One line of the table.
+#[derive(Debug, Default)]
+struct Row {
+    n: usize,
+    bound: f64,
+    gbps: f64,
+    ops: f64,
+    crc_gbps: f64,
+    crc_ops: f64,
 }
 
 /// One worker's totals.
@@ -67,15 +82,30 @@ pub fn run(args: &LocalArgs, kvd: &Path, counts: &[usize]) -> Result<(), String>
     for &n in counts {
         eprintln!("{n} client(s): measuring {n} parallel copies...");
         let bound = parallel_copy_bound(n, page);
-        eprintln!("  bound: {bound:.2} GB/s; running {n} worker process(es) for {budget:.1} s...");
-        let t = run_workers(&d.socket, n, budget)?;
-        let gbps = t.bytes as f64 / t.secs / 1e9;
-        let ops = t.round_trips as f64 / t.secs;
-        eprintln!(
-            "  {gbps:.2} GB/s ({:.2} of the bound), {ops:.0} round trips/s",
-            gbps / bound
-        );
-        rows.push((n, bound, gbps, ops));
+        let mut row = Row {
+            n,
+            bound,
+            ..Row::default()
+        };
+        for checksums in [false, true] {
+            eprintln!(
+                "  bound: {bound:.2} GB/s; {n} worker process(es), checksums {}, {budget:.1} s...",
+                if checksums { "on" } else { "off" }
+            );
+            let t = run_workers(&d.socket, n, budget, checksums)?;
+            let gbps = t.bytes as f64 / t.secs / 1e9;
+            let ops = t.round_trips as f64 / t.secs;
+            eprintln!(
+                "  {gbps:.2} GB/s ({:.2} of the bound), {ops:.0} round trips/s",
+                gbps / bound
+            );
+            if checksums {
+                (row.crc_gbps, row.crc_ops) = (gbps, ops);
+            } else {
+                (row.gbps, row.ops) = (gbps, ops);
+            }
+        }
+        rows.push(row);
     }
     d.stop();
     println!();
@@ -84,19 +114,27 @@ pub fn run(args: &LocalArgs, kvd: &Path, counts: &[usize]) -> Result<(), String>
         crate::local::human(page)
     );
     println!(
-        "{:>8} {:>16} {:>14} {:>7} {:>18}",
-        "clients", "bound GB/s", "kvd GB/s", "ratio", "daemon ops/s"
+        "{:>7} {:>10} {:>10} {:>6} {:>9} {:>10} {:>6} {:>9}",
+        "clients", "bound", "crc off", "ratio", "ops/s", "crc on", "ratio", "ops/s"
     );
-    println!("{}", "-".repeat(68));
-    for (n, bound, gbps, ops) in rows {
+    println!("{}", "-".repeat(74));
+    for r in rows {
         println!(
-            "{n:>8} {bound:>16.2} {gbps:>14.2} {:>7.2} {ops:>18.0}",
-            gbps / bound
+            "{:>7} {:>10.2} {:>10.2} {:>6.2} {:>9.0} {:>10.2} {:>6.2} {:>9.0}",
+            r.n,
+            r.bound,
+            r.gbps,
+            r.gbps / r.bound,
+            r.ops,
+            r.crc_gbps,
+            r.crc_gbps / r.bound,
+            r.crc_ops
         );
     }
-    println!("bound: N threads of the same non-temporal copy, each on its own buffers, timed");
-    println!("together (best of 3); daemon ops/s: metadata round trips (alloc, seal, publish,");
-    println!("acquire, release) answered per second over all clients.");
+    println!("GB/s. bound: N threads of the same non-temporal copy, each on its own buffers,");
+    println!("timed together (best of 3). crc off: plain copies (the seal carries a CRC computed");
+    println!("before timing); crc on: CRC-32C fused with the copy in, verified in the copy out.");
+    println!("ops/s: metadata round trips (alloc, seal, publish, acquire, release) per second.");
     Ok(())
 }
 
@@ -155,7 +193,7 @@ fn parallel_copy_bound(n: usize, page: usize) -> f64 {
     best
 }
 
-fn run_workers(socket: &Path, n: usize, seconds: f64) -> Result<Totals, String> {
+fn run_workers(socket: &Path, n: usize, seconds: f64, checksums: bool) -> Result<Totals, String> {
     let me = std::env::current_exe().map_err(|e| e.to_string())?;
     // Far enough ahead for every worker to connect and prepare its buffers.
     let now_ms = SystemTime::now()
@@ -165,8 +203,12 @@ fn run_workers(socket: &Path, n: usize, seconds: f64) -> Result<Totals, String> 
     let start_at = now_ms + 3_000 + 800 * n as u64;
     let mut children = Vec::new();
     for _ in 0..n {
-        let child = Command::new(&me)
-            .arg("local-worker")
+        let mut cmd = Command::new(&me);
+        cmd.arg("local-worker");
+        if checksums {
+            cmd.arg("--checksums");
+        }
+        let child = cmd
             .arg("--socket")
             .arg(socket)
             .args(["--start-at-ms", &start_at.to_string()])
@@ -208,6 +250,7 @@ pub fn worker(args: &WorkerArgs) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let mut keys = Keys::new(ns);
     let src = buffers(page, BATCH, 1, WORKER_SET_BYTES);
+    let src_crc: Vec<u32> = src.iter().map(|b| transport::local::crc32c(0, b)).collect();
     let mut dst = buffers(page, BATCH, 2, WORKER_SET_BYTES);
     let now_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -227,10 +270,12 @@ pub fn worker(args: &WorkerArgs) -> Result<(), String> {
             break;
         }
         let k = keys.take(BATCH);
-        t.bytes += put(&mut c, &k, &src, rot).map_err(|e| e.to_string())?;
+        let crc = (!args.checksums).then_some(&src_crc[..]);
+        t.bytes += put(&mut c, &k, &src, crc, rot).map_err(|e| e.to_string())?;
         t.round_trips += 3;
         if !previous.is_empty() {
-            t.bytes += get(&mut c, &previous, &mut dst, rot).map_err(|e| e.to_string())?;
+            t.bytes +=
+                get(&mut c, &previous, &mut dst, rot, args.checksums).map_err(|e| e.to_string())?;
             t.round_trips += 2;
         }
         previous = k;
@@ -245,18 +290,27 @@ pub fn worker(args: &WorkerArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// Put a batch; with `precomputed` CRCs the copy is a plain one, else the CRC is fused into it.
 fn put(
     c: &mut kvd::client::Client,
     k: &[BlockKey],
     src: &[Vec<u8>],
+    precomputed: Option<&[u32]>,
     rot: usize,
 ) -> kvd::Result<u64> {
     let allocs = c.alloc(k, BlockClass::Cache, None)?;
     let mut seals = Vec::with_capacity(k.len());
     for (i, a) in allocs.into_iter().enumerate() {
         let a = a?;
-        let data = &src[(rot + i) % src.len()];
-        let crc = c.write_with_crc(&a.handle, 0, data, 0)?;
+        let j = (rot + i) % src.len();
+        let data = &src[j];
+        let crc = match precomputed {
+            Some(crcs) => {
+                c.write(&a.handle, 0, data)?;
+                crcs[j]
+            }
+            None => c.write_with_crc(&a.handle, 0, data, 0)?,
+        };
         seals.push(SealItem {
             handle: a.handle,
             len: data.len() as u64,
@@ -271,11 +325,13 @@ fn put(
     Ok(seals.iter().map(|s| s.len).sum())
 }
 
+/// Get a batch: acquire, copy each block out (verified or plain), release.
 fn get(
     c: &mut kvd::client::Client,
     k: &[BlockKey],
     dst: &mut [Vec<u8>],
     rot: usize,
+    verify: bool,
 ) -> kvd::Result<u64> {
     let got = c.acquire(k, Some(60_000))?;
     let mut handles = Vec::with_capacity(k.len());
@@ -284,7 +340,13 @@ fn get(
         // A block evicted since it was written is a miss, not an error.
         let Ok(b) = b else { continue };
         let n = dst.len();
-        bytes += c.read_verified(&b.handle, &mut dst[(rot + i) % n])?;
+        let d = &mut dst[(rot + i) % n];
+        if verify {
+            bytes += c.read_verified(&b.handle, d)?;
+        } else {
+            c.read(&b.handle, 0, &mut d[..b.len as usize])?;
+            bytes += b.len;
+        }
         handles.push(b.handle);
     }
     for r in c.release(&handles)? {
