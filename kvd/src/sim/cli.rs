@@ -75,8 +75,9 @@ struct RunArgs {
     /// Events one run may process before it stops with an error.
     #[arg(long, default_value_t = 200_000_000)]
     max_events: u64,
-    /// Run each scenario with this many seeds (seed, seed+1, ...) and report the means.
-    #[arg(long, default_value_t = 5)]
+    /// Run each scenario with this many seeds (seed, seed+1, ...; each draws its arrivals and
+    /// its failed workers) and report the means with their 95 % intervals.
+    #[arg(long, default_value_t = 10)]
     repeats: u32,
     /// Divisor of a survivor's iteration time while a recovering worker drafts for it
     /// (Lumen's ASSIST phase; default 1.3). 1.0 turns the assist's effect off.
