@@ -19,7 +19,9 @@ sources are in docs/SIMULATION.md.
 Examples:
   kvd sim list                                  what each experiment runs
   kvd sim run --experiment a --out sim-out      one experiment (seconds)
-  kvd sim run --experiment all --out docs/sim   the default sweep (well under 2 minutes)
+  kvd sim run --experiment all --out docs/sim   the default sweep (1-2 minutes on 2 cores)
+  kvd sim run -e b --trace --out /tmp/b         also b_trace.csv: where each interrupted
+                                                request went and where its stall went
   kvd sim run -e b,c --seed 7 --load 0.85 --out /tmp/bc
   kvd sim run -e b --policies lumen,lumen_total,fixed_ring --out /tmp/b   placement variants
   kvd sim saturation                            measured requests/s of one worker per model
@@ -36,7 +38,7 @@ pub struct SimArgs {
 
 #[derive(Debug, Subcommand)]
 enum SimCommand {
-    /// Run one experiment (a, b, c, d) or all of them and write the results.
+    /// Run one experiment (a, b, c, d, v) or all of them and write the results.
     Run(RunArgs),
     /// List the built-in experiments and their scenarios.
     List,
@@ -51,7 +53,8 @@ enum SimCommand {
 #[derive(Debug, Args)]
 struct RunArgs {
     /// Which experiment: a (one failure, 32B x4 and 14B x8), b (1-4 simultaneous failures),
-    /// c (load 50/70/85 %), d (25 % failing at 4-64 workers), or all.
+    /// c (load 50/70/85 %), d (25 % failing at 4-64 workers), v (validation: one failure at
+    /// 4-64 workers, StopRestart's failure impact against published measurements), or all.
     #[arg(short, long, default_value = "all")]
     experiment: String,
     /// Directory for the CSV, Markdown and PNG files (created if missing).

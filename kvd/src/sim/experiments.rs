@@ -5,6 +5,8 @@
 //! - **b**: 1, 2, 3 and 4 simultaneous failures on 8 workers (14B).
 //! - **c**: one failure on 8 workers (14B) at 50 %, 70 % and 85 % of measured saturation.
 //! - **d**: 25 % of the workers failing at once, for 4, 8, 16, 32 and 64 workers (14B).
+//! - **v**: one failure, for 4, 8, 16, 32 and 64 workers (14B): StopRestart's failure impact
+//!   against the published measurements (docs/SIMULATION.md, "Validation").
 //!
 //! Load is a fraction of the *measured* saturation: a two-worker cluster of the same model is
 //! overloaded (arrivals at several times its capacity) and its completion rate after warm-up is
@@ -48,11 +50,20 @@ pub enum Experiment {
     C,
     /// Scale sweep, 25 % failing.
     D,
+    /// Validation: one failure, 4 to 64 workers (StopRestart's failure impact against the
+    /// published measurements).
+    V,
 }
 
 impl Experiment {
     /// All of them, in order.
-    pub const ALL: [Experiment; 4] = [Experiment::A, Experiment::B, Experiment::C, Experiment::D];
+    pub const ALL: [Experiment; 5] = [
+        Experiment::A,
+        Experiment::B,
+        Experiment::C,
+        Experiment::D,
+        Experiment::V,
+    ];
 
     /// Its one-letter name.
     pub fn name(self) -> &'static str {
@@ -61,6 +72,7 @@ impl Experiment {
             Experiment::B => "b",
             Experiment::C => "c",
             Experiment::D => "d",
+            Experiment::V => "v",
         }
     }
 
@@ -71,6 +83,7 @@ impl Experiment {
             Experiment::B => "1, 2, 3, 4 simultaneous failures on 8 workers (Qwen3-14B)",
             Experiment::C => "one failure on 8 workers (Qwen3-14B) at 50/70/85 % of saturation",
             Experiment::D => "25 % of workers failing, 4 to 64 workers (Qwen3-14B)",
+            Experiment::V => "validation: one failure, 4 to 64 workers (Qwen3-14B)",
         }
     }
 
@@ -84,8 +97,9 @@ impl Experiment {
             "b" => Ok(Experiment::B),
             "c" => Ok(Experiment::C),
             "d" => Ok(Experiment::D),
+            "v" => Ok(Experiment::V),
             _ => Err(crate::Error::InvalidArgument(format!(
-                "unknown experiment {s:?}; choose a, b, c, d or all"
+                "unknown experiment {s:?}; choose a, b, c, d, v or all"
             ))),
         }
     }
@@ -272,6 +286,11 @@ pub fn scenarios(exp: Experiment, sweep: &SweepConfig) -> Vec<Scenario> {
             .iter()
             .filter(|&&n| n <= sweep.max_workers_d)
             .map(|&n| one(&format!("{n}w"), c14(n), sweep.load, (n / 4).max(1)))
+            .collect(),
+        Experiment::V => [4u32, 8, 16, 32, 64]
+            .iter()
+            .filter(|&&n| n <= sweep.max_workers_d)
+            .map(|&n| one(&format!("{n}w-1f"), c14(n), sweep.load, 1))
             .collect(),
     }
 }
