@@ -201,7 +201,13 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
     if a.what_if_sum_placement && !policies.contains(&PolicyKind::LumenTotal) {
         policies.insert(policies.len().saturating_sub(2), PolicyKind::LumenTotal);
     }
-    policies.dedup();
+    // Each policy once, in the order first named.
+    let mut seen = Vec::new();
+    policies.retain(|p| {
+        let first = !seen.contains(p);
+        seen.push(*p);
+        first
+    });
     if !policies.contains(&BASELINE) {
         policies.push(BASELINE);
     }
