@@ -159,15 +159,8 @@ fn dispatch(args: SimArgs) -> crate::Result<()> {
     }
 }
 
-fn run_sweep(a: RunArgs) -> crate::Result<()> {
-    let exps: Vec<Experiment> = if a.experiment.eq_ignore_ascii_case("all") {
-        Experiment::ALL.to_vec()
-    } else {
-        a.experiment
-            .split(',')
-            .map(|s| Experiment::parse(s.trim()))
-            .collect::<crate::Result<_>>()?
-    };
+/// Refuses out-of-range knobs, naming the flag and what to give.
+fn check_ranges(a: &RunArgs) -> crate::Result<()> {
     if !(1..=20).contains(&a.repeats) {
         return Err(crate::Error::InvalidArgument(format!(
             "--repeats {} is out of range; give 1 to 20 seeds per scenario",
@@ -193,6 +186,12 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
             a.failure_at_s, a.duration_s
         )));
     }
+    Ok(())
+}
+
+/// The policies to run: those named, each once in the order first named, `lumen_total` added by
+/// the old `--what-if-sum-placement`, and the baseline added when missing.
+fn policies_of(a: &RunArgs) -> crate::Result<Vec<PolicyKind>> {
     let mut policies: Vec<PolicyKind> = a
         .policies
         .iter()
@@ -211,6 +210,20 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
     if !policies.contains(&BASELINE) {
         policies.push(BASELINE);
     }
+    Ok(policies)
+}
+
+fn run_sweep(a: RunArgs) -> crate::Result<()> {
+    let exps: Vec<Experiment> = if a.experiment.eq_ignore_ascii_case("all") {
+        Experiment::ALL.to_vec()
+    } else {
+        a.experiment
+            .split(',')
+            .map(|s| Experiment::parse(s.trim()))
+            .collect::<crate::Result<_>>()?
+    };
+    check_ranges(&a)?;
+    let policies = policies_of(&a)?;
     let sweep = SweepConfig {
         seed: a.seed,
         duration_s: a.duration_s,

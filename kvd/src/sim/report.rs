@@ -470,84 +470,97 @@ fn bars_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> crate::
             BYS_IMPACT_TTFT,
         ),
     ];
-    let groups = results.len().max(1) as i32;
-    // Each scenario is a group of one bar per policy and a gap: `width` x units.
     let policies: Vec<PolicyKind> = results
         .first()
         .map(|r| r.runs.iter().map(|(p, _)| *p).collect())
         .unwrap_or_default();
-    // Each bar is two units wide, so a whisker can sit at its middle.
-    let width = 2 * policies.len() as i32 + 2;
     let labels: Vec<String> = results.iter().map(|r| r.scenario.label.clone()).collect();
     for (area, title, pick) in panels {
-        let ymax = results
-            .iter()
-            .flat_map(|r| r.runs.iter().map(|(p, _)| r.spread(*p, pick).hi))
-            .fold(0.0f64, f64::max)
-            .max(1e-3)
-            * 1.15;
-        let mut chart = ChartBuilder::on(area)
-            .caption(title, ("sans-serif", 15))
-            .margin(10)
-            .x_label_area_size(30)
-            .y_label_area_size(50)
-            .build_cartesian_2d(0..groups * width, 0.0..ymax)
-            .map_err(|e| plot_err(path, e))?;
-        let fmt = |x: &i32| {
-            if x.rem_euclid(width) == width / 2 {
-                labels
-                    .get((x / width) as usize)
-                    .cloned()
-                    .unwrap_or_default()
-            } else {
-                String::new()
-            }
-        };
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .light_line_style(WHITE)
-            .x_labels((groups * width) as usize + 1)
-            .x_label_formatter(&fmt)
-            .y_label_style(("sans-serif", 12))
-            .x_label_style(("sans-serif", 12))
-            .draw()
-            .map_err(|e| plot_err(path, e))?;
-        for (pi, p) in policies.iter().enumerate() {
-            let color = policy_color(*p);
-            let bars = results.iter().enumerate().filter_map(|(g, r)| {
-                let m = r.metrics(*p)?;
-                let x0 = g as i32 * width + 2 * pi as i32 + 1;
-                Some(Rectangle::new(
-                    [(x0, 0.0), (x0 + 2, pick(m))],
-                    color.filled(),
-                ))
-            });
-            chart
-                .draw_series(bars)
-                .map_err(|e| plot_err(path, e))?
-                .label(p.name())
-                .legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled())
-                });
-            // The 95 % interval over the seeds, as a whisker over each bar.
-            let whiskers = results.iter().enumerate().map(|(g, r)| {
-                let s = r.spread(*p, pick);
-                let x = g as i32 * width + 2 * pi as i32 + 2;
-                PathElement::new(vec![(x, s.lo.max(0.0)), (x, s.hi)], BLACK.stroke_width(2))
-            });
-            chart.draw_series(whiskers).map_err(|e| plot_err(path, e))?;
-        }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 12))
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()
-            .map_err(|e| plot_err(path, e))?;
+        bars_panel(path, area, title, pick, results, &labels, &policies)?;
     }
     root.present().map_err(|e| plot_err(path, e))?;
+    Ok(())
+}
+
+/// One panel of [`bars_png`]: per scenario a group of bars (one per policy, the mean over the
+/// seeds) with the 95 % interval as a whisker.
+fn bars_panel(
+    path: &Path,
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    title: &str,
+    pick: Pick,
+    results: &[ScenarioResult],
+    labels: &[String],
+    policies: &[PolicyKind],
+) -> crate::Result<()> {
+    let groups = results.len().max(1) as i32;
+    // Each scenario is a group of one bar per policy and a gap, `width` x units; each bar is
+    // two units wide, so a whisker can sit at its middle.
+    let width = 2 * policies.len() as i32 + 2;
+    let ymax = results
+        .iter()
+        .flat_map(|r| r.runs.iter().map(|(p, _)| r.spread(*p, pick).hi))
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.15;
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 15))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0..groups * width, 0.0..ymax)
+        .map_err(|e| plot_err(path, e))?;
+    let fmt = |x: &i32| {
+        if x.rem_euclid(width) == width / 2 {
+            labels
+                .get((x / width) as usize)
+                .cloned()
+                .unwrap_or_default()
+        } else {
+            String::new()
+        }
+    };
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .light_line_style(WHITE)
+        .x_labels((groups * width) as usize + 1)
+        .x_label_formatter(&fmt)
+        .y_label_style(("sans-serif", 12))
+        .x_label_style(("sans-serif", 12))
+        .draw()
+        .map_err(|e| plot_err(path, e))?;
+    for (pi, p) in policies.iter().enumerate() {
+        let color = policy_color(*p);
+        let bars = results.iter().enumerate().filter_map(|(g, r)| {
+            let m = r.metrics(*p)?;
+            let x0 = g as i32 * width + 2 * pi as i32 + 1;
+            Some(Rectangle::new(
+                [(x0, 0.0), (x0 + 2, pick(m))],
+                color.filled(),
+            ))
+        });
+        chart
+            .draw_series(bars)
+            .map_err(|e| plot_err(path, e))?
+            .label(p.name())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+        // The 95 % interval over the seeds, as a whisker over each bar.
+        let whiskers = results.iter().enumerate().map(|(g, r)| {
+            let s = r.spread(*p, pick);
+            let x = g as i32 * width + 2 * pi as i32 + 2;
+            PathElement::new(vec![(x, s.lo.max(0.0)), (x, s.hi)], BLACK.stroke_width(2))
+        });
+        chart.draw_series(whiskers).map_err(|e| plot_err(path, e))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 12))
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(|e| plot_err(path, e))?;
     Ok(())
 }
 
