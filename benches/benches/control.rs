@@ -46,7 +46,11 @@ fn loaded(policy: PolicyKind) -> Controller {
 fn placement(cr: &mut Criterion) {
     let mut g = cr.benchmark_group("control/placement");
     g.throughput(Throughput::Elements(1));
-    for policy in [PolicyKind::Lumen, PolicyKind::FixedRing] {
+    for policy in [
+        PolicyKind::Lumen,
+        PolicyKind::LumenMean,
+        PolicyKind::FixedRing,
+    ] {
         let c = loaded(policy);
         let p = policy.build(c.config().score_params());
         let mut s = 0u32;

@@ -19,16 +19,19 @@
 //!
 //! 1. Holders first: a request whose holder survived goes to its holder.
 //! 2. For a few candidate numbers `k` of *sinks* (every count up to 8, then a quarter more
-//!    each step, up to the number of recomputations, one survivor short of all), the `k` survivors with the fewest restores take every
-//!    recomputation (each to the sink with the least recompute work so far); their restores
+//!    each step, up to the number of recomputations, one survivor short of all), the `k`
+//!    survivors with the fewest restores take every recomputation (longest first, each to
+//!    the sink with the least work so far); their restores
 //!    move to the other survivors (pulled over the network from the holder); restores are then
 //!    balanced by count among the non-sinks (smallest checkpointed prefix moves first).
-//! 3. Each candidate, and the plain count-balanced dispatch, is scored by the estimated sum of
-//!    stalls (below). The candidate with the lowest sum wins, among those whose estimated
-//!    largest stall (the recovery time) is at most the plain dispatch's plus the longest single
-//!    recomputation (the estimate's resolution): fewer sinks shorten the typical stall but
+//! 3. Each candidate, and the reference (every survivor a sink: restores stay at their
+//!    holders, balanced by count, and recomputations spread by work), is scored by the
+//!    estimated sum of stalls (below). The candidate with the lowest sum wins, among those
+//!    whose estimated largest stall (the recovery time) is at most the reference's plus the
+//!    longest single recomputation (the estimate's resolution): fewer sinks shorten the typical stall but
 //!    lengthen the sinks' queues, and the recovery time must not pay for the mean. Ties: the
-//!    plain dispatch, then fewer sinks.
+//!    reference, then fewer sinks. Every candidate is evaluated: feasibility is not monotone
+//!    in `k` (too few sinks lengthen their queues, too many pile the restores on the rest).
 //!
 //! The estimate, per survivor: prefill work runs one request at a time from `q_w`,
 //! recomputations first (`history / prefill rate` each), then restores in the order their

@@ -19,7 +19,9 @@ sources are in docs/SIMULATION.md.
 Examples:
   kvd sim list                                  what each experiment runs
   kvd sim run --experiment a --out sim-out      one experiment (seconds)
-  kvd sim run --experiment all --out docs/sim   the default sweep (well under 2 minutes)
+  kvd sim run --experiment all --out docs/sim   the default sweep (1-2 minutes on 2 cores)
+  kvd sim run -e b --trace --out /tmp/b         also b_trace.csv: where each interrupted
+                                                request went and where its stall went
   kvd sim run -e b,c --seed 7 --load 0.85 --out /tmp/bc
   kvd sim run -e b --policies lumen,lumen_total,fixed_ring --out /tmp/b   placement variants
   kvd sim saturation                            measured requests/s of one worker per model
@@ -36,7 +38,7 @@ pub struct SimArgs {
 
 #[derive(Debug, Subcommand)]
 enum SimCommand {
-    /// Run one experiment (a, b, c, d) or all of them and write the results.
+    /// Run one experiment (a, b, c, d, v) or all of them and write the results.
     Run(RunArgs),
     /// List the built-in experiments and their scenarios.
     List,
@@ -51,7 +53,8 @@ enum SimCommand {
 #[derive(Debug, Args)]
 struct RunArgs {
     /// Which experiment: a (one failure, 32B x4 and 14B x8), b (1-4 simultaneous failures),
-    /// c (load 50/70/85 %), d (25 % failing at 4-64 workers), or all.
+    /// c (load 50/70/85 %), d (25 % failing at 4-64 workers), v (validation: one failure at
+    /// 4-64 workers, StopRestart's failure impact against published measurements), or all.
     #[arg(short, long, default_value = "all")]
     experiment: String,
     /// Directory for the CSV, Markdown and PNG files (created if missing).
@@ -75,8 +78,9 @@ struct RunArgs {
     /// Events one run may process before it stops with an error.
     #[arg(long, default_value_t = 200_000_000)]
     max_events: u64,
-    /// Run each scenario with this many seeds (seed, seed+1, ...) and report the means.
-    #[arg(long, default_value_t = 5)]
+    /// Run each scenario with this many seeds (seed, seed+1, ...; each draws its arrivals and
+    /// its failed workers) and report the means with their 95 % intervals.
+    #[arg(long, default_value_t = 10)]
     repeats: u32,
     /// Divisor of a survivor's iteration time while a recovering worker drafts for it
     /// (Lumen's ASSIST phase; default 1.3). 1.0 turns the assist's effect off.
@@ -155,15 +159,8 @@ fn dispatch(args: SimArgs) -> crate::Result<()> {
     }
 }
 
-fn run_sweep(a: RunArgs) -> crate::Result<()> {
-    let exps: Vec<Experiment> = if a.experiment.eq_ignore_ascii_case("all") {
-        Experiment::ALL.to_vec()
-    } else {
-        a.experiment
-            .split(',')
-            .map(|s| Experiment::parse(s.trim()))
-            .collect::<crate::Result<_>>()?
-    };
+/// Refuses out-of-range knobs, naming the flag and what to give.
+fn check_ranges(a: &RunArgs) -> crate::Result<()> {
     if !(1..=20).contains(&a.repeats) {
         return Err(crate::Error::InvalidArgument(format!(
             "--repeats {} is out of range; give 1 to 20 seeds per scenario",
@@ -189,6 +186,12 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
             a.failure_at_s, a.duration_s
         )));
     }
+    Ok(())
+}
+
+/// The policies to run: those named, each once in the order first named, `lumen_total` added by
+/// the old `--what-if-sum-placement`, and the baseline added when missing.
+fn policies_of(a: &RunArgs) -> crate::Result<Vec<PolicyKind>> {
     let mut policies: Vec<PolicyKind> = a
         .policies
         .iter()
@@ -197,10 +200,30 @@ fn run_sweep(a: RunArgs) -> crate::Result<()> {
     if a.what_if_sum_placement && !policies.contains(&PolicyKind::LumenTotal) {
         policies.insert(policies.len().saturating_sub(2), PolicyKind::LumenTotal);
     }
-    policies.dedup();
+    // Each policy once, in the order first named.
+    let mut seen = Vec::new();
+    policies.retain(|p| {
+        let first = !seen.contains(p);
+        seen.push(*p);
+        first
+    });
     if !policies.contains(&BASELINE) {
         policies.push(BASELINE);
     }
+    Ok(policies)
+}
+
+fn run_sweep(a: RunArgs) -> crate::Result<()> {
+    let exps: Vec<Experiment> = if a.experiment.eq_ignore_ascii_case("all") {
+        Experiment::ALL.to_vec()
+    } else {
+        a.experiment
+            .split(',')
+            .map(|s| Experiment::parse(s.trim()))
+            .collect::<crate::Result<_>>()?
+    };
+    check_ranges(&a)?;
+    let policies = policies_of(&a)?;
     let sweep = SweepConfig {
         seed: a.seed,
         duration_s: a.duration_s,

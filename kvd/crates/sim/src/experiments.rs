@@ -5,6 +5,8 @@
 //! - **b**: 1, 2, 3 and 4 simultaneous failures on 8 workers (14B).
 //! - **c**: one failure on 8 workers (14B) at 50 %, 70 % and 85 % of measured saturation.
 //! - **d**: 25 % of the workers failing at once, for 4, 8, 16, 32 and 64 workers (14B).
+//! - **v**: one failure, for 4, 8, 16, 32 and 64 workers (14B): StopRestart's failure impact
+//!   against the published measurements (docs/SIMULATION.md, "Validation").
 //!
 //! Load is a fraction of the *measured* saturation: a two-worker cluster of the same model is
 //! overloaded (arrivals at several times its capacity) and its completion rate after warm-up is
@@ -19,7 +21,7 @@ use serde::Serialize;
 
 use super::cluster::{FailureSpec, RunConfig, RunOutput, run};
 use super::config::{ClusterConfig, ModelConfig};
-use super::metrics::RunMetrics;
+use super::metrics::{RunMetrics, Spread};
 use super::trace::RecoveryTrace;
 use super::workload::{self, WorkloadConfig};
 use kvd_control::PolicyKind;
@@ -48,11 +50,20 @@ pub enum Experiment {
     C,
     /// Scale sweep, 25 % failing.
     D,
+    /// Validation: one failure, 4 to 64 workers (StopRestart's failure impact against the
+    /// published measurements).
+    V,
 }
 
 impl Experiment {
     /// All of them, in order.
-    pub const ALL: [Experiment; 4] = [Experiment::A, Experiment::B, Experiment::C, Experiment::D];
+    pub const ALL: [Experiment; 5] = [
+        Experiment::A,
+        Experiment::B,
+        Experiment::C,
+        Experiment::D,
+        Experiment::V,
+    ];
 
     /// Its one-letter name.
     pub fn name(self) -> &'static str {
@@ -61,6 +72,7 @@ impl Experiment {
             Experiment::B => "b",
             Experiment::C => "c",
             Experiment::D => "d",
+            Experiment::V => "v",
         }
     }
 
@@ -71,6 +83,7 @@ impl Experiment {
             Experiment::B => "1, 2, 3, 4 simultaneous failures on 8 workers (Qwen3-14B)",
             Experiment::C => "one failure on 8 workers (Qwen3-14B) at 50/70/85 % of saturation",
             Experiment::D => "25 % of workers failing, 4 to 64 workers (Qwen3-14B)",
+            Experiment::V => "validation: one failure, 4 to 64 workers (Qwen3-14B)",
         }
     }
 
@@ -84,8 +97,9 @@ impl Experiment {
             "b" => Ok(Experiment::B),
             "c" => Ok(Experiment::C),
             "d" => Ok(Experiment::D),
+            "v" => Ok(Experiment::V),
             _ => Err(crate::Error::InvalidArgument(format!(
-                "unknown experiment {s:?}; choose a, b, c, d or all"
+                "unknown experiment {s:?}; choose a, b, c, d, v or all"
             ))),
         }
     }
@@ -136,7 +150,7 @@ impl Default for SweepConfig {
             max_workers_d: 64,
             max_events: 200_000_000,
             max_requests: 2_000_000,
-            repeats: 5,
+            repeats: 10,
             assist_speedup: None,
             policies: POLICIES.to_vec(),
             trace: false,
@@ -176,6 +190,8 @@ pub struct ScenarioResult {
     pub runs: Vec<(PolicyKind, RunOutput)>,
     /// With [`SweepConfig::trace`]: each run's recovery trace, `(policy, seed, rows)`.
     pub traces: Vec<(PolicyKind, u64, Vec<RecoveryTrace>)>,
+    /// Each policy's metrics per seed (what the spreads are computed from), in `runs` order.
+    pub per_seed: Vec<(PolicyKind, Vec<RunMetrics>)>,
 }
 
 impl ScenarioResult {
@@ -185,6 +201,17 @@ impl ScenarioResult {
             .iter()
             .find(|(p, _)| *p == policy)
             .map(|(_, o)| &o.metrics)
+    }
+
+    /// The mean and 95 % interval over the seeds of `metric` for `policy` (default when the
+    /// policy did not run).
+    pub fn spread(&self, policy: PolicyKind, metric: impl Fn(&RunMetrics) -> f64) -> Spread {
+        self.per_seed
+            .iter()
+            .find(|(p, _)| *p == policy)
+            .map_or(Spread::default(), |(_, ms)| {
+                Spread::of(&ms.iter().map(metric).collect::<Vec<_>>())
+            })
     }
 }
 
@@ -260,6 +287,11 @@ pub fn scenarios(exp: Experiment, sweep: &SweepConfig) -> Vec<Scenario> {
             .filter(|&&n| n <= sweep.max_workers_d)
             .map(|&n| one(&format!("{n}w"), c14(n), sweep.load, (n / 4).max(1)))
             .collect(),
+        Experiment::V => [4u32, 8, 16, 32, 64]
+            .iter()
+            .filter(|&&n| n <= sweep.max_workers_d)
+            .map(|&n| one(&format!("{n}w-1f"), c14(n), sweep.load, 1))
+            .collect(),
     }
 }
 
@@ -329,17 +361,15 @@ pub fn run_scenario(
             jobs.push((p, w, c));
         }
     }
-    let mut results = run_jobs(&jobs, &workloads);
+    let mut results = run_jobs(&jobs, &workloads)?;
     let mut traces = Vec::new();
-    for ((p, w, _), r) in jobs.iter().zip(&mut results) {
-        if let Ok(out) = r {
-            let rows = std::mem::take(&mut out.trace);
-            if sweep.trace {
-                traces.push((*p, sweep.seed.wrapping_add(*w as u64), rows));
-            }
+    for ((p, w, _), out) in jobs.iter().zip(&mut results) {
+        let rows = std::mem::take(&mut out.trace);
+        if sweep.trace {
+            traces.push((*p, sweep.seed.wrapping_add(*w as u64), rows));
         }
     }
-    let runs = mean_by_policy(&policies, &jobs, results)?;
+    let (runs, per_seed) = mean_by_policy(&policies, &jobs, results)?;
     let requests = workloads.iter().map(Vec::len).sum::<usize>() / workloads.len();
     Ok(ScenarioResult {
         scenario: scenario.clone(),
@@ -349,21 +379,18 @@ pub fn run_scenario(
         repeats,
         runs,
         traces,
+        per_seed,
     })
 }
 
-/// Runs every `(policy, workload index, config)` job on a few threads. Each run is independent
-/// and deterministic on its own; the results are in the order of `jobs`, whatever the threads
-/// do.
-fn run_jobs(
-    jobs: &[(PolicyKind, usize, RunConfig)],
-    workloads: &[Vec<workload::RequestSpec>],
-) -> Vec<crate::Result<RunOutput>> {
+/// Runs `f` on every job on a few threads. Each run is independent and deterministic on its
+/// own; the results are in the order of `jobs`, whatever the threads do.
+fn parallel<J: Sync, R: Send>(jobs: &[J], f: impl Fn(&J) -> R + Sync) -> Vec<R> {
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
         .clamp(1, 8);
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut results: Vec<Option<crate::Result<RunOutput>>> = Vec::new();
+    let mut results: Vec<Option<R>> = Vec::new();
     results.resize_with(jobs.len(), || None);
     let slots = std::sync::Mutex::new(&mut results);
     std::thread::scope(|s| {
@@ -372,13 +399,10 @@ fn run_jobs(
                 // Bounded: each thread takes jobs until none is left.
                 loop {
                     let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some((_, w, cfg)) = jobs.get(i) else {
+                    let Some(job) = jobs.get(i) else {
                         break;
                     };
-                    let mut r = run(cfg, &workloads[*w]);
-                    if let Ok(out) = &mut r {
-                        out.records = Vec::new(); // reports use the metrics and the series
-                    }
+                    let r = f(job);
                     slots.lock().expect("no thread panics holding the lock")[i] = Some(r);
                 }
             });
@@ -390,16 +414,59 @@ fn run_jobs(
         .collect()
 }
 
+/// Runs every `(policy, workload index, config)` job. Each run with failures is measured
+/// against the twin of its workload: the same arrivals without failures and without
+/// checkpoints (StopRestart: a plain engine), run once per workload, so every policy's
+/// failure impact has the same denominator (and includes what its checkpointing costs).
+fn run_jobs(
+    jobs: &[(PolicyKind, usize, RunConfig)],
+    workloads: &[Vec<workload::RequestSpec>],
+) -> crate::Result<Vec<RunOutput>> {
+    let twin_jobs: Vec<usize> = (0..workloads.len()).collect();
+    let twins = parallel(&twin_jobs, |&w| {
+        let Some((_, _, cfg)) = jobs.iter().find(|(_, jw, _)| *jw == w) else {
+            return Ok(None);
+        };
+        let twin = RunConfig {
+            max_events: cfg.max_events,
+            ..RunConfig::new(cfg.cluster.clone(), PolicyKind::StopRestart, Vec::new())
+        };
+        run(&twin, &workloads[w]).map(Some)
+    })
+    .into_iter()
+    .collect::<crate::Result<Vec<Option<RunOutput>>>>()?;
+    parallel(jobs, |(_, w, cfg)| {
+        let mut out = run(cfg, &workloads[*w])?;
+        if let (Some(twin), Some(from_s)) = (
+            &twins[*w],
+            cfg.failures.iter().map(|f| f.at_s).reduce(f64::min),
+        ) {
+            let from_us = super::events::secs_to_us(from_s);
+            let last_arrival_us = workloads[*w].last().map_or(from_us, |r| r.arrival_us);
+            let to_us = if out.metrics.capacity_restore_s > 0.0 {
+                from_us + super::events::secs_to_us(out.metrics.capacity_restore_s)
+            } else {
+                last_arrival_us.max(from_us)
+            };
+            out.metrics.window =
+                super::metrics::window_metrics(&out.records, &twin.records, from_us, to_us);
+        }
+        out.records = Vec::new(); // reports use the metrics and the series
+        Ok(out)
+    })
+    .into_iter()
+    .collect()
+}
+
 /// Each policy's metrics and series averaged over its runs (one per seed), in `policies` order.
 fn mean_by_policy(
     policies: &[PolicyKind],
     jobs: &[(PolicyKind, usize, RunConfig)],
-    results: Vec<crate::Result<RunOutput>>,
-) -> crate::Result<Vec<(PolicyKind, RunOutput)>> {
+    results: Vec<RunOutput>,
+) -> crate::Result<PolicyRuns> {
     let mut by_policy: BTreeMap<usize, (Vec<RunMetrics>, Vec<Vec<super::metrics::SeriesPoint>>)> =
         BTreeMap::new();
-    for ((p, _, _), r) in jobs.iter().zip(results) {
-        let out = r?;
+    for ((p, _, _), out) in jobs.iter().zip(results) {
         let idx = policies
             .iter()
             .position(|q| q == p)
@@ -408,21 +475,28 @@ fn mean_by_policy(
         e.0.push(out.metrics);
         e.1.push(out.series);
     }
-    Ok(by_policy
-        .into_iter()
-        .map(|(idx, (metrics, series))| {
-            (
-                policies[idx],
-                RunOutput {
-                    metrics: super::metrics::mean_metrics(&metrics),
-                    records: Vec::new(),
-                    series: super::metrics::mean_series(&series),
-                    trace: Vec::new(),
-                },
-            )
-        })
-        .collect())
+    let mut runs = Vec::new();
+    let mut per_seed = Vec::new();
+    for (idx, (metrics, series)) in by_policy {
+        runs.push((
+            policies[idx],
+            RunOutput {
+                metrics: super::metrics::mean_metrics(&metrics),
+                records: Vec::new(),
+                series: super::metrics::mean_series(&series),
+                trace: Vec::new(),
+            },
+        ));
+        per_seed.push((policies[idx], metrics));
+    }
+    Ok((runs, per_seed))
 }
+
+/// Each policy's mean run, and its metrics per seed.
+type PolicyRuns = (
+    Vec<(PolicyKind, RunOutput)>,
+    Vec<(PolicyKind, Vec<RunMetrics>)>,
+);
 
 /// Runs `exps` in order, calling `progress` with a line before each scenario. Saturation is
 /// measured once per model.

@@ -172,8 +172,164 @@ pub struct RunMetrics {
     pub tokens_delivered: u64,
     /// Simulated seconds until the last request finished.
     pub makespan_s: f64,
+    /// The recovery window's latencies beside the same requests' without the failure (filled
+    /// by [`window_metrics`] when the run has a no-failure twin; zero otherwise).
+    #[serde(default)]
+    pub window: WindowMetrics,
     /// Events processed.
     pub events: u64,
+}
+
+/// TTFT and TPOT of one group of requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TtftTpot {
+    /// Requests in the group.
+    pub requests: usize,
+    /// Time to first token, seconds.
+    pub ttft: Summary,
+    /// Time per output token, seconds.
+    pub tpot: Summary,
+}
+
+impl TtftTpot {
+    fn of<'a>(records: impl Iterator<Item = &'a RequestOutcome>) -> Self {
+        let (mut ttft, mut tpot, mut n) = (Vec::new(), Vec::new(), 0);
+        for r in records {
+            n += 1;
+            ttft.extend(r.ttft_s());
+            tpot.extend(r.tpot_s());
+        }
+        TtftTpot {
+            requests: n,
+            ttft: Summary::of(ttft),
+            tpot: Summary::of(tpot),
+        }
+    }
+}
+
+/// The recovery window: from the first failure until the last failed worker is back in full
+/// service (or the last arrival, when it never is). Its requests are those that arrive in it
+/// and those the failure interrupted; its bystanders are its requests that were never
+/// interrupted. Each figure stands beside the same requests' in the twin run: the same
+/// arrivals without the failure and without checkpoints (StopRestart, a plain engine), and the
+/// failure impact is the ratio of the two means (so a policy's impact includes what its
+/// checkpoint streaming costs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct WindowMetrics {
+    /// Length of the window, seconds.
+    pub length_s: f64,
+    /// Every request of the window, with the failure.
+    pub all: TtftTpot,
+    /// Its bystanders, with the failure.
+    pub bystanders: TtftTpot,
+    /// The same requests in the twin run (no failure, no checkpoints).
+    pub base_all: TtftTpot,
+    /// The same bystanders in the twin run.
+    pub base_bystanders: TtftTpot,
+    /// Mean TTFT with / without the failure, all requests of the window.
+    pub impact_ttft: f64,
+    /// Mean TPOT with / without the failure, all requests of the window.
+    pub impact_tpot: f64,
+    /// Mean TTFT with / without the failure, bystanders.
+    pub bys_impact_ttft: f64,
+    /// Mean TPOT with / without the failure, bystanders.
+    pub bys_impact_tpot: f64,
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 { a / b } else { 0.0 }
+}
+
+/// The window metrics of a run (`with`) against the run of the same arrivals without its
+/// failures (`without`, records in the same order). The window is `[from_us, to_us]`.
+///
+/// # Panics
+/// If the two runs do not have the same requests.
+pub fn window_metrics(
+    with: &[RequestOutcome],
+    without: &[RequestOutcome],
+    from_us: SimTime,
+    to_us: SimTime,
+) -> WindowMetrics {
+    assert_eq!(
+        with.len(),
+        without.len(),
+        "twin runs have the same arrivals"
+    );
+    let in_window =
+        |r: &RequestOutcome| r.interrupted || (r.arrival_us >= from_us && r.arrival_us <= to_us);
+    let pick = |bystanders_only: bool| {
+        with.iter()
+            .zip(without)
+            .filter(move |(w, _)| in_window(w) && !(bystanders_only && w.interrupted))
+    };
+    let all = TtftTpot::of(pick(false).map(|(w, _)| w));
+    let bystanders = TtftTpot::of(pick(true).map(|(w, _)| w));
+    let base_all = TtftTpot::of(pick(false).map(|(_, b)| b));
+    let base_bystanders = TtftTpot::of(pick(true).map(|(_, b)| b));
+    WindowMetrics {
+        length_s: us_to_secs(to_us.saturating_sub(from_us)),
+        impact_ttft: ratio(all.ttft.mean, base_all.ttft.mean),
+        impact_tpot: ratio(all.tpot.mean, base_all.tpot.mean),
+        bys_impact_ttft: ratio(bystanders.ttft.mean, base_bystanders.ttft.mean),
+        bys_impact_tpot: ratio(bystanders.tpot.mean, base_bystanders.tpot.mean),
+        all,
+        bystanders,
+        base_all,
+        base_bystanders,
+    }
+}
+
+/// Mean and 95 % confidence interval of the mean of a sample (Student's t; the interval is
+/// the mean itself for fewer than two values).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Spread {
+    /// The mean.
+    pub mean: f64,
+    /// Lower end of the 95 % interval.
+    pub lo: f64,
+    /// Upper end of the 95 % interval.
+    pub hi: f64,
+}
+
+/// Two-sided 97.5 % quantiles of Student's t for 1 to 30 degrees of freedom (any statistics
+/// table, e.g. NIST/SEMATECH e-Handbook of Statistical Methods, section 1.3.6.7.2).
+const T975: [f64; 30] = [
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+    2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+    2.052, 2.048, 2.045, 2.042,
+];
+
+impl Spread {
+    /// The spread of `values` (finite numbers).
+    pub fn of(values: &[f64]) -> Self {
+        let n = values.len();
+        if n == 0 {
+            return Spread::default();
+        }
+        let mean = values.iter().sum::<f64>() / n as f64;
+        if n < 2 {
+            return Spread {
+                mean,
+                lo: mean,
+                hi: mean,
+            };
+        }
+        let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+        // Beyond 30 degrees of freedom the normal quantile is within 2 % of t.
+        let t = T975.get(n - 2).copied().unwrap_or(1.960);
+        let half = t * (var / n as f64).sqrt();
+        Spread {
+            mean,
+            lo: mean - half,
+            hi: mean + half,
+        }
+    }
+
+    /// Whether this interval lies wholly below `other`'s.
+    pub fn below(&self, other: &Spread) -> bool {
+        self.hi < other.lo
+    }
 }
 
 /// One point of a time series (per simulated second).
@@ -303,6 +459,55 @@ mod tests {
         assert_eq!(m.stall.count, 3);
         assert_eq!(m.stall.mean, 1.0);
         assert_eq!(m.stall.p99, 1.5);
+    }
+
+    #[test]
+    fn the_window_takes_arrivals_in_it_and_the_interrupted_and_compares_them_with_their_twins() {
+        let at = |arrival_s: f64, ttft_s: f64, interrupted: bool| RequestOutcome {
+            arrival_us: (arrival_s * 1e6) as SimTime,
+            output_tokens: 1,
+            delivered_tokens: 1,
+            first_token_us: Some(((arrival_s + ttft_s) * 1e6) as SimTime),
+            finish_us: Some(((arrival_s + ttft_s) * 1e6) as SimTime),
+            interrupted,
+            ..Default::default()
+        };
+        // Window [10 s, 20 s]: the arrival at 15 s, and the request interrupted at 5 s.
+        let with = [
+            at(5.0, 2.0, true),
+            at(15.0, 1.0, false),
+            at(25.0, 0.5, false),
+        ];
+        let without = [
+            at(5.0, 0.5, false),
+            at(15.0, 0.25, false),
+            at(25.0, 0.5, false),
+        ];
+        let w = window_metrics(&with, &without, 10_000_000, 20_000_000);
+        assert_eq!((w.all.requests, w.bystanders.requests), (2, 1));
+        assert_eq!(w.length_s, 10.0);
+        assert!((w.all.ttft.mean - 1.5).abs() < 1e-9);
+        assert!((w.base_all.ttft.mean - 0.375).abs() < 1e-9);
+        assert!((w.impact_ttft - 4.0).abs() < 1e-9);
+        assert!((w.bys_impact_ttft - 4.0).abs() < 1e-9, "1 s against 0.25 s");
+    }
+
+    #[test]
+    fn the_spread_is_a_students_t_interval_of_the_mean() {
+        // Ten values 1..10: mean 5.5, sample sd 3.0277, t(9) = 2.262 -> half-width 2.1659.
+        let v: Vec<f64> = (1..=10).map(f64::from).collect();
+        let s = Spread::of(&v);
+        assert!((s.mean - 5.5).abs() < 1e-12);
+        assert!((s.hi - s.mean - 2.262 * (55.0f64 / 6.0).sqrt() / 10f64.sqrt()).abs() < 1e-9);
+        assert!(Spread::of(&[1.0, 1.1]).below(&Spread::of(&[50.0, 50.1])));
+        assert_eq!(
+            Spread::of(&[3.0]),
+            Spread {
+                mean: 3.0,
+                lo: 3.0,
+                hi: 3.0
+            }
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ use plotters::prelude::*;
 
 use super::experiments::BASELINE;
 use super::experiments::{Experiment, ScenarioResult};
-use super::metrics::{Latencies, RunMetrics};
+use super::metrics::{Latencies, RunMetrics, Spread};
 use kvd_control::PolicyKind;
 
 /// The CSV header of [`metrics_csv`].
@@ -28,7 +28,63 @@ int_ttft_mean_s,int_ttft_p99_s,int_tpot_mean_s,int_tpot_p99_s,int_e2e_mean_s,int
 bys_ttft_mean_s,bys_ttft_p99_s,bys_tpot_mean_s,bys_tpot_p99_s,bys_e2e_mean_s,bys_e2e_p99_s,\
 stall_mean_s,stall_p99_s,recovery_s,capacity_restore_s,recomputed_tokens,checkpoint_bytes,restore_network_bytes,\
 restore_h2d_bytes,peak_host_bytes_max,peak_host_bytes_mean,unplaced,tokens_requested,\
-tokens_delivered,makespan_s,events";
+tokens_delivered,makespan_s,events,\
+win_length_s,win_requests,win_bystanders,win_ttft_mean_s,win_ttft_p99_s,win_tpot_mean_s,win_tpot_p99_s,\
+win_bys_ttft_mean_s,win_bys_ttft_p99_s,win_bys_tpot_mean_s,win_bys_tpot_p99_s,\
+base_win_ttft_mean_s,base_win_tpot_mean_s,base_win_bys_ttft_mean_s,base_win_bys_tpot_mean_s,\
+impact_ttft,impact_tpot,bys_impact_ttft,bys_impact_tpot,\
+stall_mean_lo_s,stall_mean_hi_s,recovery_lo_s,recovery_hi_s,win_ttft_mean_lo_s,win_ttft_mean_hi_s,\
+bys_impact_ttft_lo,bys_impact_ttft_hi,bys_impact_tpot_lo,bys_impact_tpot_hi";
+
+/// The metrics reported with their spread over the seeds, by name.
+pub type Pick = fn(&RunMetrics) -> f64;
+/// Mean stall of the interrupted requests.
+pub const STALL: Pick = |m| m.stall.mean;
+/// Recovery time.
+pub const RECOVERY: Pick = |m| m.recovery_s;
+/// Mean TTFT of the recovery window's requests.
+pub const WINDOW_TTFT: Pick = |m| m.window.all.ttft.mean;
+/// Bystanders' failure impact on mean TTFT.
+pub const BYS_IMPACT_TTFT: Pick = |m| m.window.bys_impact_ttft;
+/// Bystanders' failure impact on mean TPOT.
+pub const BYS_IMPACT_TPOT: Pick = |m| m.window.bys_impact_tpot;
+
+fn window_cols(out: &mut String, r: &ScenarioResult, p: PolicyKind, m: &RunMetrics) {
+    let w = &m.window;
+    let _ = write!(
+        out,
+        ",{:.3},{},{},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.6},{:.4},{:.4},{:.4},{:.4}",
+        w.length_s,
+        w.all.requests,
+        w.bystanders.requests,
+        w.all.ttft.mean,
+        w.all.ttft.p99,
+        w.all.tpot.mean,
+        w.all.tpot.p99,
+        w.bystanders.ttft.mean,
+        w.bystanders.ttft.p99,
+        w.bystanders.tpot.mean,
+        w.bystanders.tpot.p99,
+        w.base_all.ttft.mean,
+        w.base_all.tpot.mean,
+        w.base_bystanders.ttft.mean,
+        w.base_bystanders.tpot.mean,
+        w.impact_ttft,
+        w.impact_tpot,
+        w.bys_impact_ttft,
+        w.bys_impact_tpot,
+    );
+    for (pick, digits) in [
+        (STALL, 6),
+        (RECOVERY, 6),
+        (WINDOW_TTFT, 6),
+        (BYS_IMPACT_TTFT, 4),
+        (BYS_IMPACT_TPOT, 4),
+    ] {
+        let s = r.spread(p, pick);
+        let _ = write!(out, ",{:.digits$},{:.digits$}", s.lo, s.hi);
+    }
+}
 
 fn lat(out: &mut String, l: &Latencies) {
     for s in [l.ttft, l.tpot, l.e2e] {
@@ -70,7 +126,7 @@ pub fn metrics_csv(exp: Experiment, results: &[ScenarioResult]) -> String {
             lat(&mut out, &m.overall);
             lat(&mut out, &m.interrupted_lat);
             lat(&mut out, &m.bystander_lat);
-            let _ = writeln!(
+            let _ = write!(
                 out,
                 ",{:.6},{:.6},{:.6},{:.6},{},{},{},{},{},{:.0},{},{},{},{:.6},{}",
                 m.stall.mean,
@@ -89,6 +145,8 @@ pub fn metrics_csv(exp: Experiment, results: &[ScenarioResult]) -> String {
                 m.makespan_s,
                 m.events,
             );
+            window_cols(&mut out, r, *p, m);
+            out.push('\n');
         }
     }
     out
@@ -131,60 +189,97 @@ fn vs(value: f64, base: f64, is_base: bool, digits: usize) -> String {
     format!("{value:.digits$} ({pct:+.0} %)")
 }
 
-/// The Markdown summary of every experiment run: per scenario and policy, the interrupted
-/// requests' TTFT / TPOT / end-to-end p99, the bystanders' TTFT p99, recovery time, recomputed
-/// tokens and checkpoint traffic, each with its change against StopRestart.
+/// `mean [lo, hi]` of a spread.
+fn ci(s: Spread, digits: usize) -> String {
+    format!("{:.digits$} [{:.digits$}, {:.digits$}]", s.mean, s.lo, s.hi)
+}
+
+/// How `lumen`'s interval sits against `other`'s: below, above, or overlapping (no claim).
+fn verdict(lumen: Spread, other: Spread) -> &'static str {
+    if lumen.below(&other) {
+        "below"
+    } else if other.below(&lumen) {
+        "**above**"
+    } else {
+        "overlaps"
+    }
+}
+
+/// The Markdown summary of every experiment run: per scenario and policy, the recovery
+/// window's TTFT and TPOT (all requests and bystanders) with their failure impact against the
+/// same arrivals without the failure, the whole-run TTFT beside them, the stall and recovery
+/// time of the interrupted requests (mean and 95 % interval over the seeds), recomputation
+/// and memory; then, per scenario, where Lumen's intervals lie against the others'.
 pub fn summary_markdown(all: &BTreeMap<Experiment, Vec<ScenarioResult>>) -> String {
     let mut out = String::new();
     for (exp, results) in all {
         let _ = writeln!(out, "### Experiment {}: {}\n", exp.name(), exp.title());
+        let seeds = results.first().map_or(0, |r| r.repeats);
+        let _ = writeln!(
+            out,
+            "Means over {seeds} seeds, 95 % intervals in brackets. Window: failure until the \
+             failed workers serve again; impact: window mean / the same requests' mean without \
+             the failure.\n"
+        );
         out.push_str(
-            "| scenario | policy | interrupted | stall mean (s) | recovery (s) | \
-             TPOT p99 int. (ms) | E2E p99 int. (s) | TTFT p99 bystanders (s) | \
-             TTFT p99 all (s) | recomputed tokens | checkpoint GB | peak host GB |\n",
+            "| scenario | policy | stall mean (s) | recovery (s) | window TTFT mean (s) | \
+             window TTFT p99 (s) | window TPOT mean / p99 (ms) | bystanders: impact TTFT | \
+             impact TPOT | whole-run TTFT mean (s) | recomputed tokens | peak host GB |\n",
         );
         out.push_str("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n");
         for r in results {
-            let Some(base) = r.metrics(BASELINE) else {
-                continue;
-            };
             for (p, o) in &r.runs {
                 let m: &RunMetrics = &o.metrics;
-                let b = *p == BASELINE;
+                let w = &m.window;
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.2} |",
+                    "| {} | {} | {} | {} | {} | {:.2} | {:.1} / {:.1} | {} | {} | {:.3} | {} | {:.1} |",
                     r.scenario.label,
                     p.name(),
-                    m.interrupted,
-                    vs(m.stall.mean, base.stall.mean, b, 3),
-                    vs(m.recovery_s, base.recovery_s, b, 2),
-                    vs(
-                        m.interrupted_lat.tpot.p99 * 1e3,
-                        base.interrupted_lat.tpot.p99 * 1e3,
-                        b,
-                        1
-                    ),
-                    vs(
-                        m.interrupted_lat.e2e.p99,
-                        base.interrupted_lat.e2e.p99,
-                        b,
-                        2
-                    ),
-                    vs(m.bystander_lat.ttft.p99, base.bystander_lat.ttft.p99, b, 2),
-                    vs(m.overall.ttft.p99, base.overall.ttft.p99, b, 2),
-                    vs(
-                        m.recomputed_tokens as f64,
-                        base.recomputed_tokens as f64,
-                        b,
-                        0
-                    ),
-                    m.checkpoint_bytes as f64 / 1e9,
+                    ci(r.spread(*p, STALL), 3),
+                    ci(r.spread(*p, RECOVERY), 2),
+                    ci(r.spread(*p, WINDOW_TTFT), 3),
+                    w.all.ttft.p99,
+                    w.all.tpot.mean * 1e3,
+                    w.all.tpot.p99 * 1e3,
+                    ci(r.spread(*p, BYS_IMPACT_TTFT), 2),
+                    ci(r.spread(*p, BYS_IMPACT_TPOT), 2),
+                    m.overall.ttft.mean,
+                    m.recomputed_tokens,
                     m.peak_host_bytes_max as f64 / 1e9,
                 );
             }
         }
         out.push('\n');
+        out.push_str(&verdict_table(results));
+        out.push('\n');
+    }
+    out
+}
+
+/// Per scenario: Lumen's interval against FixedRing's and StopRestart's for the stall, the
+/// recovery time and the window's mean TTFT ("below" is a claim; "overlaps" is none).
+fn verdict_table(results: &[ScenarioResult]) -> String {
+    let mut out = String::from(
+        "| scenario | stall vs fixed_ring | vs stop_restart | recovery vs fixed_ring | \
+         vs stop_restart | window TTFT vs fixed_ring | vs stop_restart |\n|---|---|---|---|---|---|---|\n",
+    );
+    for r in results {
+        if r.metrics(PolicyKind::Lumen).is_none() {
+            continue;
+        }
+        let mut cells = Vec::new();
+        for pick in [STALL, RECOVERY, WINDOW_TTFT] {
+            let l = r.spread(PolicyKind::Lumen, pick);
+            for other in [PolicyKind::FixedRing, BASELINE] {
+                cells.push(if r.metrics(other).is_some() {
+                    verdict(l, r.spread(other, pick))
+                } else {
+                    "-"
+                });
+            }
+        }
+        let _ = writeln!(out, "| {} | {} |", r.scenario.label, cells.join(" | "));
     }
     out
 }
@@ -348,7 +443,7 @@ fn plot_err(path: &Path, e: impl std::fmt::Display) -> crate::Error {
 /// Grouped bars: per scenario, one bar per policy, for the interrupted requests' TTFT p99 and
 /// the recovery time.
 fn bars_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> crate::Result<()> {
-    let root = BitMapBackend::new(path, (1100, 420)).into_drawing_area();
+    let root = BitMapBackend::new(path, (1650, 420)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| plot_err(path, e))?;
     let root = root
         .titled(
@@ -356,90 +451,116 @@ fn bars_png(path: &Path, exp: Experiment, results: &[ScenarioResult]) -> crate::
             ("sans-serif", 17),
         )
         .map_err(|e| plot_err(path, e))?;
-    let (left, right) = root.split_horizontally(550);
-    type Pick = fn(&RunMetrics) -> f64;
-    let panels: [(&DrawingArea<BitMapBackend<'_>, _>, &str, Pick); 2] = [
+    let (left, rest) = root.split_horizontally(550);
+    let (middle, right) = rest.split_horizontally(550);
+    let panels: [(&DrawingArea<BitMapBackend<'_>, _>, &str, Pick); 3] = [
         (
             &left,
             "mean stall of interrupted requests: failure to next token (s)",
-            |m| m.stall.mean,
+            STALL,
+        ),
+        (
+            &middle,
+            "recovery time: failure to the last one's next token (s)",
+            RECOVERY,
         ),
         (
             &right,
-            "recovery time: failure to the last interrupted request's next token (s)",
-            |m| m.recovery_s,
+            "bystanders' failure impact on mean TTFT in the window (x)",
+            BYS_IMPACT_TTFT,
         ),
     ];
-    let groups = results.len().max(1) as i32;
-    // Each scenario is a group of one bar per policy and a gap: `width` x units.
     let policies: Vec<PolicyKind> = results
         .first()
         .map(|r| r.runs.iter().map(|(p, _)| *p).collect())
         .unwrap_or_default();
-    let width = policies.len() as i32 + 1;
     let labels: Vec<String> = results.iter().map(|r| r.scenario.label.clone()).collect();
     for (area, title, pick) in panels {
-        let ymax = results
-            .iter()
-            .flat_map(|r| r.runs.iter().map(|(_, o)| pick(&o.metrics)))
-            .fold(0.0f64, f64::max)
-            .max(1e-3)
-            * 1.15;
-        let mut chart = ChartBuilder::on(area)
-            .caption(title, ("sans-serif", 15))
-            .margin(10)
-            .x_label_area_size(30)
-            .y_label_area_size(50)
-            .build_cartesian_2d(0..groups * width, 0.0..ymax)
-            .map_err(|e| plot_err(path, e))?;
-        let fmt = |x: &i32| {
-            if x.rem_euclid(width) == width / 2 {
-                labels
-                    .get((x / width) as usize)
-                    .cloned()
-                    .unwrap_or_default()
-            } else {
-                String::new()
-            }
-        };
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .light_line_style(WHITE)
-            .x_labels((groups * width) as usize + 1)
-            .x_label_formatter(&fmt)
-            .y_label_style(("sans-serif", 12))
-            .x_label_style(("sans-serif", 12))
-            .draw()
-            .map_err(|e| plot_err(path, e))?;
-        for (pi, p) in policies.iter().enumerate() {
-            let color = policy_color(*p);
-            let bars = results.iter().enumerate().filter_map(|(g, r)| {
-                let m = r.metrics(*p)?;
-                let x0 = g as i32 * width + pi as i32 + 1;
-                Some(Rectangle::new(
-                    [(x0, 0.0), (x0 + 1, pick(m))],
-                    color.filled(),
-                ))
-            });
-            chart
-                .draw_series(bars)
-                .map_err(|e| plot_err(path, e))?
-                .label(p.name())
-                .legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled())
-                });
-        }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 12))
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()
-            .map_err(|e| plot_err(path, e))?;
+        bars_panel(path, area, title, pick, results, &labels, &policies)?;
     }
     root.present().map_err(|e| plot_err(path, e))?;
+    Ok(())
+}
+
+/// One panel of [`bars_png`]: per scenario a group of bars (one per policy, the mean over the
+/// seeds) with the 95 % interval as a whisker.
+fn bars_panel(
+    path: &Path,
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    title: &str,
+    pick: Pick,
+    results: &[ScenarioResult],
+    labels: &[String],
+    policies: &[PolicyKind],
+) -> crate::Result<()> {
+    let groups = results.len().max(1) as i32;
+    // Each scenario is a group of one bar per policy and a gap, `width` x units; each bar is
+    // two units wide, so a whisker can sit at its middle.
+    let width = 2 * policies.len() as i32 + 2;
+    let ymax = results
+        .iter()
+        .flat_map(|r| r.runs.iter().map(|(p, _)| r.spread(*p, pick).hi))
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.15;
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 15))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0..groups * width, 0.0..ymax)
+        .map_err(|e| plot_err(path, e))?;
+    let fmt = |x: &i32| {
+        if x.rem_euclid(width) == width / 2 {
+            labels
+                .get((x / width) as usize)
+                .cloned()
+                .unwrap_or_default()
+        } else {
+            String::new()
+        }
+    };
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .light_line_style(WHITE)
+        .x_labels((groups * width) as usize + 1)
+        .x_label_formatter(&fmt)
+        .y_label_style(("sans-serif", 12))
+        .x_label_style(("sans-serif", 12))
+        .draw()
+        .map_err(|e| plot_err(path, e))?;
+    for (pi, p) in policies.iter().enumerate() {
+        let color = policy_color(*p);
+        let bars = results.iter().enumerate().filter_map(|(g, r)| {
+            let m = r.metrics(*p)?;
+            let x0 = g as i32 * width + 2 * pi as i32 + 1;
+            Some(Rectangle::new(
+                [(x0, 0.0), (x0 + 2, pick(m))],
+                color.filled(),
+            ))
+        });
+        chart
+            .draw_series(bars)
+            .map_err(|e| plot_err(path, e))?
+            .label(p.name())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+        // The 95 % interval over the seeds, as a whisker over each bar.
+        let whiskers = results.iter().enumerate().map(|(g, r)| {
+            let s = r.spread(*p, pick);
+            let x = g as i32 * width + 2 * pi as i32 + 2;
+            PathElement::new(vec![(x, s.lo.max(0.0)), (x, s.hi)], BLACK.stroke_width(2))
+        });
+        chart.draw_series(whiskers).map_err(|e| plot_err(path, e))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 12))
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(|e| plot_err(path, e))?;
     Ok(())
 }
 

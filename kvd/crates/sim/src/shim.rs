@@ -2,7 +2,7 @@
 //! router or `kvd control` runs) and translates the simulator's events into its calls.
 //!
 //! Nothing here decides anything: placement, recovery dispatch, rebalancing, restore plans and
-//! assist pairing all come from [`crate::control`]. This file converts units (simulated
+//! assist pairing all come from [`kvd_control`]. This file converts units (simulated
 //! microseconds to the controller's milliseconds, indices to ids) and unpacks the decisions.
 
 use super::config::ClusterConfig;
