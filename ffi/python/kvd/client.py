@@ -220,6 +220,8 @@ class BlockView:
         arr = (ctypes.c_ubyte * v.len).from_address(v.data) if v.len else (ctypes.c_ubyte * 0)()
         self.data: memoryview = memoryview(arr).cast("B").toreadonly()
         self.handle = v.handle
+        self.address: int = int(v.data or 0)
+        """The block's first byte in the pool (for copies to raw addresses, ``ctypes.memmove``)."""
 
     def still_valid(self) -> None:
         """Raise ``StaleGeneration`` (or ``Disconnected``) if the page did not hold the block
