@@ -212,81 +212,6 @@
 typedef struct KvdClient KvdClient;
 
 /**
- * Everything that determines a KV block's bytes (see kvd's `NamespaceDescriptor`). Strings are
- * NUL-terminated UTF-8 (at most 256 bytes each); NULL reads as "".
- */
-typedef struct {
-  /**
-   * Model name, e.g. "Qwen/Qwen3-14B".
-   */
-  const char *model_name;
-  /**
-   * Exact model revision.
-   */
-  const char *model_revision;
-  /**
-   * Tokenizer identity.
-   */
-  const char *tokenizer;
-  /**
-   * Adapter id and revision ("" for none).
-   */
-  const char *adapter;
-  /**
-   * Cache salt ("" for none).
-   */
-  const char *cache_salt;
-  /**
-   * RoPE / position parameters, canonicalised by the engine.
-   */
-  const char *rope;
-  /**
-   * One of `KVD_DTYPE_*`.
-   */
-  uint32_t dtype;
-  /**
-   * Layers in one block.
-   */
-  uint32_t num_layers;
-  /**
-   * KV heads in one block (after TP sharding).
-   */
-  uint32_t num_kv_heads;
-  /**
-   * Head dimension.
-   */
-  uint32_t head_dim;
-  /**
-   * Tokens per block.
-   */
-  uint32_t tokens_per_block;
-  /**
-   * Tensor-parallel rank.
-   */
-  uint32_t tp_rank;
-  /**
-   * Tensor-parallel size.
-   */
-  uint32_t tp_size;
-  /**
-   * Pipeline-parallel rank.
-   */
-  uint32_t pp_rank;
-  /**
-   * Pipeline-parallel size.
-   */
-  uint32_t pp_size;
-  /**
-   * Zero.
-   */
-  uint32_t reserved;
-  /**
-   * Bytes of one block.
-   */
-  uint64_t bytes_per_block;
-} KvdNamespaceDescriptor;
-
-/**
  * A namespace id: blake3 of the namespace descriptor's canonical encoding.
  */
 typedef struct {
@@ -378,6 +303,103 @@ typedef struct {
    */
   uint64_t pin_ttl_ms;
 } KvdBlockInfo;
+
+/**
+ * One finished asynchronous call.
+ */
+typedef struct {
+  /**
+   * The tag given at submit.
+   */
+  uint64_t user_tag;
+  /**
+   * The call's status (`KVD_OK`, or its error's code).
+   */
+  int32_t status;
+  /**
+   * Lookup: whether the blocks were pinned.
+   */
+  bool pinned;
+  /**
+   * Lookup: blocks of the prefix, written to the `out` array given at submit.
+   */
+  uint64_t block_count;
+} KvdCompletion;
+
+/**
+ * Everything that determines a KV block's bytes (see kvd's `NamespaceDescriptor`). Strings are
+ * NUL-terminated UTF-8 (at most 256 bytes each); NULL reads as "".
+ */
+typedef struct {
+  /**
+   * Model name, e.g. "Qwen/Qwen3-14B".
+   */
+  const char *model_name;
+  /**
+   * Exact model revision.
+   */
+  const char *model_revision;
+  /**
+   * Tokenizer identity.
+   */
+  const char *tokenizer;
+  /**
+   * Adapter id and revision ("" for none).
+   */
+  const char *adapter;
+  /**
+   * Cache salt ("" for none).
+   */
+  const char *cache_salt;
+  /**
+   * RoPE / position parameters, canonicalised by the engine.
+   */
+  const char *rope;
+  /**
+   * One of `KVD_DTYPE_*`.
+   */
+  uint32_t dtype;
+  /**
+   * Layers in one block.
+   */
+  uint32_t num_layers;
+  /**
+   * KV heads in one block (after TP sharding).
+   */
+  uint32_t num_kv_heads;
+  /**
+   * Head dimension.
+   */
+  uint32_t head_dim;
+  /**
+   * Tokens per block.
+   */
+  uint32_t tokens_per_block;
+  /**
+   * Tensor-parallel rank.
+   */
+  uint32_t tp_rank;
+  /**
+   * Tensor-parallel size.
+   */
+  uint32_t tp_size;
+  /**
+   * Pipeline-parallel rank.
+   */
+  uint32_t pp_rank;
+  /**
+   * Pipeline-parallel size.
+   */
+  uint32_t pp_size;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+  /**
+   * Bytes of one block.
+   */
+  uint64_t bytes_per_block;
+} KvdNamespaceDescriptor;
 
 /**
  * Which class of block to allocate.
@@ -813,6 +835,47 @@ const char *kvd_version(void);
  * Thread-safe.
  */
 uint32_t kvd_abi_version(void);
+
+/**
+ * Start client `client`'s asynchronous queue: one worker thread that runs submitted calls on
+ * this client (its session, its pins), at most `max_inflight` (1..4096) submitted and not yet
+ * polled. Once per client; it stops at `kvd_close`. Thread-safe.
+ */
+int32_t kvd_async_start(KvdClient *client, uint32_t max_inflight);
+
+/**
+ * The queue's eventfd (owned by libkvd: do not close it): readable while completions wait to
+ * be polled. Thread-safe; never waits.
+ */
+int32_t kvd_async_fd(KvdClient *client, int32_t *fd);
+
+/**
+ * Submit a `kvd_lookup_prefix` of `tags[0..n]` (copied now). Its blocks are written to `out`
+ * (which must hold `n` infos and stay valid and untouched until this call's completion has
+ * been polled) by the `kvd_async_poll` that returns the completion. `KVD_ERR_OVERLOADED` when
+ * `max_inflight` calls are submitted and not yet polled. Thread-safe; never waits for a call
+ * in flight.
+ */
+int32_t kvd_async_lookup_prefix(KvdClient *client,
+                                const KvdNamespaceId *namespace_id,
+                                const KvdTag *tags,
+                                size_t n,
+                                bool pin,
+                                uint64_t pin_ttl_ms,
+                                uint64_t user_tag,
+                                KvdBlockInfo *out,
+                                size_t out_cap);
+
+/**
+ * Take up to `cap` completions into `out`, waiting at most `timeout_ms` for the first (0: do
+ * not wait); `*n` receives their count. Each lookup's blocks are written to its submit's `out`
+ * array here, on the calling thread. Thread-safe.
+ */
+int32_t kvd_async_poll(KvdClient *client,
+                       uint64_t timeout_ms,
+                       KvdCompletion *out,
+                       size_t cap,
+                       size_t *n);
 
 /**
  * The namespace id of a descriptor, computed here (no daemon needed); the daemon computes the

@@ -57,3 +57,41 @@ fn the_pool_mapping_shows_a_pinned_blocks_bytes_at_its_offset_until_the_page_mov
     let e = c.view_still_valid(&b.handle).unwrap_err();
     assert!(matches!(e, Error::StaleGeneration { .. }), "{e}");
 }
+
+#[test]
+fn a_submitter_runs_lookups_off_the_callers_thread_within_its_bound() {
+    use kvd::client::{AsyncOp, AsyncReply, Submitter};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    let d = Daemon::start(&[]);
+    let mut c = d.client("async", 30_000);
+    let ns = c.register_namespace(&namespace()).unwrap();
+    let ks = keys(ns, 6, 2);
+    for k in &ks {
+        put_one(&mut c, *k, &pattern(4096, 6));
+    }
+    let tags: Vec<_> = ks.iter().map(|k| k.tag).collect();
+    let shared = Arc::new(Mutex::new(Some(c)));
+    let s = Submitter::start(Arc::clone(&shared), 1).unwrap();
+    let op = AsyncOp::LookupPrefix {
+        namespace: ns,
+        tags,
+        pin: false,
+        pin_ttl_ms: None,
+    };
+    s.submit(7, 70, op.clone()).unwrap();
+    let e = s.submit(8, 80, op.clone()).unwrap_err();
+    assert!(matches!(e, Error::Overloaded { .. }), "{e}");
+    let done = s.poll(4, Duration::from_secs(30));
+    assert_eq!(done.len(), 1);
+    assert_eq!((done[0].user_tag, done[0].context), (7, 70));
+    match &done[0].result {
+        Ok(AsyncReply::Prefix(hit)) => assert_eq!(hit.blocks.len(), 2),
+        r => panic!("unexpected {r:?}"),
+    }
+    assert!(s.poll(4, Duration::ZERO).is_empty());
+    s.submit(9, 90, op).unwrap(); // the bound frees as completions are polled
+    assert_eq!(s.poll(1, Duration::from_secs(30))[0].user_tag, 9);
+    assert!(Submitter::start(shared, 0).is_err());
+}

@@ -164,6 +164,11 @@ fn misuse_from_c_is_answered_with_errors_not_crashes() {
 }
 
 #[test]
+fn asynchronous_lookups_complete_through_the_eventfd_within_their_bound() {
+    passes("async", &[]);
+}
+
+#[test]
 fn a_c_client_sees_unavailable_while_its_daemon_drains_and_disconnected_once_it_died() {
     for exe in builds("drills") {
         let mut d = Daemon::start(&["--drain-deadline-ms", "30000"]);
@@ -206,4 +211,12 @@ fn the_c_example_publishes_a_block_the_rust_client_then_finds() {
     let status = d.status();
     assert_eq!(status.stats.accounting.published, 1);
     assert_eq!(status.stats.counters.blocks_published, 1);
+}
+
+#[test]
+fn the_bindings_benchmark_compiles_against_the_header() {
+    // It runs in scripts/bench-bindings.sh against a release daemon; here it only must build.
+    let out = tempfile::tempdir().unwrap();
+    let exe = compile(&root().join("benches/c/bindings.c"), out.path(), false);
+    assert!(exe.exists());
 }

@@ -14,7 +14,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use kvd_client::Client;
+use kvd_client::{Client, SharedClient, Submitter};
 use kvd_core::Error;
 
 use crate::status::{KVD_ERR_INTERNAL, KVD_OK, KvdErrorInfo, set_last};
@@ -30,12 +30,15 @@ pub const KVD_MAX_CLIENTS: usize = 4096;
 
 const MAGIC: usize = 0xA5;
 
-type Cell = Arc<Mutex<Option<Client>>>;
+type Cell = SharedClient;
 
 #[derive(Default)]
 struct Slot {
     generation: u32,
     client: Option<Cell>,
+    /// The client's asynchronous queue, once started (reached without the client's lock, so a
+    /// submit never waits for a call in flight).
+    submitter: Option<Arc<Submitter>>,
 }
 
 static TABLE: Mutex<Vec<Slot>> = Mutex::new(Vec::new());
@@ -80,30 +83,73 @@ pub(crate) fn insert(c: Client) -> kvd_core::Result<*mut KvdClient> {
     // Generation 0 is never handed out, so an all-zero-but-magic word is never a client.
     slot.generation = slot.generation.wrapping_add(1).max(1);
     slot.client = Some(Arc::new(Mutex::new(Some(c))));
+    slot.submitter = None;
     Ok(encode(index, slot.generation))
 }
 
-fn lookup(p: *mut KvdClient) -> kvd_core::Result<Cell> {
+/// The open slot `p` names, under the table's lock.
+fn slot(t: &mut [Slot], p: *mut KvdClient) -> kvd_core::Result<&mut Slot> {
     let (index, generation) = decode(p).ok_or_else(|| not_a_client(p))?;
-    let t = table();
-    match t.get(index) {
-        Some(Slot {
-            generation: g,
-            client: Some(c),
-        }) if *g == generation => Ok(Arc::clone(c)),
+    match t.get_mut(index) {
+        Some(s) if s.generation == generation && s.client.is_some() => Ok(s),
         _ => Err(not_a_client(p)),
     }
+}
+
+fn lookup(p: *mut KvdClient) -> kvd_core::Result<Cell> {
+    let mut t = table();
+    let s = slot(&mut t, p)?;
+    Ok(Arc::clone(s.client.as_ref().expect("checked by slot")))
+}
+
+/// Start client `p`'s asynchronous queue (once).
+pub(crate) fn start_submitter(p: *mut KvdClient, max_inflight: usize) -> kvd_core::Result<()> {
+    let cell = lookup(p)?;
+    let mut t = table();
+    let s = slot(&mut t, p)?;
+    if s.submitter.is_some() {
+        return Err(Error::InvalidArgument(
+            "this client's asynchronous queue is started already".into(),
+        ));
+    }
+    s.submitter = Some(Arc::new(Submitter::start(cell, max_inflight)?));
+    Ok(())
+}
+
+/// Run one entry point on client `p`'s asynchronous queue, without the client's lock.
+pub(crate) fn with_submitter(
+    name: &str,
+    p: *mut KvdClient,
+    f: impl FnOnce(&Submitter) -> Result<(), Failure>,
+) -> i32 {
+    entry(name, || {
+        let sub = {
+            let mut t = table();
+            let s = slot(&mut t, p)?;
+            s.submitter.clone().ok_or_else(|| {
+                Error::InvalidArgument(
+                    "this client has no asynchronous queue: call kvd_async_start first".into(),
+                )
+            })?
+        };
+        f(&sub)
+    })
 }
 
 /// Take a client out of the table (its handle is dead from here on); `None` if `p` is not an
 /// open client. Waits for a call in flight on it to finish.
 pub(crate) fn remove(p: *mut KvdClient) -> kvd_core::Result<Option<Client>> {
-    let cell = lookup(p)?;
-    {
-        let (index, _) = decode(p).expect("decoded by lookup");
+    let (cell, submitter) = {
         let mut t = table();
-        t[index].client = None;
-    }
+        let s = slot(&mut t, p)?;
+        (
+            s.client.take().expect("checked by slot"),
+            s.submitter.take(),
+        )
+    };
+    // Stop the asynchronous worker first (it finishes the call it is running), then take the
+    // client.
+    drop(submitter);
     let mut g = cell.lock().unwrap_or_else(PoisonError::into_inner);
     Ok(g.take())
 }

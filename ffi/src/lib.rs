@@ -20,6 +20,9 @@
 //!   the one it was compiled with in `KvdClientOptions.abi_version` and `kvd_connect` refuses
 //!   another (`KVD_ERR_PROTOCOL`).
 //!
+//! - Asynchronous lookups (`kvd_async_*`): a worker thread per client, started only by
+//!   `kvd_async_start`, with a bounded queue and an eventfd, so a scheduler never blocks on kvd.
+//!
 //! This crate depends on `kvd-client` and `kvd-core` only; `scripts/check-deps.py` fails the
 //! test suite if what it links ever includes a daemon dependency.
 //!
@@ -28,6 +31,7 @@
 #![cfg(target_pointer_width = "64")]
 
 mod args;
+mod asynchronous;
 mod blocks;
 mod checkpoints;
 mod handles;
@@ -38,6 +42,7 @@ mod views;
 
 use std::ffi::c_char;
 
+pub use asynchronous::*;
 pub use blocks::*;
 pub use checkpoints::*;
 pub use handles::{KVD_MAX_CLIENTS, KvdClient};

@@ -45,6 +45,7 @@
 
 mod health;
 mod raw;
+mod submit;
 mod views;
 
 use std::collections::HashMap;
@@ -64,6 +65,7 @@ use kvd_core::{Error, Result};
 
 pub use health::{CANARY_BYTES, HealthReport};
 pub use raw::PoolMapping;
+pub use submit::{AsyncOp, AsyncReply, Completion, MAX_INFLIGHT, SharedClient, Submitter};
 use transport::local::{PageGenerations, SharedRegion};
 pub use views::BlockView;
 use views::{Readable, Writable};
