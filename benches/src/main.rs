@@ -4,10 +4,12 @@
 //! Subcommands (one per data path; more come with the remote transports):
 //!
 //! - `local`: engine ↔ daemon on one node, through the Unix socket and the mapped pool.
+//! - `bindings`: the Rust client's half of the C / Python bindings' overhead measurement.
 //!
 //! Progress goes to stderr, the summary table to stdout. Every loop is bounded in count and
 //! time.
 
+mod bindings;
 mod local;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +31,10 @@ enum Command {
     /// this one: build both with `cargo build --release -p kvd -p kvd-bench`). With `--socket`
     /// it measures a running daemon at that daemon's page size.
     Local(local::LocalArgs),
+    /// The Rust client's half of the bindings' overhead measurement (run by
+    /// scripts/bench-bindings.sh beside the C and Python halves): lookup of 128 tags, put and
+    /// get of 64 x 2.5 MiB pages, against a running daemon.
+    Bindings(bindings::BindingsArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -37,6 +43,13 @@ fn main() -> std::process::ExitCode {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kvd-bench local: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Command::Bindings(args) => match bindings::run(&args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvd-bench bindings: {e}");
                 std::process::ExitCode::FAILURE
             }
         },

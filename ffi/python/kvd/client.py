@@ -15,6 +15,7 @@ release every view's memoryview first, so Python code gets ``ValueError`` instea
 from __future__ import annotations
 
 import ctypes
+import struct
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -171,16 +172,22 @@ def _statuses(n: int) -> Any:
     return (ctypes.c_int32 * max(n, 1))()
 
 
-def _block(b: _lib.BlockInfo) -> Block:
-    h = _lib.Handle.from_buffer_copy(b.handle)
-    return Block(
-        bytes(b.key.namespace_id.bytes) + bytes(b.key.tag.bytes),
-        h,
-        b.offset,
-        b.len,
-        b.checksum,
-        b.pin_ttl_ms,
-    )
+_INFO_BYTES = ctypes.sizeof(_lib.BlockInfo)
+_HANDLE_AT = _lib.BlockInfo.handle.offset
+_REST = struct.Struct("<QQIIQ")  # offset, len, checksum, reserved, pin_ttl_ms
+_REST_AT = _lib.BlockInfo.offset.offset
+
+
+def _blocks(arr: Any, n: int) -> list[Block]:
+    """The first ``n`` infos of a ``BlockInfo`` array, read from its bytes in one pass."""
+    raw = ctypes.string_at(ctypes.addressof(arr), n * _INFO_BYTES)
+    out = []
+    for i in range(n):
+        at = i * _INFO_BYTES
+        off, length, crc, _, ttl = _REST.unpack_from(raw, at + _REST_AT)
+        h = _lib.Handle.from_buffer_copy(raw, at + _HANDLE_AT)
+        out.append(Block(raw[at : at + 64], h, off, length, crc, ttl))
+    return out
 
 
 def _readable(data: Buffer) -> tuple[int, int, Any]:
@@ -202,6 +209,10 @@ def _readable(data: Buffer) -> tuple[int, int, Any]:
 
 
 def _writable(dst: Buffer) -> tuple[int, int, Any]:
+    iface = getattr(dst, "__array_interface__", None)
+    if iface is not None and not iface["data"][1] and getattr(dst, "flags", None) is not None:
+        if dst.flags["C_CONTIGUOUS"]:  # numpy: its address, no buffer export
+            return int(iface["data"][0]), int(dst.nbytes), dst
     mv = memoryview(dst)
     if mv.readonly or not mv.c_contiguous:
         raise ValueError("the destination must be a writable, C-contiguous buffer")
@@ -376,7 +387,7 @@ class Client:
         out = (_lib.BlockInfo * max(n, 1))()
         got, pinned = ctypes.c_size_t(), ctypes.c_bool()
         check(L.kvd_lookup_prefix(self._c(), _ns(namespace), ts, n, pin, pin_ttl_ms, out, n, got, pinned))
-        return [_block(out[i]) for i in range(got.value)]
+        return _blocks(out, got.value)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are PUBLISHED."""
@@ -390,7 +401,8 @@ class Client:
         n = len(keys)
         out, st = (_lib.BlockInfo * max(n, 1))(), _statuses(n)
         check(L.kvd_acquire(self._c(), _keys(keys), n, ttl_ms, out, st))
-        return [_block(out[i]) if st[i] == OK else for_status(st[i]) for i in range(n)]
+        blocks = _blocks(out, n)
+        return [blocks[i] if st[i] == OK else for_status(st[i]) for i in range(n)]
 
     def release(self, handles: Sequence[_lib.Handle]) -> list[Optional[KvdError]]:
         """Release pins; a stale or already released entry gets its error in its place."""
@@ -629,5 +641,5 @@ class Client:
             info.epoch,
             info.tokens,
             info.committed_tokens,
-            [_block(blocks[i]) for i in range(info.block_count)],
+            _blocks(blocks, info.block_count),
         )
