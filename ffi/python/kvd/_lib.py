@@ -247,6 +247,15 @@ class View(Structure):
     ]
 
 
+class Completion(Structure):
+    _fields_ = [
+        ("user_tag", c_uint64),
+        ("status", c_int32),
+        ("pinned", c_bool),
+        ("block_count", c_uint64),
+    ]
+
+
 P = POINTER
 C = c_void_p  # KvdClient * (an opaque handle, never dereferenced here)
 I32 = c_int32
@@ -328,6 +337,13 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
         I32,
         [C, c_uint64, P(c_uint32), c_size_t, P(RestoreInfo), P(BlockInfo), c_size_t],
     ),
+    "kvd_async_start": (I32, [C, c_uint32]),
+    "kvd_async_fd": (I32, [C, P(c_int32)]),
+    "kvd_async_lookup_prefix": (
+        I32,
+        [C, P(NamespaceId), P(Tag), c_size_t, c_bool, c_uint64, c_uint64, P(BlockInfo), c_size_t],
+    ),
+    "kvd_async_poll": (I32, [C, c_uint64, P(Completion), c_size_t, P(c_size_t)]),
 }
 
 for _name, (_res, _args) in _PROTOTYPES.items():

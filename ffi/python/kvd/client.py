@@ -291,6 +291,9 @@ class Client:
         check(L.kvd_connect(str(socket).encode(), o, h))
         self._h: Optional[int] = h.value
         self._views: "weakref.WeakSet[BlockView]" = weakref.WeakSet()
+        # Asynchronous lookups in flight: ticket -> the output array libkvd fills at poll.
+        self._pending: dict[int, Any] = {}
+        self._next_ticket = 1
 
     # -- session ---------------------------------------------------------------------------
 
@@ -524,6 +527,49 @@ class Client:
         p, cap = ctypes.c_void_p(), ctypes.c_uint64()
         check(L.kvd_block_mut(self._c(), handle, p, cap))
         return memoryview((ctypes.c_ubyte * cap.value).from_address(p.value or 0)).cast("B")
+
+    # -- asynchronous lookups (an event loop submits and polls, never blocks on kvd) -------
+
+    def async_start(self, max_inflight: int = 64) -> None:
+        """Start this client's asynchronous queue (a worker thread of libkvd's, once)."""
+        check(L.kvd_async_start(self._c(), max_inflight))
+
+    def async_fd(self) -> int:
+        """An eventfd, readable while completions wait (for ``select``/``asyncio`` loops)."""
+        fd = ctypes.c_int32()
+        check(L.kvd_async_fd(self._c(), fd))
+        return fd.value
+
+    def submit_lookup_prefix(
+        self, namespace: bytes, tags: Sequence[bytes], pin: bool = False, pin_ttl_ms: int = 0
+    ) -> int:
+        """Submit a ``lookup_prefix``; returns a ticket that ``poll`` answers. ``Overloaded``
+        when the queue's bound of unpolled calls is reached."""
+        n = len(tags)
+        ts = (_lib.Tag * max(n, 1))()
+        raw = b"".join(tags)
+        if len(raw) != 32 * n:
+            raise ValueError("every tag is 32 bytes")
+        ctypes.memmove(ts, raw, len(raw))
+        out = (_lib.BlockInfo * max(n, 1))()
+        ticket = self._next_ticket
+        check(L.kvd_async_lookup_prefix(self._c(), _ns(namespace), ts, n, pin, pin_ttl_ms, ticket, out, n))
+        self._next_ticket += 1
+        self._pending[ticket] = out
+        return ticket
+
+    def poll(self, timeout_ms: int = 0, max_completions: int = 64) -> list[tuple[int, Union[list[Block], KvdError]]]:
+        """Finished asynchronous calls: ``(ticket, blocks or error)``, waiting at most
+        ``timeout_ms`` for the first (0: not at all)."""
+        comps = (_lib.Completion * max_completions)()
+        n = ctypes.c_size_t()
+        check(L.kvd_async_poll(self._c(), timeout_ms, comps, max_completions, n))
+        done: list[tuple[int, Union[list[Block], KvdError]]] = []
+        for i in range(n.value):
+            c = comps[i]
+            out = self._pending.pop(c.user_tag)
+            done.append((c.user_tag, _blocks(out, c.block_count) if c.status == OK else for_status(c.status)))
+        return done
 
     # -- batched convenience over the calls above ------------------------------------------
 

@@ -8,7 +8,9 @@ Load it through vLLM's own plug-in hook (``kv_connector`` names the class,
         "kv_connector_extra_config": {"socket": "/run/kvd/kvd.sock", "pin_ttl_ms": 5000}}'
 
 Settings come from ``kv_connector_extra_config``: ``socket`` (else ``$KVD_SOCKET``, else
-``kvd-data/kvd.sock``), ``pin_ttl_ms``, ``cache_salt``, ``kv_layout`` (``"2_first"``: a layer's
+``kvd-data/kvd.sock``), ``pin_ttl_ms``, ``cache_salt``, ``async_lookup`` (look prefixes up on libkvd's worker thread: the
+scheduler's first question about a request answers ``None`` and a later one the hit, so the
+scheduler never waits for the daemon), ``kv_layout`` (``"2_first"``: a layer's
 cache is ``[2, num_blocks, ...]`` as FlashAttention lays it out; ``"blocks_first"``:
 ``[num_blocks, ...]``), ``bytes_per_block`` (to override the computed size).
 
@@ -106,11 +108,17 @@ class KvdConnector(_Base):  # type: ignore[misc,valid-type]
         self.block_size = int(_cfg(vllm_config, "cache_config", "block_size", default=16))
         self.pin_ttl_ms = int(extra.get("pin_ttl_ms", 5000))
         self.kv_layout = str(extra.get("kv_layout", "2_first"))
+        self.async_lookup = bool(extra.get("async_lookup", False))
         socket = extra.get("socket") or os.environ.get("KVD_SOCKET", "kvd-data/kvd.sock")
         self.tp_rank = int(extra.get("tp_rank", _tp_rank()))
         self.client = Client(socket, name=f"vllm-{self.role_name.lower()}-tp{self.tp_rank}")
         self.namespace = self.client.register_namespace(self.namespace_descriptor())
         # Scheduler side.
+        if self.async_lookup:
+            self.client.async_start(int(extra.get("max_inflight_lookups", 256)))
+        self._asking: dict[int, str] = {}  # ticket -> request id
+        self._asked: dict[str, Optional[int]] = {}  # request id -> ticket, or None once answered
+        self._answers: dict[str, int] = {}  # request id -> blocks found
         self._loads: dict[str, BlockTransfer] = {}
         self._saves: list[BlockTransfer] = []
         # Worker side.
@@ -158,15 +166,35 @@ class KvdConnector(_Base):  # type: ignore[misc,valid-type]
         """Tokens beyond ``num_computed_tokens`` that kvd holds; ``None`` means ask again."""
         tags = self._tags(request)
         try:
-            hit = self.client.lookup_prefix(self.namespace, tags)
+            found = self._lookup(request.request_id, tags) if self.async_lookup else len(
+                self.client.lookup_prefix(self.namespace, tags)
+            )
         except (Overloaded, Disconnected):
             self._try_reconnect()
             return None, False
-        hit_tokens = len(hit) * self.block_size
+        if found is None:
+            return None, False
+        hit_tokens = found * self.block_size
         total = int(getattr(request, "num_tokens", hit_tokens + 1))
         if hit_tokens >= total:  # the last token is always computed (it yields the logits)
             hit_tokens = (total - 1) // self.block_size * self.block_size
         return max(0, hit_tokens - num_computed_tokens), False
+
+    def _lookup(self, req_id: str, tags: list[bytes]) -> Optional[int]:
+        """Asynchronous lookups: the answer once libkvd's worker has it, else None (vLLM asks
+        again at a later step). The scheduler never waits for the daemon."""
+        if req_id not in self._asked:
+            ticket = self.client.submit_lookup_prefix(self.namespace, tags)
+            self._asked[req_id] = ticket
+            self._asking[ticket] = req_id
+        for ticket, result in self.client.poll(0):
+            rid = self._asking.pop(ticket)
+            self._asked[rid] = None
+            self._answers[rid] = 0 if isinstance(result, KvdError) else len(result)
+        if req_id in self._answers:
+            del self._asked[req_id]
+            return self._answers.pop(req_id)
+        return None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:

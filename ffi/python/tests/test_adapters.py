@@ -4,6 +4,7 @@ laid out as the engines lay them out."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -233,3 +234,22 @@ def test_vllm_block_hashes_become_tags():
     assert block_tag(SimpleNamespace(hash_value=7)) == block_tag(SimpleNamespace(hash_value=7))
     with pytest.raises(ValueError):
         kvd.key(b"x", b"y")
+
+
+def test_vllm_asynchronous_lookups_answer_ask_again_then_the_hit(daemon):
+    hashes = [bytes([40 + i]) * 32 for i in range(2)]
+    producer = KvdConnector(vllm_config(daemon.socket), "WORKER")
+    save_through(producer, request("a", hashes, 8), [0, 1], kv_caches(2, 6))
+    cfg = vllm_config(daemon.socket)
+    cfg.kv_transfer_config.kv_connector_extra_config["async_lookup"] = True
+    sched = KvdConnector(cfg, "SCHEDULER")
+    req = request("b", hashes, 9)
+    answers = []
+    for _ in range(200):  # a scheduler step is ~ms; each call here is one step
+        n, _ = sched.get_num_new_matched_tokens(req, 0)
+        answers.append(n)
+        if n is not None:
+            break
+        time.sleep(0.005)
+    assert answers[-1] == 8
+    assert all(a is None for a in answers[:-1])

@@ -212,3 +212,31 @@ def test_the_installed_package_carries_libkvd_and_its_type_marker():
     if "KVD_LIBRARY" not in os.environ:
         assert (pkg / "libkvd.so").exists()
     assert kvd.version() and kvd.ABI_VERSION == 1
+
+
+def test_asynchronous_lookups_complete_through_the_eventfd(daemon):
+    import select
+
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        tags = kvd.block_tags(ns, 16, list(range(48)))
+        c.put([kvd.key(ns, t) for t in tags[:2]], [page(4096, 1)] * 2)
+        c.async_start(2)
+        fd = c.async_fd()
+        t1 = c.submit_lookup_prefix(ns, tags, pin=True, pin_ttl_ms=5000)
+        t2 = c.submit_lookup_prefix(ns, tags)
+        with pytest.raises(kvd.Overloaded):
+            c.submit_lookup_prefix(ns, tags)
+        assert select.select([fd], [], [], 30)[0] == [fd]
+        done: dict = {}
+        for _ in range(100):
+            done.update(c.poll(1000))
+            if len(done) == 2:
+                break
+        assert sorted(done) == [t1, t2]
+        assert [len(done[t]) for t in (t1, t2)] == [2, 2]
+        assert [b.pin_ttl_ms for b in done[t1]] == [5000, 5000]
+        with c.view(done[t1][0].handle) as v:  # the async pins are this client's
+            v.still_valid()
+        c.release([b.handle for b in done[t1]])
+        assert c.poll(0) == []
