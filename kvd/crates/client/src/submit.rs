@@ -240,3 +240,67 @@ fn run(c: &mut Client, op: AsyncOp) -> Result<AsyncReply> {
             .map(AsyncReply::Prefix),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn closed() -> SharedClient {
+        Arc::new(Mutex::new(None))
+    }
+
+    fn lookup() -> AsyncOp {
+        AsyncOp::LookupPrefix {
+            namespace: NamespaceId([0; 32]),
+            tags: vec![BlockTag([1; 32])],
+            pin: false,
+            pin_ttl_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_bound_outside_its_range_is_refused() {
+        assert!(Submitter::start(closed(), 0).is_err());
+        assert!(Submitter::start(closed(), MAX_INFLIGHT + 1).is_err());
+    }
+
+    #[test]
+    fn a_call_on_a_closed_client_completes_with_disconnected_and_signals_the_eventfd() {
+        let s = Submitter::start(closed(), 2).unwrap();
+        s.submit(1, 10, lookup()).unwrap();
+        s.submit(2, 20, lookup()).unwrap();
+        assert!(matches!(
+            s.submit(3, 30, lookup()),
+            Err(Error::Overloaded { .. })
+        ));
+        let fd = s.fd();
+        let mut fds = [rustix::event::PollFd::new(
+            &fd,
+            rustix::event::PollFlags::IN,
+        )];
+        let ten_s = rustix::event::Timespec {
+            tv_sec: 10,
+            tv_nsec: 0,
+        };
+        assert_eq!(rustix::event::poll(&mut fds, Some(&ten_s)).unwrap(), 1);
+        let mut got = Vec::new();
+        for _ in 0..100 {
+            got.extend(s.poll(4, Duration::from_millis(100)));
+            if got.len() == 2 {
+                break;
+            }
+        }
+        assert_eq!(
+            got.iter()
+                .map(|c| (c.user_tag, c.context))
+                .collect::<Vec<_>>(),
+            vec![(1, 10), (2, 20)],
+            "in submission order, context passed through"
+        );
+        assert!(
+            got.iter()
+                .all(|c| matches!(c.result, Err(Error::Disconnected(_))))
+        );
+        s.submit(3, 30, lookup()).unwrap();
+    }
+}
