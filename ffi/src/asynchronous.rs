@@ -5,13 +5,12 @@
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use kvd_client::{AsyncOp, AsyncReply};
-use kvd_core::keys::{BlockTag, NamespaceId};
-
 use crate::args;
+use crate::blocks;
 use crate::handles::{self, KvdClient, entry, with_submitter};
 use crate::status::{KVD_OK, status_of};
 use crate::types::{KvdBlockInfo, KvdNamespaceId, KvdTag};
+use kvd_client::{AsyncOp, AsyncReply};
 
 /// One finished asynchronous call.
 #[repr(C)]
@@ -66,11 +65,8 @@ pub extern "C" fn kvd_async_lookup_prefix(
     out_cap: usize,
 ) -> i32 {
     with_submitter("kvd_async_lookup_prefix", client, |s| {
-        let ns = NamespaceId::from(*args::in_ref(namespace_id, "namespace_id")?);
-        let tags: Vec<BlockTag> = args::slice(tags, n, "tags")?
-            .iter()
-            .map(|t| BlockTag::from(*t))
-            .collect();
+        let ns = blocks::namespace(namespace_id)?;
+        let tags = blocks::tags(tags, n)?;
         args::fits(out_cap, n, "out")?;
         // Checked now (NULL, alignment), written at poll.
         let out = args::slice_mut(out, n, "out")?;
@@ -78,7 +74,7 @@ pub extern "C" fn kvd_async_lookup_prefix(
             namespace: ns,
             tags,
             pin,
-            pin_ttl_ms: (pin_ttl_ms != 0).then_some(pin_ttl_ms),
+            pin_ttl_ms: blocks::ttl(pin_ttl_ms),
         };
         Ok(s.submit(user_tag, out.as_mut_ptr() as u64, op)?)
     })

@@ -23,6 +23,22 @@ fn keys(p: *const KvdKey, n: usize) -> Result<Vec<BlockKey>> {
         .collect())
 }
 
+pub(crate) fn namespace(p: *const KvdNamespaceId) -> Result<NamespaceId> {
+    Ok(NamespaceId::from(*args::in_ref(p, "namespace_id")?))
+}
+
+pub(crate) fn tags(p: *const KvdTag, n: usize) -> Result<Vec<BlockTag>> {
+    Ok(args::slice(p, n, "tags")?
+        .iter()
+        .map(|t| BlockTag::from(*t))
+        .collect())
+}
+
+/// A TTL from its C form: 0 means the daemon's default.
+pub(crate) fn ttl(ms: u64) -> Option<u64> {
+    (ms != 0).then_some(ms)
+}
+
 pub(crate) fn handles(p: *const KvdHandle, n: usize) -> Result<Vec<Handle>> {
     Ok(args::slice(p, n, "handles")?
         .iter()
@@ -69,7 +85,7 @@ pub extern "C" fn kvd_block_tags(
     out_n: *mut usize,
 ) -> i32 {
     entry("kvd_block_tags", || {
-        let ns = NamespaceId::from(*args::in_ref(namespace_id, "namespace_id")?);
+        let ns = namespace(namespace_id)?;
         let tokens = args::slice(tokens, n_tokens, "tokens")?;
         let out_n = args::out_ref(out_n, "out_n")?;
         let tags = kvd_core::keys::block_tags(&ns, tokens_per_block, tokens)?;
@@ -118,16 +134,13 @@ pub extern "C" fn kvd_lookup_prefix(
     out_pinned: *mut bool,
 ) -> i32 {
     with_client("kvd_lookup_prefix", client, |c| {
-        let ns = NamespaceId::from(*args::in_ref(namespace_id, "namespace_id")?);
-        let tags: Vec<BlockTag> = args::slice(tags, n, "tags")?
-            .iter()
-            .map(|t| BlockTag::from(*t))
-            .collect();
+        let ns = namespace(namespace_id)?;
+        let tags = self::tags(tags, n)?;
         args::fits(out_cap, n, "out")?;
         let out = args::slice_mut(out, n, "out")?;
         let out_n = args::out_ref(out_n, "out_n")?;
         let out_pinned = args::opt_out(out_pinned, "out_pinned")?;
-        let hit = c.lookup_prefix(&ns, &tags, pin, (pin_ttl_ms != 0).then_some(pin_ttl_ms))?;
+        let hit = c.lookup_prefix(&ns, &tags, pin, ttl(pin_ttl_ms))?;
         for (o, b) in out.iter_mut().zip(&hit.blocks) {
             *o = (*b).into();
         }
@@ -177,7 +190,7 @@ pub extern "C" fn kvd_acquire(
         let ks = self::keys(keys, n)?;
         let out = args::slice_mut(out, n, "out")?;
         let st = args::slice_mut(statuses, n, "statuses")?;
-        let got = c.acquire(&ks, (ttl_ms != 0).then_some(ttl_ms))?;
+        let got = c.acquire(&ks, ttl(ttl_ms))?;
         put_statuses(st, &got);
         for (o, r) in out.iter_mut().zip(got) {
             *o = r.map(KvdBlockInfo::from).unwrap_or_default();

@@ -1,10 +1,9 @@
 //! Reservations and request checkpoints (manifests, recovery's restore-prefix).
 
-use kvd_core::keys::NamespaceId;
 use kvd_core::types::{ManifestInfo, RequestId, ReservationId};
 
 use crate::args;
-use crate::blocks::handles;
+use crate::blocks::{self, handles};
 use crate::handles::{KvdClient, with_client};
 use crate::types::{
     KvdBlockInfo, KvdHandle, KvdManifestInfo, KvdNamespaceId, KvdRestoreInfo, KvdTag,
@@ -64,7 +63,7 @@ pub extern "C" fn kvd_manifest_begin(
     out: *mut KvdManifestInfo,
 ) -> i32 {
     with_client("kvd_manifest_begin", client, |c| {
-        let ns = NamespaceId::from(*args::in_ref(namespace_id, "namespace_id")?);
+        let ns = blocks::namespace(namespace_id)?;
         let out = args::out_ref(out, "out")?;
         let m = c.manifest_begin(RequestId(request), epoch, &ns, reserve_bytes, ttl_ms)?;
         put_manifest(&m, out, std::ptr::null_mut(), 0).map_err(Into::into)

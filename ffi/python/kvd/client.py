@@ -164,6 +164,15 @@ def _keys(keys: Sequence[bytes]) -> Any:
     return arr
 
 
+def _tags(tags: Sequence[bytes]) -> Any:
+    arr = (_lib.Tag * max(len(tags), 1))()
+    raw = b"".join(tags)
+    if len(raw) != 32 * len(tags):
+        raise ValueError("every tag is 32 bytes")
+    ctypes.memmove(arr, raw, len(raw))
+    return arr
+
+
 def _handles(handles: Sequence[_lib.Handle]) -> Any:
     return (_lib.Handle * max(len(handles), 1))(*handles)
 
@@ -382,11 +391,7 @@ class Client:
     ) -> list[Block]:
         """The longest PUBLISHED prefix of the chain ``tags`` (pinned with ``pin``)."""
         n = len(tags)
-        ts = (_lib.Tag * max(n, 1))()
-        raw = b"".join(tags)
-        if len(raw) != 32 * n:
-            raise ValueError("every tag is 32 bytes")
-        ctypes.memmove(ts, raw, len(raw))
+        ts = _tags(tags)
         out = (_lib.BlockInfo * max(n, 1))()
         got, pinned = ctypes.c_size_t(), ctypes.c_bool()
         check(L.kvd_lookup_prefix(self._c(), _ns(namespace), ts, n, pin, pin_ttl_ms, out, n, got, pinned))
@@ -546,11 +551,7 @@ class Client:
         """Submit a ``lookup_prefix``; returns a ticket that ``poll`` answers. ``Overloaded``
         when the queue's bound of unpolled calls is reached."""
         n = len(tags)
-        ts = (_lib.Tag * max(n, 1))()
-        raw = b"".join(tags)
-        if len(raw) != 32 * n:
-            raise ValueError("every tag is 32 bytes")
-        ctypes.memmove(ts, raw, len(raw))
+        ts = _tags(tags)
         out = (_lib.BlockInfo * max(n, 1))()
         ticket = self._next_ticket
         check(L.kvd_async_lookup_prefix(self._c(), _ns(namespace), ts, n, pin, pin_ttl_ms, ticket, out, n))
