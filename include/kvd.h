@@ -14,7 +14,10 @@
  *
  * Threads: every function may be called from any thread. Calls on one client are serialized
  * by its own lock (so one client can be shared); open one client per thread to move bytes in
- * parallel. A scheduler that must never block on kvd calls it from a thread of its own.
+ * parallel. A scheduler that must never block on kvd uses the kvd_async_* calls: after
+ * kvd_async_start, a worker thread of libkvd's runs submitted lookups on that client, at most
+ * max_inflight submitted and not yet polled (one more is KVD_ERR_OVERLOADED at once), and
+ * kvd_async_fd is an eventfd, readable while completions wait for kvd_async_poll.
  *
  * Zero-copy views (kvd_view_acquire, kvd_view_still_valid), the contract:
  *   1. Take a view only of a block this session pinned (kvd_acquire, or kvd_lookup_prefix with
