@@ -2,12 +2,13 @@
 # The bindings' overhead, measured in one run: the same lookup of 128 tags and put/get of
 # 64 x 2.5 MiB pages through the Rust client (kvd-bench bindings), libkvd from C
 # (benches/c/bindings.c) and the Python package (benches/python/bindings.py), one after the
-# other against one release-built daemon, for ROUNDS rounds (default 2).
+# other against one release-built daemon, for ROUNDS rounds (default 3); the order rotates from
+# round to round, so that no binding always runs first on a warm or cold memory system.
 #
 #   scripts/bench-bindings.sh [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=${1:-2}
+rounds=${1:-3}
 iters=${KVD_BENCH_ITERS:-20}
 lookups=${KVD_BENCH_LOOKUPS:-300}
 
@@ -35,13 +36,20 @@ done
 grep -q '^kvd ready' "$out/ready" || { cat "$out/daemon.log"; exit 1; }
 
 results="$out/results"
+run_one() {
+    case "$1" in
+        rust) "$rel/kvd-bench" bindings --socket "$out/kvd.sock" --seed "$2" --iters "$iters" \
+                  --lookups "$lookups" ;;
+        c) "$out/bindings-c" "$out/kvd.sock" "$2" "$iters" "$lookups" ;;
+        python) "$venv/bin/python" benches/python/bindings.py "$out/kvd.sock" "$2" "$iters" "$lookups" ;;
+    esac
+}
+order=(rust c python)
 for round in $(seq 1 "$rounds"); do
-    seed=$((round * 10))
-    "$rel/kvd-bench" bindings --socket "$out/kvd.sock" --seed $((seed + 1)) \
-        --iters "$iters" --lookups "$lookups" | tee -a "$results"
-    "$out/bindings-c" "$out/kvd.sock" $((seed + 2)) "$iters" "$lookups" | tee -a "$results"
-    "$venv/bin/python" benches/python/bindings.py "$out/kvd.sock" $((seed + 3)) "$iters" "$lookups" \
-        | tee -a "$results"
+    for i in 0 1 2; do
+        b=${order[$(( (i + round - 1) % 3 ))]}
+        run_one "$b" $((round * 10 + i)) | tee -a "$results"
+    done
 done
 
 # The table: per binding and measurement, the median over the rounds of p50, p99 and GB/s,

@@ -4,11 +4,13 @@
 //! Subcommands (one per data path; more come with the remote transports):
 //!
 //! - `local`: engine ↔ daemon on one node, through the Unix socket and the mapped pool.
+//! - `bindings`: the Rust client's half of the C / Python bindings' overhead measurement.
 //!
 //! Progress goes to stderr, the summary table to stdout. Every loop is bounded in count and
 //! time.
 
 mod clients;
+mod bindings;
 mod local;
 
 use clap::{Parser, Subcommand};
@@ -37,6 +39,10 @@ enum Command {
     /// One client process of `local --clients` (started by it).
     #[command(hide = true)]
     LocalWorker(clients::WorkerArgs),
+    /// The Rust client's half of the bindings' overhead measurement (run by
+    /// scripts/bench-bindings.sh beside the C and Python halves): lookup of 128 tags, put and
+    /// get of 64 x 2.5 MiB pages, against a running daemon.
+    Bindings(bindings::BindingsArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -52,6 +58,13 @@ fn main() -> std::process::ExitCode {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kvd-bench local-worker: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Command::Bindings(args) => match bindings::run(&args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvd-bench bindings: {e}");
                 std::process::ExitCode::FAILURE
             }
         },

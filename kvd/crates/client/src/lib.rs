@@ -43,6 +43,9 @@
 //! generation and are refused by a restarted daemon; session and reservation ids are never
 //! accepted from another session.
 
+mod health;
+mod raw;
+mod submit;
 mod views;
 
 use std::collections::HashMap;
@@ -60,6 +63,9 @@ use kvd_core::types::{
 };
 use kvd_core::{Error, Result};
 
+pub use health::{CANARY_BYTES, HealthReport};
+pub use raw::PoolMapping;
+pub use submit::{AsyncOp, AsyncReply, Completion, MAX_INFLIGHT, SharedClient, Submitter};
 use transport::local::{PageGenerations, SharedRegion};
 pub use views::BlockView;
 use views::{Readable, Writable};

@@ -177,7 +177,7 @@ impl Client {
         Ok((r.offset + offset, r))
     }
 
-    fn held(&self, h: &Handle) -> Result<()> {
+    pub(crate) fn held(&self, h: &Handle) -> Result<()> {
         check_held(&self.pages, h, self.welcome.node_generation)
     }
 

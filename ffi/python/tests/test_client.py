@@ -1,0 +1,242 @@
+"""kvd.Client against a real daemon: round trips, prefix hits, views, errors mirroring the
+status codes, checkpoints, and what a dead session leaves behind."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvd
+from conftest import wait_until
+
+LAYOUT = kvd.Namespace("test/py-tiny", "r1", 65536, 16, 2, 2, 64, tokenizer="tok-1")
+
+
+def page(n: int, seed: int) -> bytes:
+    return bytes((i * 151 + seed) & 0xFF for i in range(n))
+
+
+def keys(ns: bytes, seed: int, n: int) -> list[bytes]:
+    return [kvd.key(ns, seed.to_bytes(4, "little") + i.to_bytes(4, "little") + bytes(24)) for i in range(n)]
+
+
+def test_a_page_put_from_bytes_comes_back_verified_into_a_bytearray(daemon):
+    with kvd.Client(daemon.socket, name="py") as c:
+        ns = c.register_namespace(LAYOUT)
+        assert ns == LAYOUT.id()
+        ks = keys(ns, 1, 3)
+        pages = [page(65536, i) for i in range(3)]
+        assert c.put(ks, pages) == [None, None, None]
+        dsts = [bytearray(65536) for _ in ks]
+        assert c.get(ks, dsts) == [65536] * 3
+        assert [bytes(d) for d in dsts] == pages
+        assert c.exists(ks + keys(ns, 2, 1)) == [True, True, True, False]
+
+
+def test_numpy_arrays_go_in_and_out_without_a_copy_of_their_own(daemon):
+    np = pytest.importorskip("numpy")
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        k = keys(ns, 3, 1)
+        src = np.arange(16384, dtype=np.float32)  # 64 KiB
+        assert c.put(k, [src]) == [None]
+        dst = np.zeros_like(src)
+        assert c.get(k, [dst]) == [65536]
+        assert (dst == src).all()
+        b = c.acquire(k)[0]
+        with c.view(b.handle) as v:
+            assert (v.numpy().view(np.float32) == src).all()
+            v.still_valid()
+        c.release([b.handle])
+
+
+def test_a_lookup_finds_the_longest_published_prefix_of_a_token_chain(daemon):
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        tokens = list(range(1000, 1000 + 16 * 5))
+        tags = kvd.block_tags(ns, 16, tokens)
+        assert len(tags) == 5
+        first3 = [kvd.key(ns, t) for t in tags[:3]]
+        assert c.put(first3, [page(65536, i) for i in range(3)]) == [None] * 3
+        hit = c.lookup_prefix(ns, tags)
+        assert [b.key for b in hit] == first3
+        assert all(b.pin_ttl_ms == 0 for b in hit)
+        pinned = c.lookup_prefix(ns, tags, pin=True, pin_ttl_ms=4000)
+        assert len(pinned) == 3 and all(b.pin_ttl_ms == 4000 for b in pinned)
+        assert c.stats()["pins"] == 3
+        assert c.release([b.handle for b in pinned]) == [None] * 3
+
+
+def test_a_view_is_a_read_only_memoryview_of_the_pool_and_refuses_a_moved_page(daemon):
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        k = keys(ns, 4, 1)
+        data = page(65536, 4)
+        c.put(k, [data])
+        b = c.acquire(k)[0]
+        v = c.view(b.handle)
+        assert v.data.readonly and bytes(v.data) == data
+        v.still_valid()
+        with pytest.raises(TypeError):
+            v.data[0] = 1  # type: ignore[index]
+        # Unpinned and removed: the page moves on, the view says so.
+        assert c.release([b.handle]) == [None]
+        assert c.remove_if([(k[0], b.handle)]) == [None]
+        with pytest.raises(kvd.StaleGeneration):
+            v.still_valid()
+        assert not v.valid()
+        # A view of an unpinned block is refused outright.
+        with pytest.raises(kvd.InvalidArgument):
+            c.view(b.handle)
+
+
+def test_a_view_held_past_its_pin_is_stale_once_another_writer_reuses_the_page(small_pool_daemon):
+    w = kvd.Client(small_pool_daemon.socket, name="writer")
+    r = kvd.Client(small_pool_daemon.socket, name="reader")
+    ns = w.register_namespace(LAYOUT)
+    k = keys(ns, 5, 1)
+    first = page(65536, 1)
+    w.put(k, [first])
+    b = r.acquire(k, ttl_ms=200)[0]
+    v = r.view(b.handle)
+    assert bytes(v.data) == first
+    wait_until("the pin expires", lambda: w.stats()["pins"] == 0)
+    fresh = keys(ns, 6, 4)
+    assert w.put(fresh, [page(65536, 2)] * 4) == [None] * 4  # fills the pool: evicts k
+    with pytest.raises(kvd.StaleGeneration):
+        v.still_valid()
+    with pytest.raises((kvd.LeaseExpired, kvd.InvalidArgument, kvd.StaleGeneration)):
+        r.read_verified(b.handle, bytearray(65536))
+    r.close()
+    w.close()
+
+
+def test_errors_mirror_the_status_codes_with_their_detail(daemon):
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        k = keys(ns, 7, 1)
+        c.put(k, [page(4096, 7)])
+        again = c.put(k, [page(4096, 7)])[0]
+        assert isinstance(again, kvd.AlreadyExists) and again.status == 6
+        missing = c.acquire(keys(ns, 8, 1))[0]
+        assert isinstance(missing, kvd.NotFound)
+        with pytest.raises(kvd.NoSpace) as e:
+            c.reserve(1 << 40)
+        assert e.value.retryable and e.value.status == 3
+        with pytest.raises(kvd.NotFound):
+            c.manifest(424242)
+        # A stray write into a sealed block through the mapping: the reader's verified copy
+        # fails, the daemon's copy fails too, the block is quarantined.
+        b = c.acquire(k)[0]
+        base = c.pool_info().base
+        ctypes.memset(base + b.offset + 5, 0xEE, 1)
+        with pytest.raises(kvd.Corrupt) as e:
+            c.read_verified(b.handle, bytearray(4096))
+        assert e.value.corruption == kvd.errors.CORRUPTION_QUARANTINED
+        assert c.exists(k) == [False]
+        c.release([b.handle])
+    with pytest.raises(kvd.KvdIOError):
+        kvd.Client("/nonexistent/kvd.sock")
+    closed = kvd.Client(daemon.socket)
+    closed.close()
+    with pytest.raises(ValueError):
+        closed.heartbeat()
+    assert kvd.status_text(15) == "disconnected"
+
+
+def test_a_checkpoint_is_extended_restored_and_ended(daemon):
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        m = c.manifest_begin(9, 1, ns, reserve_bytes=1 << 20)
+        assert m.reservation != 0
+        tokens = list(range(32))
+        tags = kvd.block_tags(ns, 16, tokens)
+        ks = [kvd.key(ns, t) for t in tags]
+        allocs = c.alloc(ks, checkpoint=(9, 1), reservation=m.reservation)
+        items = []
+        for a in allocs:
+            assert isinstance(a, kvd.Allocation)
+            crc = c.write(a.handle, page(65536, 9), 0, 0)
+            items.append((a.handle, 65536, crc))
+        assert all(isinstance(s, int) for s in c.seal(items))
+        m = c.manifest_extend(9, 1, [a.handle for a in allocs], 32)
+        assert m.committed_tokens == 32
+        assert c.manifest(9).tags == tags
+        r = c.restore_prefix(9, tokens)
+        assert (r.tokens, len(r.blocks)) == (32, 2)
+        with pytest.raises(kvd.StaleEpoch):
+            c.manifest_extend(9, 0, [], 32)
+        c.manifest_end(9, 1)
+        assert c.health_check() > 0
+
+
+def test_a_killed_session_leaves_nothing_pinned(daemon):
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        ks = keys(ns, 10, 2)
+        c.put(ks, [page(4096, 1)] * 2)
+        script = (
+            "import kvd, os, sys\n"
+            "c = kvd.Client(sys.argv[1], name='doomed', lease_ttl_ms=500)\n"
+            "ks = [bytes.fromhex(h) for h in sys.argv[2:]]\n"
+            "assert all(isinstance(b, kvd.Block) for b in c.acquire(ks, ttl_ms=60000))\n"
+            "c.alloc([ks[0][:32] + bytes(32)])\n"
+            "print('pinned', flush=True)\n"
+            "os.kill(os.getpid(), 9)\n"
+        )
+        p = subprocess.run(
+            [sys.executable, "-c", script, daemon.socket, *[k.hex() for k in ks]],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert "pinned" in p.stdout, p.stderr
+        assert p.returncode == -9
+        wait_until("the dead session's pins and blocks are gone", lambda: (lambda s: s["pins"] == 0 and s["pages_writing"] + s["pages_allocated"] == 0)(c.stats()))
+        assert c.stats()["sessions"] == 1
+
+
+def test_the_python_example_runs(daemon):
+    example = Path(__file__).resolve().parent.parent / "examples" / "put_get.py"
+    p = subprocess.run([sys.executable, str(example), daemon.socket], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "got back: hello, kvd"
+
+
+def test_the_installed_package_carries_libkvd_and_its_type_marker():
+    pkg = Path(kvd.__file__).resolve().parent
+    assert (pkg / "py.typed").exists()
+    if "KVD_LIBRARY" not in os.environ:
+        assert (pkg / "libkvd.so").exists()
+    assert kvd.version() and kvd.ABI_VERSION == 1
+
+
+def test_asynchronous_lookups_complete_through_the_eventfd(daemon):
+    import select
+
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        tags = kvd.block_tags(ns, 16, list(range(48)))
+        c.put([kvd.key(ns, t) for t in tags[:2]], [page(4096, 1)] * 2)
+        c.async_start(2)
+        fd = c.async_fd()
+        t1 = c.submit_lookup_prefix(ns, tags, pin=True, pin_ttl_ms=5000)
+        t2 = c.submit_lookup_prefix(ns, tags)
+        with pytest.raises(kvd.Overloaded):
+            c.submit_lookup_prefix(ns, tags)
+        assert select.select([fd], [], [], 30)[0] == [fd]
+        done: dict = {}
+        for _ in range(100):
+            done.update(c.poll(1000))
+            if len(done) == 2:
+                break
+        assert sorted(done) == [t1, t2]
+        assert [len(done[t]) for t in (t1, t2)] == [2, 2]
+        assert [b.pin_ttl_ms for b in done[t1]] == [5000, 5000]
+        with c.view(done[t1][0].handle) as v:  # the async pins are this client's
+            v.still_valid()
+        c.release([b.handle for b in done[t1]])
+        assert c.poll(0) == []
