@@ -9,8 +9,8 @@
 //! Progress goes to stderr, the summary table to stdout. Every loop is bounded in count and
 //! time.
 
-mod clients;
 mod bindings;
+mod clients;
 mod local;
 
 use clap::{Parser, Subcommand};
