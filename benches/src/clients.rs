@@ -16,10 +16,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvd::keys::BlockKey;
-use kvd::protocol::SealItem;
-use kvd::store::{BlockClass, Handle};
 
-use crate::local::{ChildDaemon, Keys, LocalArgs, buffers, connect, descriptor, touch};
+use crate::local::{
+    ChildDaemon, Crc, Keys, LocalArgs, buffers, connect, descriptor, get_batch, put_batch, touch,
+};
 
 /// Buffers each worker (and each bound thread) copies from and into, at least: larger than any
 /// cache the host may have behind the VM's reported 32 MiB L3, so every copy goes to memory.
@@ -270,12 +270,18 @@ pub fn worker(args: &WorkerArgs) -> Result<(), String> {
             break;
         }
         let k = keys.take(BATCH);
-        let crc = (!args.checksums).then_some(&src_crc[..]);
-        t.bytes += put(&mut c, &k, &src, crc, rot).map_err(|e| e.to_string())?;
+        let mode = if args.checksums {
+            Crc::Client
+        } else {
+            Crc::Off
+        };
+        put_batch(&mut c, &k, &src, &src_crc, rot, mode).map_err(|e| e.to_string())?;
+        t.bytes += (k.len() * page) as u64;
         t.round_trips += 3;
         if !previous.is_empty() {
-            t.bytes +=
-                get(&mut c, &previous, &mut dst, rot, args.checksums).map_err(|e| e.to_string())?;
+            let mut at = rot;
+            t.bytes += get_batch(&mut c, &previous, &mut dst, &mut at, args.checksums, true)
+                .map_err(|e| e.to_string())?;
             t.round_trips += 2;
         }
         previous = k;
@@ -288,69 +294,4 @@ pub fn worker(args: &WorkerArgs) -> Result<(), String> {
         t.bytes, t.round_trips, t.secs
     );
     Ok(())
-}
-
-/// Put a batch; with `precomputed` CRCs the copy is a plain one, else the CRC is fused into it.
-fn put(
-    c: &mut kvd::client::Client,
-    k: &[BlockKey],
-    src: &[Vec<u8>],
-    precomputed: Option<&[u32]>,
-    rot: usize,
-) -> kvd::Result<u64> {
-    let allocs = c.alloc(k, BlockClass::Cache, None)?;
-    let mut seals = Vec::with_capacity(k.len());
-    for (i, a) in allocs.into_iter().enumerate() {
-        let a = a?;
-        let j = (rot + i) % src.len();
-        let data = &src[j];
-        let crc = match precomputed {
-            Some(crcs) => {
-                c.write(&a.handle, 0, data)?;
-                crcs[j]
-            }
-            None => c.write_with_crc(&a.handle, 0, data, 0)?,
-        };
-        seals.push(SealItem {
-            handle: a.handle,
-            len: data.len() as u64,
-            checksum: Some(crc),
-        });
-    }
-    for r in c.seal(&seals)? {
-        r?;
-    }
-    let handles: Vec<Handle> = seals.iter().map(|s| s.handle).collect();
-    c.publish(&handles)?;
-    Ok(seals.iter().map(|s| s.len).sum())
-}
-
-/// Get a batch: acquire, copy each block out (verified or plain), release.
-fn get(
-    c: &mut kvd::client::Client,
-    k: &[BlockKey],
-    dst: &mut [Vec<u8>],
-    rot: usize,
-    verify: bool,
-) -> kvd::Result<u64> {
-    let got = c.acquire(k, Some(60_000))?;
-    let mut handles = Vec::with_capacity(k.len());
-    let mut bytes = 0;
-    for (i, b) in got.into_iter().enumerate() {
-        // A block evicted since it was written is a miss, not an error.
-        let Ok(b) = b else { continue };
-        let n = dst.len();
-        let d = &mut dst[(rot + i) % n];
-        if verify {
-            bytes += c.read_verified(&b.handle, d)?;
-        } else {
-            c.read(&b.handle, 0, &mut d[..b.len as usize])?;
-            bytes += b.len;
-        }
-        handles.push(b.handle);
-    }
-    for r in c.release(&handles)? {
-        r?;
-    }
-    Ok(bytes)
 }

@@ -245,7 +245,7 @@ pub(crate) fn buffers(page: usize, at_least: usize, seed: u8, set_bytes: usize) 
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Crc {
+pub(crate) enum Crc {
     Off,
     Client,
     Daemon,
@@ -376,7 +376,7 @@ fn fill(
     Ok(out)
 }
 
-fn put_batch(
+pub(crate) fn put_batch(
     c: &mut Client,
     k: &[BlockKey],
     src: &[Vec<u8>],
@@ -468,25 +468,7 @@ fn get_case(
     let mut one = |c: &mut Client, pos: &mut usize, rot: &mut usize| -> kvd::Result<u64> {
         let k: Vec<BlockKey> = (0..batch).map(|i| set[(*pos + i) % set.len()]).collect();
         *pos = (*pos + batch) % set.len();
-        let got = c.acquire(&k, Some(60_000))?;
-        let mut handles = Vec::with_capacity(batch);
-        let mut bytes = 0;
-        for b in got {
-            let b = b?;
-            let d = &mut dst[*rot % dst.len()];
-            *rot += 1;
-            if verify {
-                bytes += c.read_verified(&b.handle, d)?;
-            } else {
-                c.read(&b.handle, 0, &mut d[..b.len as usize])?;
-                bytes += b.len;
-            }
-            handles.push(b.handle);
-        }
-        for r in c.release(&handles)? {
-            r?;
-        }
-        Ok(bytes)
+        get_batch(c, &k, dst, rot, verify, false)
     };
     one(c, &mut pos, &mut rot).map_err(|e| e.to_string())?;
     let t0 = Instant::now();
@@ -500,6 +482,43 @@ fn get_case(
         moved as f64 / secs / 1e9,
         format!("{iters} acquire/release pairs, set of {} blocks", set.len()),
     ))
+}
+
+/// Acquire `k`, copy each block out into the next buffer of `dst` (CRC verified in the copy or
+/// not), release; returns the bytes read. A key no longer published (evicted since it was
+/// written) is skipped with `skip_missing`, an error without.
+pub(crate) fn get_batch(
+    c: &mut Client,
+    k: &[BlockKey],
+    dst: &mut [Vec<u8>],
+    rot: &mut usize,
+    verify: bool,
+    skip_missing: bool,
+) -> kvd::Result<u64> {
+    let got = c.acquire(k, Some(60_000))?;
+    let mut handles = Vec::with_capacity(k.len());
+    let mut bytes = 0;
+    for b in got {
+        let b = match b {
+            Ok(b) => b,
+            Err(_) if skip_missing => continue,
+            Err(e) => return Err(e),
+        };
+        let n = dst.len();
+        let d = &mut dst[*rot % n];
+        *rot += 1;
+        if verify {
+            bytes += c.read_verified(&b.handle, d)?;
+        } else {
+            c.read(&b.handle, 0, &mut d[..b.len as usize])?;
+            bytes += b.len;
+        }
+        handles.push(b.handle);
+    }
+    for r in c.release(&handles)? {
+        r?;
+    }
+    Ok(bytes)
 }
 
 fn latency(iters: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<(f64, f64), String> {
