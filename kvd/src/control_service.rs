@@ -54,7 +54,7 @@ pub struct ControlArgs {
     pub listen: SocketAddr,
     /// Placement and recovery policy. lumen: the holder minimises q_w + λ·p_w with p_w = (what
     /// w already holds for the same serving worker + this request) / host-to-GPU bandwidth, so
-    /// one worker's checkpoints spread over many holders (DESIGN.md section 7). lumen_mean: the
+    /// one worker's checkpoints spread over many holders (docs/CONTROL.md). lumen_mean: the
     /// first rule, p_w = the mean footprint w holds (herds onto the shortest queue; kept to
     /// compare). lumen_total: p_w = (everything w holds + this request) / bandwidth.
     /// fixed_ring: the next worker in id order (DejaVu). stop_restart: no checkpoints,

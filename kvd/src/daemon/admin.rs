@@ -15,7 +15,7 @@
 //! # Bounds
 //!
 //! Admin connections share the process's file descriptors with the Unix socket, so none of them
-//! may wait unboundedly or take the socket's share (DESIGN §4, invariant 5). The router is
+//! may wait unboundedly or take the socket's share (invariant 5, docs/ARCHITECTURE.md). The router is
 //! served by hyper's HTTP/1 connection directly, not `axum::serve`, to set them:
 //!
 //! ```text

@@ -13,7 +13,7 @@
 //!
 //! Three estimates of `p_w(r)`, one per [`RestoreEstimate`]:
 //!
-//! - [`RestoreEstimate::PerServer`] (DESIGN.md §7, policy `lumen`): the bytes `w` would have to
+//! - [`RestoreEstimate::PerServer`] (docs/CONTROL.md, policy `lumen`): the bytes `w` would have to
 //!   load if `s` failed, `(held by w for requests served by s + reserve(r)) / bandwidth`. One
 //!   server's checkpoints spread over many holders, so its failure's restores run in parallel.
 //! - [`RestoreEstimate::MeanHeld`] (the first rule, policy `lumen_mean`): the mean footprint
@@ -42,7 +42,7 @@ pub struct ScoreParams {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RestoreEstimate {
-    /// `(held by w for s's requests + reserve(r)) / bandwidth` (DESIGN.md §7).
+    /// `(held by w for s's requests + reserve(r)) / bandwidth` (docs/CONTROL.md).
     PerServer,
     /// `mean held reservation on w / bandwidth` (the first rule).
     MeanHeld,

@@ -2,7 +2,7 @@
 //!
 //! - [`Lumen`]: the design (load-aware holder, holders-first dispatch, rebalancing), with one
 //!   of three restore-delay estimates in its placement score ([`RestoreEstimate`]): per server
-//!   (DESIGN.md §7, [`PolicyKind::Lumen`]), the first rule's mean held footprint
+//!   (docs/CONTROL.md, [`PolicyKind::Lumen`]), the first rule's mean held footprint
 //!   ([`PolicyKind::LumenMean`]) or the total held ([`PolicyKind::LumenTotal`]).
 //! - [`FixedRing`]: DejaVu's design: the holder is the next worker in a ring; recovery always at
 //!   the holder; no rebalancing.
@@ -27,7 +27,7 @@ use super::recovery::{self, Dispatched, Interrupted};
 )]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyKind {
-    /// [`Lumen`] with the per-server restore estimate of DESIGN.md §7 (the default).
+    /// [`Lumen`] with the per-server restore estimate of docs/CONTROL.md (the default).
     #[default]
     Lumen,
     /// [`Lumen`] with the first rule's estimate, the mean footprint a holder holds (kept to

@@ -87,8 +87,8 @@ struct RunArgs {
     #[arg(long)]
     assist_speedup: Option<f64>,
     /// The policies to compare, comma-separated, in table order; stop_restart (the baseline of
-    /// every comparison) is added when missing. lumen: the per-server placement of DESIGN.md
-    /// section 7 (p_w = what w holds for this server + this request, over host-to-GPU
+    /// every comparison) is added when missing. lumen: the per-server placement (docs/CONTROL.md;
+    /// p_w = what w holds for this server + this request, over host-to-GPU
     /// bandwidth); lumen_mean: the first rule (the mean footprint w holds; herds);
     /// lumen_total: everything w holds + this request; fixed_ring: DejaVu's next worker;
     /// stop_restart: no checkpoints.

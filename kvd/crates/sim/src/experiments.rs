@@ -27,7 +27,7 @@ use super::workload::{self, WorkloadConfig};
 use kvd_control::PolicyKind;
 
 /// The policies every experiment compares by default, in table order (the baseline last):
-/// Lumen with the per-server placement of DESIGN.md §7, the first (mean) rule it replaced,
+/// Lumen with the per-server placement of docs/CONTROL.md, the first (mean) rule it replaced,
 /// the fixed ring, and stop-and-restart.
 pub const POLICIES: [PolicyKind; 4] = [
     PolicyKind::Lumen,
