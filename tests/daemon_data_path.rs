@@ -276,12 +276,11 @@ fn a_batch_over_the_limit_is_refused_whole() {
 #[test]
 fn a_checkpoint_is_published_into_its_manifest_and_restored_by_another_client() {
     use kvd::keys::{BlockKey, block_tags};
-    use kvd::store::RequestId;
     let d = Daemon::start(&[]);
     let mut holder = d.client("checkpoint-writer", 10_000);
     let desc = namespace();
     let ns = holder.register_namespace(&desc).unwrap();
-    let req = RequestId(77);
+    let req = 77;
     let tokens: Vec<u32> = (0..3 * desc.tokens_per_block).collect();
     let tags = block_tags(&ns, desc.tokens_per_block, &tokens).unwrap();
     let keys: Vec<BlockKey> = tags

@@ -1,6 +1,6 @@
 //! Reservations and request checkpoints (manifests, recovery's restore-prefix).
 
-use kvd_core::types::{ManifestInfo, RequestId, ReservationId};
+use kvd_core::types::{ManifestInfo, ReservationId};
 
 use crate::args;
 use crate::blocks::{self, handles};
@@ -65,7 +65,7 @@ pub extern "C" fn kvd_manifest_begin(
     with_client("kvd_manifest_begin", client, |c| {
         let ns = blocks::namespace(namespace_id)?;
         let out = args::out_ref(out, "out")?;
-        let m = c.manifest_begin(RequestId(request), epoch, &ns, reserve_bytes, ttl_ms)?;
+        let m = c.manifest_begin(request, epoch, &ns, reserve_bytes, ttl_ms)?;
         put_manifest(&m, out, std::ptr::null_mut(), 0).map_err(Into::into)
     })
 }
@@ -86,7 +86,7 @@ pub extern "C" fn kvd_manifest_extend(
     with_client("kvd_manifest_extend", client, |c| {
         let hs = self::handles(handles, n)?;
         let out = args::out_ref(out, "out")?;
-        let m = c.manifest_extend(RequestId(request), epoch, &hs, committed_tokens)?;
+        let m = c.manifest_extend(request, epoch, &hs, committed_tokens)?;
         put_manifest(&m, out, std::ptr::null_mut(), 0).map_err(Into::into)
     })
 }
@@ -103,7 +103,7 @@ pub extern "C" fn kvd_manifest_renew(
 ) -> i32 {
     with_client("kvd_manifest_renew", client, |c| {
         let out = args::opt_out(expires_in_ms, "expires_in_ms")?;
-        let ms = c.manifest_renew(RequestId(request), epoch, ttl_ms)?;
+        let ms = c.manifest_renew(request, epoch, ttl_ms)?;
         if let Some(o) = out {
             *o = ms;
         }
@@ -116,7 +116,7 @@ pub extern "C" fn kvd_manifest_renew(
 #[unsafe(no_mangle)]
 pub extern "C" fn kvd_manifest_end(client: *mut KvdClient, request: u64, epoch: u64) -> i32 {
     with_client("kvd_manifest_end", client, |c| {
-        Ok(c.manifest_end(RequestId(request), epoch)?)
+        Ok(c.manifest_end(request, epoch)?)
     })
 }
 
@@ -133,7 +133,7 @@ pub extern "C" fn kvd_manifest_get(
 ) -> i32 {
     with_client("kvd_manifest_get", client, |c| {
         let out = args::out_ref(out, "out")?;
-        let m = c.manifest(RequestId(request))?;
+        let m = c.manifest(request)?;
         put_manifest(&m, out, tags, tags_cap).map_err(Into::into)
     })
 }
@@ -155,7 +155,7 @@ pub extern "C" fn kvd_restore_prefix(
     with_client("kvd_restore_prefix", client, |c| {
         let tokens = args::slice(tokens, n_tokens, "tokens")?;
         let out = args::out_ref(out, "out")?;
-        let r = c.restore_prefix(RequestId(request), tokens)?;
+        let r = c.restore_prefix(request, tokens)?;
         *out = KvdRestoreInfo {
             epoch: r.epoch,
             tokens: r.tokens,

@@ -6,8 +6,8 @@ use std::ffi::c_char;
 use kvd_core::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor, NamespaceId};
 use kvd_core::protocol::SealItem;
 use kvd_core::types::{
-    Allocation, BlockClass, BlockInfo, BlockVersion, Handle, ManifestInfo, RequestId,
-    ReservationId, StoreStats,
+    Allocation, BlockClass, BlockInfo, BlockVersion, Handle, ManifestInfo, ReservationId,
+    StoreStats,
 };
 use kvd_core::{Error, Result};
 
@@ -427,7 +427,7 @@ impl From<KvdSealItem> for SealItem {
 impl From<&ManifestInfo> for KvdManifestInfo {
     fn from(m: &ManifestInfo) -> Self {
         KvdManifestInfo {
-            request: m.request.0,
+            request: m.request,
             epoch: m.epoch,
             namespace_id: m.namespace.into(),
             committed_tokens: m.committed_tokens,
@@ -481,7 +481,7 @@ pub(crate) fn block_class(c: Option<&KvdBlockClass>) -> Result<BlockClass> {
         None => Ok(BlockClass::Cache),
         Some(c) if c.kind == KVD_CLASS_CACHE => Ok(BlockClass::Cache),
         Some(c) if c.kind == KVD_CLASS_CHECKPOINT => Ok(BlockClass::Checkpoint {
-            request: RequestId(c.request),
+            request: c.request,
             epoch: c.epoch,
         }),
         Some(c) => Err(Error::InvalidArgument(format!(

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use kvd::clock::MonotonicClock;
 use kvd::keys::{BlockKey, NamespaceDescriptor, block_tags};
 use kvd::pool::{HugePages, PoolConfig};
-use kvd::store::{BlockClass, RequestId, Store, StoreConfig};
+use kvd::store::{BlockClass, Store, StoreConfig};
 
 fn main() -> kvd::Result<()> {
     // A Qwen3-14B-shaped layout with small blocks so the example runs anywhere: 16 tokens per
@@ -73,7 +73,7 @@ fn main() -> kvd::Result<()> {
     )?;
 
     // 3. A request checkpoints its KV as it decodes; a newer epoch would supersede it.
-    let request = RequestId(7);
+    let request = 7;
     let history: Vec<u32> = (0..64).map(|i| 7000 + i).collect();
     let ck_tags = block_tags(&ns, 16, &history)?;
     store.manifest_begin(writer, request, 1, ns, 4 * 16 * 1024, 60_000)?;

@@ -71,14 +71,9 @@ pub use snapshot::ControllerSnapshot;
 
 /// A worker (one inference engine instance: a GPU or a TP group). Plain `u32` for the C ABI.
 pub type WorkerId = u32;
-/// A request, unique within a controller. Plain `u64` for the C ABI and the JSON service.
-///
-/// The store numbers the same requests with its own newtype (`kvd_core::types::RequestId(u64)`,
-/// for manifests and reservations). They are the same number; they stay two declarations only
-/// until the crate split, where one `RequestId` moves to the core crate that both the store and
-/// the control shim depend on (control must not depend on the store; the store is being changed
-/// elsewhere). A `#[serde(transparent)]` newtype there keeps this type's wire form.
-pub type RequestId = u64;
+/// A request, unique within a controller: kvd-core's one request-id type (the engine's number;
+/// the store's manifests use the same).
+pub use kvd_core::types::RequestId;
 /// A request epoch: the incarnation of a request. Starts at 1 on admission; increases by one
 /// at every migration and at a cancel. Events that name an older epoch are dropped.
 pub type Epoch = u64;

@@ -12,9 +12,11 @@ use crate::keys::{BlockKey, BlockTag};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct SessionId(pub u64);
 
-/// An inference request, as the engine or gateway numbers it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct RequestId(pub u64);
+/// An inference request, as the engine or gateway numbers it: the one request-id type of the
+/// store (manifests, checkpoint blocks), the control shim and the C ABI. A plain number because
+/// it is the engine's own, not an identity kvd hands out (those are newtypes: sessions,
+/// reservations, handles).
+pub type RequestId = u64;
 
 /// A space reservation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

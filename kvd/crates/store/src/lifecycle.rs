@@ -458,7 +458,7 @@ impl Inner {
         if let Class::Checkpoint { request, .. } = s.class {
             return Err(Error::InvalidArgument(format!(
                 "block {key} belongs to request {}'s checkpoint; finish its manifest instead",
-                request.0
+                request
             )));
         }
         self.counters.blocks_removed += 1;

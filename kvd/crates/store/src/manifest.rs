@@ -94,11 +94,11 @@ impl Inner {
             }),
             Some(m) => Err(Error::NotFound(format!(
                 "request {} has a manifest at epoch {}, not {epoch}; begin the new epoch first",
-                request.0, m.epoch
+                request, m.epoch
             ))),
             None => Err(Error::NotFound(format!(
                 "no checkpoint manifest for request {}",
-                request.0
+                request
             ))),
         }
     }
@@ -117,7 +117,7 @@ impl Inner {
 
     pub fn manifest_info(&self, request: RequestId) -> Result<ManifestInfo> {
         let m = self.manifests.by_request.get(&request).ok_or_else(|| {
-            Error::NotFound(format!("no checkpoint manifest for request {}", request.0))
+            Error::NotFound(format!("no checkpoint manifest for request {}", request))
         })?;
         Ok(self.manifest_info_of(request, m))
     }
@@ -173,7 +173,7 @@ impl Inner {
                 if m.namespace != namespace {
                     return Err(Error::InvalidArgument(format!(
                         "request {} epoch {epoch} exists with another namespace",
-                        request.0
+                        request
                     )));
                 }
                 return Ok(self.manifest_info_of(request, m)); // idempotent
@@ -259,7 +259,7 @@ impl Inner {
             }),
             _ => Err(Error::InvalidArgument(format!(
                 "block was not allocated for request {} epoch {epoch}",
-                request.0
+                request
             ))),
         })?;
         let pairs: Vec<(u32, u64, BlockTag)> = slots
@@ -339,7 +339,7 @@ impl Inner {
         tokens: &[u32],
     ) -> Result<(u64, u64, Vec<ReadTicket>)> {
         let m = self.manifests.by_request.get(&request).ok_or_else(|| {
-            Error::NotFound(format!("no checkpoint manifest for request {}", request.0))
+            Error::NotFound(format!("no checkpoint manifest for request {}", request))
         })?;
         // Tags exist for full blocks only; the last checkpointed block may be committed in part.
         let usable = tokens

@@ -542,7 +542,7 @@ fn eviction_takes_the_least_recently_used_unpinned_cache_block() {
 fn checkpoint_blocks_are_never_evicted() {
     let f = fixture(2);
     let s = f.session();
-    let req = RequestId(7);
+    let req = 7;
     f.store.manifest_begin(s, req, 1, f.ns, 0, 60_000).unwrap();
     let h = f.alloc_checkpoint(s, req, 1, key(f.ns, 1));
     f.store.write(s, &h, 0, b"kv").unwrap();
@@ -699,7 +699,7 @@ fn checkpoint_step(
 fn a_checkpoint_grows_atomically_and_restores_its_longest_verified_prefix() {
     let f = fixture(16);
     let s = f.session();
-    let req = RequestId(42);
+    let req = 42;
     let tokens: Vec<u32> = (0..24).collect(); // 6 blocks of 4
     let tags = block_tags(&f.ns, 4, &tokens).unwrap();
     let m = f
@@ -732,7 +732,7 @@ fn a_checkpoint_grows_atomically_and_restores_its_longest_verified_prefix() {
 fn a_newer_epoch_supersedes_the_checkpoint_and_older_writes_are_refused() {
     let f = fixture(16);
     let s = f.session();
-    let req = RequestId(1);
+    let req = 1;
     let tags = block_tags(&f.ns, 4, &(0..16).collect::<Vec<u32>>()).unwrap();
     f.store.manifest_begin(s, req, 1, f.ns, 0, 60_000).unwrap();
     checkpoint_step(&f, s, req, 1, &tags[..2], 8).unwrap();
@@ -772,7 +772,7 @@ fn finishing_or_expiring_a_request_releases_its_blocks_and_reservation() {
     let f = fixture(16);
     let s = f.session();
     let tags = block_tags(&f.ns, 4, &(0..8).collect::<Vec<u32>>()).unwrap();
-    for (req, finish) in [(RequestId(1), true), (RequestId(2), false)] {
+    for (req, finish) in [(1, true), (2, false)] {
         f.store
             .manifest_begin(s, req, 1, f.ns, 4 * PAGE, 5_000)
             .unwrap();
@@ -780,7 +780,7 @@ fn finishing_or_expiring_a_request_releases_its_blocks_and_reservation() {
             .iter()
             .map(|t| {
                 let mut t = *t;
-                t.0[0] ^= req.0 as u8;
+                t.0[0] ^= req as u8;
                 t
             })
             .collect();
@@ -811,7 +811,7 @@ fn finishing_or_expiring_a_request_releases_its_blocks_and_reservation() {
 fn committed_tokens_never_go_backwards_or_past_the_blocks() {
     let f = fixture(8);
     let s = f.session();
-    let req = RequestId(3);
+    let req = 3;
     let tags = block_tags(&f.ns, 4, &(0..12).collect::<Vec<u32>>()).unwrap();
     f.store.manifest_begin(s, req, 1, f.ns, 0, 60_000).unwrap();
     checkpoint_step(&f, s, req, 1, &tags[..1], 4).unwrap();

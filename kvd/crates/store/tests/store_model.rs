@@ -26,7 +26,7 @@ const PIN_TTL_MS: u64 = 3_000;
 const MANIFEST_TTL_MS: u64 = 20_000;
 const SESSIONS: usize = 3;
 const KEYS: u8 = 8;
-const REQ: RequestId = RequestId(1);
+const REQ: RequestId = 1;
 
 #[derive(Debug, Clone)]
 enum Op {
