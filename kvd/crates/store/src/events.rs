@@ -95,8 +95,9 @@ impl EventLog {
         let oldest = self.oldest_seq();
         let start = since.max(oldest);
         let lost = start - since;
-        let skip = (start - oldest) as usize;
-        let events: Vec<BlockEvent> = self.ring.iter().skip(skip).take(max).copied().collect();
+        // O(1) to the first wanted event, then at most `max` copied: bounded work under the lock.
+        let first = (start - oldest) as usize;
+        let events: Vec<BlockEvent> = self.ring.range(first..).take(max).copied().collect();
         let next_seq = start + events.len() as u64;
         debug_assert!(events.first().is_none_or(|e| e.seq == start));
         Ok(EventBatch {

@@ -387,13 +387,9 @@ impl Inner {
     /// so it logs the `Stored` event.
     pub fn publish_slot(&mut self, sid: SessionId, i: u32) {
         self.set_state(i, BlockState::Published);
-        let s = &mut self.slots[i as usize];
-        debug_assert_eq!(
-            self.index.get(&s.key),
-            Some(&i),
-            "a sealed block is indexed"
-        );
-        self.events.push(BlockEventKind::Stored, s.key);
+        let key = self.slots[i as usize].key;
+        debug_assert_eq!(self.index.get(&key), Some(&i), "a sealed block is indexed");
+        self.events.push(BlockEventKind::Stored, key);
         let s = &mut self.slots[i as usize];
         s.owner = None;
         s.reservation = None;
