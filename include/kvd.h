@@ -210,6 +210,17 @@
 #define KVD_DTYPE_FP8_E5M2 5
 
 /**
+ * `KvdBlockEvent.kind`: the block became PUBLISHED; lookups under its key hit from now on.
+ */
+#define KVD_EVENT_STORED 1
+
+/**
+ * `KvdBlockEvent.kind`: the PUBLISHED block left the index (removed, evicted, quarantined, or
+ * its checkpoint ended, expired or was superseded); lookups under its key miss from now on.
+ */
+#define KVD_EVENT_REMOVED 2
+
+/**
  * An open session with the local daemon (opaque; see `kvd_connect`).
  */
 typedef struct KvdClient KvdClient;
@@ -550,6 +561,49 @@ typedef struct {
    */
   uint64_t block_count;
 } KvdRestoreInfo;
+
+/**
+ * One entry of a node's block event log (`kvd_events`).
+ */
+typedef struct {
+  /**
+   * The event's sequence number: 1 for the first of a daemon incarnation, then one more
+   * per event (a restart starts again at 1; `KvdPoolInfo.node_generation` tells
+   * incarnations apart).
+   */
+  uint64_t seq;
+  /**
+   * The block's key.
+   */
+  KvdKey key;
+  /**
+   * `KVD_EVENT_STORED` or `KVD_EVENT_REMOVED`.
+   */
+  uint32_t kind;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+} KvdBlockEvent;
+
+/**
+ * What a `kvd_events` batch says beside its events.
+ */
+typedef struct {
+  /**
+   * Events written to the caller's array.
+   */
+  uint64_t count;
+  /**
+   * The `since` to pass next.
+   */
+  uint64_t next_seq;
+  /**
+   * Events the caller asked for that the daemon's bounded log had dropped already (0:
+   * none). When not 0, resync with lookups, then go on from `next_seq`.
+   */
+  uint64_t lost;
+} KvdEventBatch;
 
 /**
  * How to open a session. Fill it with `kvd_options_init`, then change what you need.
@@ -1136,6 +1190,23 @@ int32_t kvd_restore_prefix(KvdClient *client,
                            KvdRestoreInfo *out,
                            KvdBlockInfo *blocks,
                            size_t blocks_cap);
+
+/**
+ * Drain the node's block events: those with `seq >= since` (0: the oldest the daemon still
+ * holds), at most `out_cap` (0 to `KvdPoolInfo.max_batch`; 0 asks only where the log stands),
+ * in order, into `out`. `*batch` receives how many were written, the `since` to pass next
+ * (`next_seq`) and `lost`: events the daemon's bounded log dropped before this caller read
+ * them. When `lost` is not 0 the caller's picture of the node has a hole: resync with lookups,
+ * then go on from `next_seq`. Sequence numbers restart at 1 when the daemon restarts (a new
+ * `KvdPoolInfo.node_generation` after `kvd_reconnect`): start again from 0 then; a `since`
+ * past the end of the log is `KVD_ERR_INVALID_ARGUMENT`. Reading removes nothing from the
+ * log: each reader keeps its own `since`. Thread-safe (serialized per client).
+ */
+int32_t kvd_events(KvdClient *client,
+                   uint64_t since,
+                   KvdBlockEvent *out,
+                   size_t out_cap,
+                   KvdEventBatch *batch);
 
 /**
  * Fill `*opts` with the defaults (a 10 s lease, a 30 s I/O timeout, a populated mapping, the

@@ -12,7 +12,6 @@
 mod support;
 
 use std::io::Read;
-use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -335,24 +334,6 @@ fn one_process_holding_every_connection_it_may_cannot_lock_out_another() {
     wait_until(Duration::from_secs(20), "the hog's sessions close", || {
         d.status().stats.sessions == 1
     });
-}
-
-/// The pool's memfd as the daemon holds it: a buggy process on the node scribbling over a
-/// published page.
-fn scribble_on_the_pool(daemon_pid: u32, offset: u64) {
-    let dir = format!("/proc/{daemon_pid}/fd");
-    for e in std::fs::read_dir(&dir).unwrap() {
-        let p = e.unwrap().path();
-        let Ok(target) = std::fs::read_link(&p) else {
-            continue;
-        };
-        if target.to_string_lossy().starts_with("/memfd:kvd-pool") {
-            let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
-            f.write_all_at(b"scribbled over", offset + 100).unwrap();
-            return;
-        }
-    }
-    panic!("no kvd-pool memfd among {dir}");
 }
 
 #[test]

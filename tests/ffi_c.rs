@@ -164,6 +164,11 @@ fn misuse_from_c_is_answered_with_errors_not_crashes() {
 }
 
 #[test]
+fn a_c_router_drains_block_events_in_batches_and_learns_what_it_lost() {
+    passes("events", &["--event-log-capacity", "4"]);
+}
+
+#[test]
 fn asynchronous_lookups_complete_through_the_eventfd_within_their_bound() {
     passes("async", &[]);
 }

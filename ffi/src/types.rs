@@ -6,8 +6,8 @@ use std::ffi::c_char;
 use kvd_core::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor, NamespaceId};
 use kvd_core::protocol::SealItem;
 use kvd_core::types::{
-    Allocation, BlockClass, BlockInfo, BlockVersion, Handle, ManifestInfo, ReservationId,
-    StoreStats,
+    Allocation, BlockClass, BlockEvent, BlockEventKind, BlockInfo, BlockVersion, EventBatch,
+    Handle, ManifestInfo, ReservationId, StoreStats,
 };
 use kvd_core::{Error, Result};
 
@@ -320,6 +320,41 @@ pub struct KvdRestoreInfo {
     pub block_count: u64,
 }
 
+/// `KvdBlockEvent.kind`: the block became PUBLISHED; lookups under its key hit from now on.
+pub const KVD_EVENT_STORED: u32 = 1;
+/// `KvdBlockEvent.kind`: the PUBLISHED block left the index (removed, evicted, quarantined, or
+/// its checkpoint ended, expired or was superseded); lookups under its key miss from now on.
+pub const KVD_EVENT_REMOVED: u32 = 2;
+
+/// One entry of a node's block event log (`kvd_events`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvdBlockEvent {
+    /// The event's sequence number: 1 for the first of a daemon incarnation, then one more
+    /// per event (a restart starts again at 1; `KvdPoolInfo.node_generation` tells
+    /// incarnations apart).
+    pub seq: u64,
+    /// The block's key.
+    pub key: KvdKey,
+    /// `KVD_EVENT_STORED` or `KVD_EVENT_REMOVED`.
+    pub kind: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+/// What a `kvd_events` batch says beside its events.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvdEventBatch {
+    /// Events written to the caller's array.
+    pub count: u64,
+    /// The `since` to pass next.
+    pub next_seq: u64,
+    /// Events the caller asked for that the daemon's bounded log had dropped already (0:
+    /// none). When not 0, resync with lookups, then go on from `next_seq`.
+    pub lost: u64,
+}
+
 /// What a passed health canary measured.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -434,6 +469,28 @@ impl From<&ManifestInfo> for KvdManifestInfo {
             expires_at_ms: m.expires_at_ms,
             reservation: m.reservation.map_or(0, |r| r.0),
             tag_count: m.tags.len() as u64,
+        }
+    }
+}
+impl From<BlockEvent> for KvdBlockEvent {
+    fn from(e: BlockEvent) -> Self {
+        KvdBlockEvent {
+            seq: e.seq,
+            key: e.key.into(),
+            kind: match e.kind {
+                BlockEventKind::Stored => KVD_EVENT_STORED,
+                BlockEventKind::Removed => KVD_EVENT_REMOVED,
+            },
+            reserved: 0,
+        }
+    }
+}
+impl From<&EventBatch> for KvdEventBatch {
+    fn from(b: &EventBatch) -> Self {
+        KvdEventBatch {
+            count: b.events.len() as u64,
+            next_seq: b.next_seq,
+            lost: b.lost,
         }
     }
 }
@@ -553,6 +610,8 @@ mod tests {
         assert_eq!(std::mem::size_of::<KvdAllocation>(), 40);
         assert_eq!(std::mem::size_of::<KvdRemoveItem>(), 80);
         assert_eq!(std::mem::size_of::<KvdBlockClass>(), 24);
+        assert_eq!(std::mem::size_of::<KvdBlockEvent>(), 8 + 64 + 4 + 4);
+        assert_eq!(std::mem::size_of::<KvdEventBatch>(), 24);
     }
 
     #[test]

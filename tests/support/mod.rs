@@ -423,3 +423,21 @@ impl Drop for Helper {
         let _ = self.child.wait();
     }
 }
+
+/// The pool's memfd as the daemon holds it: a buggy process on the node scribbling over a
+/// published page.
+pub fn scribble_on_the_pool(daemon_pid: u32, offset: u64) {
+    let dir = format!("/proc/{daemon_pid}/fd");
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        let Ok(target) = std::fs::read_link(&p) else {
+            continue;
+        };
+        if target.to_string_lossy().starts_with("/memfd:kvd-pool") {
+            let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+            std::os::unix::fs::FileExt::write_all_at(&f, b"scribbled over", offset + 100).unwrap();
+            return;
+        }
+    }
+    panic!("no kvd-pool memfd among {dir}");
+}

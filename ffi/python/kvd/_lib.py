@@ -211,6 +211,18 @@ class RestoreInfo(Structure):
     ]
 
 
+class BlockEvent(Structure):
+    _fields_ = [("seq", c_uint64), ("key", Key), ("kind", c_uint32), ("reserved", c_uint32)]
+
+
+class EventBatch(Structure):
+    _fields_ = [("count", c_uint64), ("next_seq", c_uint64), ("lost", c_uint64)]
+
+
+EVENT_STORED = 1
+EVENT_REMOVED = 2
+
+
 class HealthReport(Structure):
     _fields_ = [("elapsed_us", c_uint64), ("bytes", c_uint64)]
 
@@ -337,6 +349,7 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
         I32,
         [C, c_uint64, P(c_uint32), c_size_t, P(RestoreInfo), P(BlockInfo), c_size_t],
     ),
+    "kvd_events": (I32, [C, c_uint64, P(BlockEvent), c_size_t, P(EventBatch)]),
     "kvd_async_start": (I32, [C, c_uint32]),
     "kvd_async_fd": (I32, [C, P(c_int32)]),
     "kvd_async_lookup_prefix": (

@@ -125,6 +125,31 @@ class Restore:
     blocks: list[Block]
 
 
+@dataclass(frozen=True)
+class Event:
+    """One entry of the node's block event log: ``kind`` is ``"stored"`` (the block became
+    PUBLISHED) or ``"removed"`` (it left the index: removed, evicted, quarantined, or its
+    checkpoint ended)."""
+
+    seq: int
+    kind: str
+    key: bytes
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """A batch drained from the event log: pass ``next_seq`` as the next ``since``; ``lost``
+    counts events the daemon's bounded log dropped before this reader read them (resync with
+    lookups when it is not 0)."""
+
+    events: list[Event]
+    next_seq: int
+    lost: int
+
+
+_EVENT_KINDS = {_lib.EVENT_STORED: "stored", _lib.EVENT_REMOVED: "removed"}
+
+
 def key(namespace: bytes, tag: bytes) -> bytes:
     """A block key: the 32-byte namespace id followed by the 32-byte tag."""
     if len(namespace) != 32 or len(tag) != 32:
@@ -497,6 +522,23 @@ class Client:
         st = _statuses(n)
         check(L.kvd_remove_if(self._c(), arr, n, st))
         return [None if st[i] == OK else for_status(st[i]) for i in range(n)]
+
+    # -- events for KV-aware routers --------------------------------------------------------
+
+    def events(self, since: int = 0, max_events: int = 256) -> EventBatch:
+        """The node's block events with ``seq >= since`` (0: the oldest held), at most
+        ``max_events`` (at most ``pool_info().max_batch``), in order. Sequence numbers restart
+        at 1 when the daemon restarts (``pool_info().node_generation`` changes): start again
+        from 0 then."""
+        out = (_lib.BlockEvent * max(max_events, 1))()
+        b = _lib.EventBatch()
+        check(L.kvd_events(self._c(), since, out, max_events, b))
+        events = []
+        for i in range(b.count):
+            e = out[i]
+            k = bytes(e.key.namespace_id.bytes) + bytes(e.key.tag.bytes)
+            events.append(Event(e.seq, _EVENT_KINDS[e.kind], k))
+        return EventBatch(events, b.next_seq, b.lost)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark blocks recently used."""

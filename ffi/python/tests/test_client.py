@@ -240,3 +240,44 @@ def test_asynchronous_lookups_complete_through_the_eventfd(daemon):
             v.still_valid()
         c.release([b.handle for b in done[t1]])
         assert c.poll(0) == []
+
+
+def test_a_router_drains_stored_and_removed_events_and_learns_what_it_lost():
+    from conftest import Daemon
+
+    d = Daemon(["--event-log-capacity", "4"])
+    try:
+        with kvd.Client(d.socket, name="writer") as w, kvd.Client(d.socket, name="router") as r:
+            ns = w.register_namespace(LAYOUT)
+            ks = keys(ns, 21, 6)
+            assert r.events() == kvd.EventBatch([], 1, 0)
+            assert w.put(ks[:2], [page(4096, 1)] * 2) == [None, None]
+            b = w.acquire(ks[:1])[0]
+            w.release([b.handle])
+            assert w.remove_if([(ks[0], b.handle)]) == [None]
+            # Two at a time, in order, until nothing is left (bounded: three events).
+            seen, since = [], 0
+            for _ in range(3):
+                batch = r.events(since, 2)
+                assert batch.lost == 0
+                if not batch.events:
+                    break
+                seen += batch.events
+                since = batch.next_seq
+            assert [(e.seq, e.kind, e.key) for e in seen] == [
+                (1, "stored", ks[0]),
+                (2, "stored", ks[1]),
+                (3, "removed", ks[0]),
+            ]
+            assert r.events(since).events == []
+            # Four more (4..7) and one (8) into a ring of four: a router at 4 lost one.
+            assert w.put(ks[2:], [page(4096, 2)] * 4) == [None] * 4
+            w.put([kvd.key(ns, bytes([9]) * 32)], [page(4096, 3)])
+            late = r.events(since)
+            assert late.lost == 1
+            assert [e.seq for e in late.events] == [5, 6, 7, 8]
+            assert late.next_seq == 9
+            with pytest.raises(kvd.InvalidArgument):
+                r.events(late.next_seq + 1)
+    finally:
+        d.stop()

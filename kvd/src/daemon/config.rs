@@ -104,6 +104,11 @@ pub struct ServeArgs {
     /// Recompute writer-supplied checksums at seal (one more pass over every block).
     #[arg(long)]
     pub verify_supplied_checksums: bool,
+    /// Block events (stored / removed) kept for KV-aware routers, 1 to 1048576; when the ring
+    /// is full the oldest is dropped and a reader that had not read it is told to resync
+    /// [default: 65536].
+    #[arg(long)]
+    pub event_log_capacity: Option<u32>,
     /// Runtime worker threads [default: 2].
     #[arg(long)]
     pub threads: Option<usize>,
@@ -139,6 +144,7 @@ pub struct FileConfig {
     pub hard_deadline_ms: Option<u64>,
     pub reap_interval_ms: Option<u64>,
     pub verify_supplied_checksums: Option<bool>,
+    pub event_log_capacity: Option<u32>,
     pub threads: Option<usize>,
 }
 
@@ -193,9 +199,15 @@ pub struct DaemonConfig {
     pub reap_budget: u32,
     /// Recompute supplied checksums at seal.
     pub verify_supplied_checksums: bool,
+    /// Block events the store's ring keeps for routers.
+    pub event_log_capacity: u32,
     /// Runtime threads.
     pub threads: usize,
 }
+
+/// Block events kept for routers: at a few hundred events a second, minutes of history for a
+/// router that falls behind, in about 5 MiB.
+pub const DEFAULT_EVENT_LOG_CAPACITY: u32 = 65_536;
 
 /// The embedded defaults: a laptop-sized single node.
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:7460";
@@ -338,6 +350,10 @@ impl DaemonConfig {
             reap_budget: 4096,
             verify_supplied_checksums: args.verify_supplied_checksums
                 || file.verify_supplied_checksums == Some(true),
+            event_log_capacity: args
+                .event_log_capacity
+                .or(file.event_log_capacity)
+                .unwrap_or(DEFAULT_EVENT_LOG_CAPACITY),
             threads: args.threads.or(file.threads).unwrap_or(2),
         };
         c.check()?;
@@ -391,6 +407,13 @@ impl DaemonConfig {
             return bad(format!(
                 "the hard deadline ({} ms) must come after the drain deadline ({} ms)",
                 self.hard_deadline_ms, self.drain_deadline_ms
+            ));
+        }
+        let max_events = crate::store::events::MAX_EVENT_LOG_CAPACITY;
+        if self.event_log_capacity == 0 || self.event_log_capacity > max_events {
+            return bad(format!(
+                "event_log_capacity must be 1 to {max_events}, not {}",
+                self.event_log_capacity
             ));
         }
         if self.reap_interval_ms == 0 || self.threads == 0 {
@@ -493,6 +516,33 @@ mod tests {
         ] {
             let e = DaemonConfig::resolve(&bad).unwrap_err();
             assert!(e.to_string().contains("admin_"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_event_log_capacity_comes_from_the_flag_or_the_file_within_its_bounds() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("kvd.toml");
+        std::fs::write(&f, "event_log_capacity = 16\n").unwrap();
+        let from_file = ServeArgs {
+            config: Some(f),
+            ..ServeArgs::default()
+        };
+        assert_eq!(
+            DaemonConfig::resolve(&from_file)
+                .unwrap()
+                .event_log_capacity,
+            16
+        );
+        let c = DaemonConfig::resolve(&ServeArgs::default()).unwrap();
+        assert_eq!(c.event_log_capacity, DEFAULT_EVENT_LOG_CAPACITY);
+        for bad in [0, crate::store::events::MAX_EVENT_LOG_CAPACITY + 1] {
+            let args = ServeArgs {
+                event_log_capacity: Some(bad),
+                ..ServeArgs::default()
+            };
+            let e = DaemonConfig::resolve(&args).unwrap_err();
+            assert!(e.to_string().contains("event_log_capacity"), "{e}");
         }
     }
 

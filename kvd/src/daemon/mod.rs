@@ -86,6 +86,7 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     sc.max_sessions = config.max_sessions;
     sc.max_batch = config.max_batch;
     sc.verify_supplied_checksums = config.verify_supplied_checksums;
+    sc.event_log_capacity = config.event_log_capacity;
     let clock = Arc::new(MonotonicClock::new());
     let store = Arc::new(Store::new(sc, clock.clone())?);
     // Clients map the memfd read-write; sealing it stops any of them from shrinking it under

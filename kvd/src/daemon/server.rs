@@ -599,6 +599,7 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
             }
         }
         Op::Stats => Reply::Stats(s.stats()),
+        Op::Events { since, max } => Reply::Events(s.events(since, max)?),
         Op::Goodbye => Reply::Done,
         Op::Reserve { bytes } => {
             refuse_new_work(d, "reservations")?;

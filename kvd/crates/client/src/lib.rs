@@ -58,8 +58,8 @@ use kvd_core::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
 use kvd_core::protocol::frame::{self, FRAME_HEADER_BYTES, MAX_FRAME_BYTES};
 use kvd_core::protocol::{Hello, HelloReply, Op, Reply, Request, Response, SealItem, Welcome, bit};
 use kvd_core::types::{
-    Allocation, BlockClass, BlockInfo, BlockVersion, Handle, ManifestInfo, PrefixHit, RequestId,
-    ReservationId, RestorePrefix, StoreStats,
+    Allocation, BlockClass, BlockInfo, BlockVersion, EventBatch, Handle, ManifestInfo, PrefixHit,
+    RequestId, ReservationId, RestorePrefix, StoreStats,
 };
 use kvd_core::{Error, Result};
 
@@ -531,6 +531,24 @@ impl Client {
     pub fn stats(&mut self) -> Result<StoreStats> {
         match self.call(Op::Stats)? {
             Reply::Stats(s) => Ok(s),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Drain the node's block events (stored / removed), for a KV-aware router: those with
+    /// `seq >= since` (0: the oldest held), at most `max` (at most the welcome's `max_batch`).
+    /// Pass the batch's `next_seq` as the next `since`. When `lost > 0` the daemon's bounded
+    /// log dropped events this reader had not read: resync with lookups, then go on from
+    /// `next_seq`. Sequence numbers restart at 1 when the daemon restarts; a changed
+    /// [`Client::node_generation`] (after [`Client::reconnect`]) says so: start again from 0.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for `max` above the daemon's batch limit or a `since` past the end of
+    /// the log (a sequence number from before a restart).
+    pub fn events(&mut self, since: u64, max: u32) -> Result<EventBatch> {
+        self.check_batch(max as usize)?;
+        match self.call(Op::Events { since, max })? {
+            Reply::Events(b) => Ok(b),
             r => Err(unexpected(&r)),
         }
     }

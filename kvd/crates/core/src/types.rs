@@ -127,6 +127,43 @@ pub struct RestorePrefix {
     pub committed_tokens: u64,
 }
 
+/// What happened to a block, as a KV-aware router needs to know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BlockEventKind {
+    /// The block became PUBLISHED: lookups under its key hit from now on.
+    Stored,
+    /// The PUBLISHED block left the index (removed, evicted, quarantined, or its checkpoint
+    /// ended, expired or was superseded): lookups under its key miss from now on.
+    Removed,
+}
+
+/// One entry of a node's block event log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockEvent {
+    /// The event's sequence number: 1 for the first event of a node incarnation, then strictly
+    /// increasing by one. A restart starts again at 1; the node generation tells incarnations
+    /// apart.
+    pub seq: u64,
+    /// Stored or removed.
+    pub kind: BlockEventKind,
+    /// The block's key.
+    pub key: BlockKey,
+}
+
+/// A batch drained from a node's block event log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventBatch {
+    /// The events, in sequence order, without gaps.
+    pub events: Vec<BlockEvent>,
+    /// The sequence number to ask from next (one past the last event returned, or where the
+    /// log stands when there was none).
+    pub next_seq: u64,
+    /// Events the reader asked for that the bounded log had already dropped (0: none). When
+    /// not 0 the reader's picture of the node has a hole it cannot fill from the log: it must
+    /// resynchronise with a full lookup.
+    pub lost: u64,
+}
+
 /// A request's checkpoint manifest as published.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ManifestInfo {

@@ -9,9 +9,10 @@
 //!
 //! Where a block changes state: [`lifecycle`]. Who may touch it: [`sessions`]. What readers see:
 //! [`pins`]. Checkpoints: [`manifest`]. Space: [`capacity`]. Checksums: [`integrity`].
-//! Cleanup: [`reaper`].
+//! Cleanup: [`reaper`]. What routers learn of it: [`events`].
 
 pub mod capacity;
+pub mod events;
 pub mod integrity;
 pub mod lifecycle;
 mod lru;
@@ -79,6 +80,9 @@ pub struct StoreConfig {
     pub quarantine_hold_ms: u64,
     /// Recompute a checksum the writer supplied at SEAL (costs a pass over the block).
     pub verify_supplied_checksums: bool,
+    /// Block events the ring keeps for routers (1 to [`events::MAX_EVENT_LOG_CAPACITY`]);
+    /// the oldest is dropped when it is full.
+    pub event_log_capacity: u32,
 }
 
 impl StoreConfig {
@@ -102,6 +106,7 @@ impl StoreConfig {
             max_manifest_ttl_ms: 3_600_000,
             quarantine_hold_ms: 60_000,
             verify_supplied_checksums: false,
+            event_log_capacity: 65_536,
         }
     }
 }
@@ -552,6 +557,23 @@ impl Store {
             tokens: tokens_covered,
             committed_tokens: committed,
         })
+    }
+
+    // ----- events for routers -----
+
+    /// Drain block events: those with `seq >= since_seq` (0 reads from the oldest held), at
+    /// most `max` (and at most `max_batch`), in order. Pass the batch's `next_seq` as the next
+    /// `since_seq`. A batch with `lost > 0` means the ring dropped that many events the reader
+    /// had not read: resync with a full lookup, then carry on from `next_seq`. Sequence numbers
+    /// restart at 1 with every node incarnation ([`events`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a `since_seq` past the end of the log (one from another
+    /// incarnation).
+    pub fn events(&self, since_seq: u64, max: u32) -> Result<EventBatch> {
+        let g = self.lock();
+        let max = max.min(g.config.max_batch) as usize;
+        g.events.read(since_seq, max)
     }
 
     // ----- maintenance and observation -----

@@ -13,7 +13,9 @@
 use crate::error::{BlockState, Corruption};
 use crate::keys::BlockKey;
 use crate::table::{Class, Inner};
-use crate::types::{Allocation, BlockClass, BlockVersion, Handle, ReservationId, SessionId};
+use crate::types::{
+    Allocation, BlockClass, BlockEventKind, BlockVersion, Handle, ReservationId, SessionId,
+};
 use crate::{Error, Result};
 
 /// What a write may do after [`Inner::write_prepare`].
@@ -381,8 +383,13 @@ impl Inner {
         Ok(slots)
     }
 
+    /// Make a SEALED block PUBLISHED: the one step group publish and `manifest_extend` share,
+    /// so it logs the `Stored` event.
     pub fn publish_slot(&mut self, sid: SessionId, i: u32) {
         self.set_state(i, BlockState::Published);
+        let key = self.slots[i as usize].key;
+        debug_assert_eq!(self.index.get(&key), Some(&i), "a sealed block is indexed");
+        self.events.push(BlockEventKind::Stored, key);
         let s = &mut self.slots[i as usize];
         s.owner = None;
         s.reservation = None;

@@ -174,6 +174,7 @@ impl Inner {
         self.sessions.check()?;
         self.manifests.check()?;
         self.reservations.check()?;
+        self.events.check()?;
         let pinned: u64 = self
             .sessions
             .by_id

@@ -9,13 +9,16 @@ use crate::StoreConfig;
 use crate::capacity::Reservations;
 use crate::clock::Clock;
 use crate::error::BlockState;
+use crate::events::EventLog;
 use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
 use crate::lru::Lru;
 use crate::manifest::Manifests;
 use crate::pins::PinIndex;
 use crate::pool::Pool;
 use crate::sessions::Sessions;
-use crate::types::{Accounting, BlockInfo, Counters, Handle, RequestId, ReservationId, SessionId};
+use crate::types::{
+    Accounting, BlockEventKind, BlockInfo, Counters, Handle, RequestId, ReservationId, SessionId,
+};
 use crate::{Error, Result};
 
 pub(crate) const NIL: u32 = u32::MAX;
@@ -119,11 +122,14 @@ pub(crate) struct Inner {
     pub reservations: Reservations,
     pub quarantine: VecDeque<u32>,
     pub counters: Counters,
+    /// What became visible or invisible, for routers ([`EventLog`]).
+    pub events: EventLog,
 }
 
 impl Inner {
     pub fn new(config: StoreConfig, clock: Arc<dyn Clock>) -> Result<Inner> {
         let pool = Pool::new(config.pool)?;
+        let events = EventLog::new(config.event_log_capacity)?;
         let n = config.pool.page_count;
         Ok(Inner {
             counts: Accounting {
@@ -145,6 +151,7 @@ impl Inner {
             reservations: Reservations::default(),
             quarantine: VecDeque::new(),
             counters: Counters::default(),
+            events,
         })
     }
 
@@ -268,10 +275,18 @@ impl Inner {
     }
 
     /// Remove a block from the key index if the index points at it.
+    ///
+    /// This is the one step every way out of PUBLISHED takes (compare-and-delete, eviction,
+    /// quarantine, a manifest's release), so it logs the `Removed` event: for a PUBLISHED block
+    /// only, as unfinished ones were never visible.
     pub fn unlink(&mut self, i: u32) {
-        let key = self.slots[i as usize].key;
+        let s = &self.slots[i as usize];
+        let (key, published) = (s.key, s.state == Some(BlockState::Published));
         if self.index.get(&key) == Some(&i) {
             self.index.remove(&key);
+            if published {
+                self.events.push(BlockEventKind::Removed, key);
+            }
         }
         self.lru_remove(i);
     }

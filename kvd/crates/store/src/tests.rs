@@ -895,3 +895,202 @@ fn a_write_racing_an_abort_never_frees_a_page_being_copied() {
     assert_eq!(f.store.stats().accounting.free, 2);
     f.invariants();
 }
+
+// ----- block events for routers -----
+
+use crate::types::BlockEventKind::{Removed, Stored};
+
+impl Fixture {
+    /// Every event held, as (kind, tag byte), after checking that sequence numbers run on
+    /// without a gap from `first`.
+    fn events_from(&self, first: u64) -> Vec<(BlockEventKind, u8)> {
+        let b = self.store.events(first, u32::MAX).unwrap();
+        assert_eq!(b.lost, 0, "no event lost");
+        for (k, e) in b.events.iter().enumerate() {
+            assert_eq!(
+                e.seq,
+                first.max(1) + k as u64,
+                "consecutive sequence numbers"
+            );
+            assert_eq!(e.key.namespace, self.ns);
+        }
+        assert_eq!(b.next_seq, first.max(1) + b.events.len() as u64);
+        b.events.iter().map(|e| (e.kind, e.key.tag.0[0])).collect()
+    }
+}
+
+#[test]
+fn every_way_a_cache_block_becomes_visible_or_invisible_logs_one_event_in_order() {
+    let f = fixture(2);
+    let s = f.session();
+    let r = f.session();
+    let h1 = f.put(s, key(f.ns, 1), b"1");
+    f.put(s, key(f.ns, 2), b"2");
+    // Compare-and-delete of a pinned block: logged when it leaves the index (RETIRED), not when
+    // its page is freed later.
+    f.store.acquire(r, &[key(f.ns, 1)], None).unwrap();
+    f.store.remove_if(&key(f.ns, 1), h1.version()).unwrap();
+    f.store.release(r, &[h1]).unwrap();
+    // A failed compare-and-delete logs nothing.
+    assert!(f.store.remove_if(&key(f.ns, 2), h1.version()).is_err());
+    // LRU eviction: the fourth block takes the oldest unpinned one's page.
+    let h3 = f.put(s, key(f.ns, 3), b"3");
+    f.put(s, key(f.ns, 4), &bytes(4, 100));
+    assert_eq!(f.store.stats().counters.evictions, 1);
+    // Quarantine after a failed verified read.
+    f.store.acquire(s, &[key(f.ns, 3)], None).unwrap();
+    f.corrupt(&h3);
+    let mut out = [0u8; 1];
+    assert!(f.store.read(s, &h3, &mut out, true).is_err());
+    // Touching, looking up and reading log nothing.
+    f.store.touch(&[key(f.ns, 4)]);
+    f.store.lookup(&[key(f.ns, 4), key(f.ns, 9)]).unwrap();
+    assert_eq!(
+        f.events_from(0),
+        [
+            (Stored, 1),
+            (Stored, 2),
+            (Removed, 1),
+            (Stored, 3),
+            (Removed, 2), // evicted to make room for 4, before 4 was published
+            (Stored, 4),
+            (Removed, 3),
+        ]
+    );
+    // The quarantined page returning to the pool later is no new event.
+    f.store.release(s, &[h3]).unwrap();
+    f.clock.advance(1_000);
+    assert_eq!(f.store.reap(10).quarantine_released, 1);
+    assert_eq!(f.events_from(8), []);
+    f.invariants();
+}
+
+#[test]
+fn unfinished_blocks_were_never_visible_and_log_nothing() {
+    let f = fixture(4);
+    let s = f.session();
+    let dying = f.store.open_session("dying", 100).unwrap();
+    let hs = f.alloc(s, &[1, 2]);
+    f.store.write(s, &hs[1], 0, b"x").unwrap();
+    f.store.seal(s, &hs[1], 1, None).unwrap();
+    f.store.abort(s, &hs).unwrap();
+    let a = f
+        .store
+        .alloc(dying, &[key(f.ns, 3)], BlockClass::Cache, None)
+        .unwrap();
+    assert!(a[0].is_ok());
+    f.clock.advance(100);
+    assert_eq!(f.store.reap(10).sessions_expired, 1);
+    assert_eq!(f.store.stats().accounting.free, 4);
+    let b = f.store.events(0, 16).unwrap();
+    assert_eq!((b.events.len(), b.next_seq, b.lost), (0, 1, 0));
+    f.invariants();
+}
+
+#[test]
+fn a_checkpoint_logs_stored_at_extend_and_removed_at_supersede_end_and_expiry() {
+    let f = fixture(16);
+    let s = f.session();
+    let chain = |req: u8| {
+        let mut t = block_tags(&f.ns, 4, &(0..8).collect::<Vec<u32>>()).unwrap();
+        for (k, t) in t.iter_mut().enumerate() {
+            t.0[0] = req * 10 + k as u8;
+        }
+        t
+    };
+    // Request 1: two blocks at epoch 1, superseded by epoch 2, which ends.
+    let req = 1;
+    f.store.manifest_begin(s, req, 1, f.ns, 0, 5_000).unwrap();
+    checkpoint_step(&f, s, req, 1, &chain(1), 8).unwrap();
+    f.store.manifest_begin(s, req, 2, f.ns, 0, 5_000).unwrap();
+    checkpoint_step(&f, s, req, 2, &chain(2)[..1], 4).unwrap();
+    f.store.manifest_end(req, 2).unwrap();
+    // Request 3: one block, left to expire.
+    let req = 3;
+    f.store.manifest_begin(s, req, 1, f.ns, 0, 1_000).unwrap();
+    checkpoint_step(&f, s, req, 1, &chain(3)[..1], 4).unwrap();
+    f.clock.advance(1_000);
+    assert_eq!(f.store.reap(10).manifests_expired, 1);
+    assert_eq!(
+        f.events_from(0),
+        [
+            (Stored, 10),
+            (Stored, 11),
+            (Removed, 10), // superseded
+            (Removed, 11),
+            (Stored, 20),
+            (Removed, 20), // ended
+            (Stored, 30),
+            (Removed, 30), // expired
+        ]
+    );
+    f.invariants();
+}
+
+#[test]
+fn a_full_ring_drops_the_oldest_events_and_says_how_many_a_reader_lost() {
+    let f = fixture_with(8, |c| c.event_log_capacity = 4);
+    let s = f.session();
+    for n in 1..=6 {
+        f.put(s, key(f.ns, n), b"x");
+    }
+    // A reader from the start missed events 1 and 2.
+    let b = f.store.events(0, 100).unwrap();
+    assert_eq!(b.lost, 2);
+    let seqs: Vec<u64> = b.events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, [3, 4, 5, 6]);
+    assert_eq!(b.events[0].key, key(f.ns, 3));
+    assert_eq!(b.next_seq, 7);
+    // A reader at 2 missed one; a reader at 3 missed none.
+    assert_eq!(f.store.events(2, 100).unwrap().lost, 1);
+    assert_eq!(f.store.events(3, 100).unwrap().lost, 0);
+    // Caught up: nothing, and no loss.
+    let b = f.store.events(7, 100).unwrap();
+    assert_eq!((b.events.len(), b.next_seq, b.lost), (0, 7, 0));
+    // A sequence number past the end comes from another incarnation.
+    let e = f.store.events(8, 100).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    f.invariants();
+}
+
+#[test]
+fn events_drain_in_batches_of_at_most_max_and_max_batch() {
+    let f = fixture_with(8, |c| c.max_batch = 3);
+    let s = f.session();
+    for n in 1..=7 {
+        f.put(s, key(f.ns, n), b"x");
+    }
+    let mut since = 0;
+    let mut sizes = Vec::new();
+    let mut tags = Vec::new();
+    // Bounded: seven events need at most seven batches.
+    for _ in 0..7 {
+        let b = f.store.events(since, 100).unwrap();
+        if b.events.is_empty() {
+            break;
+        }
+        sizes.push(b.events.len());
+        tags.extend(b.events.iter().map(|e| e.key.tag.0[0]));
+        since = b.next_seq;
+    }
+    assert_eq!(sizes, [3, 3, 1], "max_batch bounds a batch");
+    assert_eq!(tags, [1, 2, 3, 4, 5, 6, 7]);
+    let b = f.store.events(1, 2).unwrap();
+    assert_eq!((b.events.len(), b.next_seq), (2, 3), "max bounds it too");
+    let b = f.store.events(1, 0).unwrap();
+    assert_eq!((b.events.len(), b.next_seq, b.lost), (0, 1, 0));
+}
+
+#[test]
+fn the_event_log_capacity_is_bounded() {
+    for bad in [0, events::MAX_EVENT_LOG_CAPACITY + 1] {
+        let mut cfg = StoreConfig::new(PoolConfig {
+            page_size_bytes: PAGE,
+            page_count: 2,
+            huge_pages: HugePages::Off,
+        });
+        cfg.event_log_capacity = bad;
+        let e = Store::new(cfg, ManualClock::new(0)).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e}");
+    }
+}

@@ -9,12 +9,12 @@
 //! handle is refused, the accounting balances and matches the model, and a dead session leaves
 //! nothing behind.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use kvd_core::Error;
 use kvd_core::clock::ManualClock;
 use kvd_core::keys::{BlockKey, BlockTag, NamespaceId};
-use kvd_store::{BlockClass, BlockVersion, Handle, RequestId, SessionId, Store};
+use kvd_store::{BlockClass, BlockEventKind, BlockVersion, Handle, RequestId, SessionId, Store};
 
 mod common;
 use proptest::prelude::*;
@@ -150,6 +150,9 @@ struct World {
     store: Store,
     clock: std::sync::Arc<ManualClock>,
     m: Model,
+    /// What a router that follows the store's event log believes is held: the sequence number
+    /// to drain from next, and the keys.
+    router: (u64, HashSet<BlockKey>),
 }
 
 impl World {
@@ -176,6 +179,7 @@ impl World {
                 ns,
                 ckpt_tag: 100,
             },
+            router: (0, HashSet::new()),
         }
     }
 
@@ -624,7 +628,34 @@ impl World {
         }
     }
 
-    fn check(&self) {
+    /// Drain the event log into the router's picture of the node (bounded: the ring holds
+    /// more events than a sequence makes, so nothing is lost and one batch per op suffices).
+    fn follow_events(&mut self) {
+        let b = self.store.events(self.router.0, u32::MAX).unwrap();
+        assert_eq!(b.lost, 0, "the ring outgrew a whole sequence");
+        for e in &b.events {
+            let fresh = match e.kind {
+                BlockEventKind::Stored => self.router.1.insert(e.key),
+                BlockEventKind::Removed => self.router.1.remove(&e.key),
+            };
+            assert!(fresh, "event {e:?} repeats what the router knew");
+        }
+        self.router.0 = b.next_seq;
+    }
+
+    fn check(&mut self) {
+        self.follow_events();
+        let visible: HashSet<BlockKey> = self
+            .m
+            .index
+            .iter()
+            .filter(|(_, b)| self.m.blocks[**b].state == MState::Published)
+            .map(|(k, _)| *k)
+            .collect();
+        assert_eq!(
+            self.router.1, visible,
+            "the event log replays to what lookups see"
+        );
         self.store.check_invariants().unwrap();
         let st = self.store.stats();
         let a = st.accounting;

@@ -15,8 +15,8 @@ use crate::Error;
 use crate::error::{BlockState, Corruption};
 use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
 use crate::types::{
-    Allocation, BlockClass, BlockInfo, BlockVersion, Handle, ManifestInfo, PrefixHit, RequestId,
-    ReservationId, RestorePrefix, SessionId, StoreStats,
+    Allocation, BlockClass, BlockInfo, BlockVersion, EventBatch, Handle, ManifestInfo, PrefixHit,
+    RequestId, ReservationId, RestorePrefix, SessionId, StoreStats,
 };
 
 use super::frame::PROTOCOL_VERSION;
@@ -249,6 +249,16 @@ pub enum Op {
         /// Its token history.
         tokens: Vec<u32>,
     },
+    /// Drain the node's block event log (stored / removed, for KV-aware routers) →
+    /// [`Reply::Events`]: the events with `seq >= since`, at most `max` (a batch, so at most
+    /// `max_batch`). Pass the reply's `next_seq` as the next `since`; `lost > 0` means the
+    /// bounded log dropped events the reader had not read, and it must resync with lookups.
+    Events {
+        /// The first sequence number wanted (0: the oldest held).
+        since: u64,
+        /// Events at most.
+        max: u32,
+    },
 }
 
 impl Op {
@@ -278,6 +288,7 @@ impl Op {
             Op::ManifestGet { .. } => "manifest_get",
             Op::RestorePrefix { .. } => "restore_prefix",
             Op::ReportCorrupt { .. } => "report_corrupt",
+            Op::Events { .. } => "events",
         }
     }
 
@@ -294,6 +305,7 @@ impl Op {
             | Op::ReportCorrupt { handles } => handles.len(),
             Op::Seal { blocks } => blocks.len(),
             Op::RemoveIf { items } => items.len(),
+            Op::Events { max, .. } => *max as usize,
             // A token history is bounded by the frame size; its blocks are not a batch.
             Op::RegisterNamespace(_)
             | Op::Heartbeat
@@ -310,7 +322,7 @@ impl Op {
     }
 
     /// Every operation names in [`Op`], for metrics.
-    pub const NAMES: [&'static str; 23] = [
+    pub const NAMES: [&'static str; 24] = [
         "register_namespace",
         "lookup_prefix",
         "exists",
@@ -334,6 +346,7 @@ impl Op {
         "manifest_get",
         "restore_prefix",
         "report_corrupt",
+        "events",
     ];
 }
 
@@ -378,6 +391,8 @@ pub enum Reply {
     Manifest(ManifestInfo),
     /// What a checkpoint holder can restore.
     Restore(RestorePrefix),
+    /// A batch of block events.
+    Events(EventBatch),
 }
 
 /// [`Error`] as it travels: the same variants and fields, with owned strings (so that a reply
