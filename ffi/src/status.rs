@@ -218,52 +218,9 @@ pub extern "C" fn kvd_status_str(status: i32) -> *const c_char {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvd_core::error::BlockState;
 
-    /// One of each variant (and each corruption outcome).
     fn every_error() -> Vec<Error> {
-        let mut v = vec![
-            Error::StaleGeneration {
-                handle_node: 1,
-                handle_slot: 2,
-                current_node: 1,
-                current_slot: 3,
-            },
-            Error::IllegalTransition {
-                from: BlockState::Writing,
-                op: "publish",
-            },
-            Error::NoSpace {
-                requested_bytes: 10,
-                free_bytes: 4,
-            },
-            Error::Overloaded {
-                what: "pins".into(),
-                retry_after_ms: 7,
-            },
-            Error::NotFound("k".into()),
-            Error::AlreadyExists("k".into()),
-            Error::InvalidArgument("a".into()),
-            Error::LeaseExpired("l".into()),
-            Error::StaleEpoch { got: 1, current: 2 },
-            Error::Deadline("d".into()),
-            Error::Unavailable("u".into()),
-            Error::Protocol("p".into()),
-            Error::Io("i".into()),
-            Error::Disconnected("c".into()),
-        ];
-        for outcome in [
-            Corruption::Quarantined,
-            Corruption::ReaderCopy,
-            Corruption::AtSeal,
-        ] {
-            v.push(Error::Corrupt {
-                expected: 1,
-                found: 2,
-                outcome,
-            });
-        }
-        v
+        Error::one_of_each()
     }
 
     #[test]

@@ -201,6 +201,77 @@ impl Error {
     }
 }
 
+impl Error {
+    /// One value of every variant, with every [`Corruption`] outcome: for the tests that walk
+    /// them all (the wire round trip here, the C status codes in libkvd). The exhaustive match
+    /// below makes a new variant a compile error until it is listed.
+    #[doc(hidden)]
+    pub fn one_of_each() -> Vec<Error> {
+        let mut v = vec![
+            Error::StaleGeneration {
+                handle_node: 1,
+                handle_slot: 2,
+                current_node: 3,
+                current_slot: 4,
+            },
+            Error::IllegalTransition {
+                from: BlockState::Sealed,
+                op: "publish",
+            },
+            Error::NoSpace {
+                requested_bytes: 1,
+                free_bytes: 0,
+            },
+            Error::Overloaded {
+                what: "x".into(),
+                retry_after_ms: 5,
+            },
+            Error::NotFound("k".into()),
+            Error::AlreadyExists("k".into()),
+            Error::InvalidArgument("a".into()),
+            Error::LeaseExpired("l".into()),
+            Error::StaleEpoch { got: 1, current: 2 },
+            Error::Deadline("d".into()),
+            Error::Unavailable("u".into()),
+            Error::Protocol("p".into()),
+            Error::Io("i".into()),
+            Error::Disconnected("c".into()),
+        ];
+        for outcome in [
+            Corruption::Quarantined,
+            Corruption::ReaderCopy,
+            Corruption::AtSeal,
+        ] {
+            v.push(Error::Corrupt {
+                expected: 1,
+                found: 2,
+                outcome,
+            });
+        }
+        for e in &v {
+            // Exhaustive: a variant missing from the list above stops the build here.
+            match e {
+                Error::StaleGeneration { .. }
+                | Error::IllegalTransition { .. }
+                | Error::NoSpace { .. }
+                | Error::Overloaded { .. }
+                | Error::NotFound(_)
+                | Error::AlreadyExists(_)
+                | Error::Corrupt { .. }
+                | Error::InvalidArgument(_)
+                | Error::LeaseExpired(_)
+                | Error::StaleEpoch { .. }
+                | Error::Deadline(_)
+                | Error::Unavailable(_)
+                | Error::Protocol(_)
+                | Error::Io(_)
+                | Error::Disconnected(_) => {}
+            }
+        }
+        v
+    }
+}
+
 impl From<transport::Error> for Error {
     fn from(e: transport::Error) -> Self {
         match e {

@@ -595,46 +595,7 @@ mod tests {
 
     #[test]
     fn every_error_survives_the_wire_with_its_code() {
-        let errors = vec![
-            Error::StaleGeneration {
-                handle_node: 1,
-                handle_slot: 2,
-                current_node: 3,
-                current_slot: 4,
-            },
-            Error::IllegalTransition {
-                from: BlockState::Sealed,
-                op: "publish",
-            },
-            Error::NoSpace {
-                requested_bytes: 1,
-                free_bytes: 0,
-            },
-            Error::Overloaded {
-                what: "x".into(),
-                retry_after_ms: 5,
-            },
-            Error::NotFound("k".into()),
-            Error::AlreadyExists("k".into()),
-            Error::Corrupt {
-                expected: 1,
-                found: 2,
-                outcome: Corruption::Quarantined,
-            },
-            Error::Corrupt {
-                expected: 1,
-                found: 2,
-                outcome: Corruption::ReaderCopy,
-            },
-            Error::InvalidArgument("a".into()),
-            Error::LeaseExpired("l".into()),
-            Error::StaleEpoch { got: 1, current: 2 },
-            Error::Deadline("d".into()),
-            Error::Unavailable("u".into()),
-            Error::Protocol("p".into()),
-            Error::Io("i".into()),
-            Error::Disconnected("c".into()),
-        ];
+        let errors = Error::one_of_each();
         for e in errors {
             let w = WireError::from(e.clone());
             let bytes = crate::protocol::frame::encode(&w).unwrap();
