@@ -95,7 +95,9 @@ impl<'a> BlockView<'a> {
 /// Whether `h`'s page holds `h`'s block now (after an acquire fence, so that reads of its bytes
 /// before this call are ordered before the check).
 fn check_held(pages: &PageGenerations, h: &Handle, node_generation: u64) -> Result<()> {
-    if pages.still_held(h.slot, h.generation) {
+    // Block generations restart with every daemon incarnation: a handle from another one names
+    // nothing in this page table, whatever its word says.
+    if h.node_generation == node_generation && pages.still_held(h.slot, h.generation) {
         Ok(())
     } else {
         Err(Error::StaleGeneration {
@@ -371,6 +373,17 @@ mod tests {
                 current_slot: 0,
                 ..
             })
+        ));
+    }
+
+    #[test]
+    fn a_handle_of_another_daemon_incarnation_is_never_held() {
+        let daemon = PageGenerations::create("test-pages", 2).unwrap();
+        daemon.mark_occupied(0, 1);
+        check_held(&daemon, &handle(0, 1), 7).unwrap();
+        assert!(matches!(
+            check_held(&daemon, &handle(0, 1), 8),
+            Err(Error::StaleGeneration { handle_node: 7, current_node: 8, .. })
         ));
     }
 
