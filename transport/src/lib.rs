@@ -3,8 +3,11 @@
 //! - [`local`]: same-node movement: the shared region (one memfd, mapped by the daemon and by
 //!   every engine), the page-generation table, a non-temporal copy for large transfers and a
 //!   copy fused with a CRC-32C, so a block's checksum costs no second pass over cold memory.
+//! - [`grant`]: the ranges of local memory a remote peer may touch, per transfer, checked
+//!   before any byte moves (the first piece of the one-sided transfer engine).
 
 pub mod error;
+pub mod grant;
 pub mod local;
 
 pub use error::{Error, Result};

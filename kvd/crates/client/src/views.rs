@@ -383,7 +383,11 @@ mod tests {
         check_held(&daemon, &handle(0, 1), 7).unwrap();
         assert!(matches!(
             check_held(&daemon, &handle(0, 1), 8),
-            Err(Error::StaleGeneration { handle_node: 7, current_node: 8, .. })
+            Err(Error::StaleGeneration {
+                handle_node: 7,
+                current_node: 8,
+                ..
+            })
         ));
     }
 
