@@ -3,9 +3,12 @@
 //! - [`local`]: same-node movement: the shared region (one memfd, mapped by the daemon and by
 //!   every engine), the page-generation table, a non-temporal copy for large transfers and a
 //!   copy fused with a CRC-32C, so a block's checksum costs no second pass over cold memory.
+//! - [`auth`]: peer authentication by challenge-response over the cluster secret (blake3's
+//!   keyed hash over both ends' nonces; the secret never crosses the wire).
 //! - [`grant`]: the ranges of local memory a remote peer may touch, per transfer, checked
 //!   before any byte moves (the first piece of the one-sided transfer engine).
 
+pub mod auth;
 pub mod error;
 pub mod grant;
 pub mod local;
