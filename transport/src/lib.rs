@@ -7,10 +7,13 @@
 //!   keyed hash over both ends' nonces; the secret never crosses the wire).
 //! - [`grant`]: the ranges of local memory a remote peer may touch, per transfer, checked
 //!   before any byte moves (the first piece of the one-sided transfer engine).
+//! - [`segment`]: segment descriptors, the small versioned wire form by which a node tells a
+//!   peer about memory it may name (never an address).
 
 pub mod auth;
 pub mod error;
 pub mod grant;
 pub mod local;
+pub mod segment;
 
 pub use error::{Error, Result};
