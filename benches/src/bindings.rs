@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use kvd::client::{Client, ClientOptions};
-use kvd::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor};
+use kvd::keys::{BlockKey, BlockTag, NamespaceDescriptor};
 use kvd::protocol::SealItem;
 use kvd::store::BlockClass;
 
@@ -49,24 +49,7 @@ const WARMUP: usize = 3;
 
 /// The measurements' layout (the same descriptor in C and Python).
 pub fn layout() -> NamespaceDescriptor {
-    NamespaceDescriptor {
-        model_name: "bench/bindings".into(),
-        model_revision: "1".into(),
-        tokenizer: String::new(),
-        adapter: String::new(),
-        cache_salt: String::new(),
-        dtype: KvDtype::Bf16,
-        num_layers: 1,
-        num_kv_heads: 1,
-        head_dim: 64,
-        tokens_per_block: 16,
-        bytes_per_block: PAGE_BYTES as u64,
-        tp_rank: 0,
-        tp_size: 1,
-        pp_rank: 0,
-        pp_size: 1,
-        rope: String::new(),
-    }
+    NamespaceDescriptor::minimal("bench/bindings", "1", 16, PAGE_BYTES as u64)
 }
 
 /// Tag bytes: `[seed, family, i (u32 LE), 0...]`, as the C and Python sides build them.

@@ -26,7 +26,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvd::client::{Client, ClientOptions};
-use kvd::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor, NamespaceId};
+use kvd::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
 use kvd::protocol::SealItem;
 use kvd::store::{BlockClass, Handle};
 
@@ -186,22 +186,10 @@ pub(crate) fn connect(sock: &Path) -> Result<Client, String> {
 
 pub(crate) fn descriptor(page: usize) -> NamespaceDescriptor {
     NamespaceDescriptor {
-        model_name: "bench/model".into(),
-        model_revision: "1".into(),
         tokenizer: "bench".into(),
-        adapter: String::new(),
         cache_salt: format!("kvd-bench-{}", std::process::id()),
-        dtype: KvDtype::Bf16,
-        num_layers: 1,
-        num_kv_heads: 1,
         head_dim: 128,
-        tokens_per_block: 16,
-        bytes_per_block: page as u64,
-        tp_rank: 0,
-        tp_size: 1,
-        pp_rank: 0,
-        pp_size: 1,
-        rope: String::new(),
+        ..NamespaceDescriptor::minimal("bench/model", "1", 16, page as u64)
     }
 }
 

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use kvd_core::error::Corruption;
-use kvd_core::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor};
+use kvd_core::keys::{BlockKey, BlockTag, NamespaceDescriptor};
 use kvd_core::protocol::SealItem;
 use kvd_core::types::{BlockClass, Handle};
 use kvd_core::{Error, Result};
@@ -28,22 +28,8 @@ pub struct HealthReport {
 /// The canary's own layout, apart from every engine's.
 fn canary_namespace() -> NamespaceDescriptor {
     NamespaceDescriptor {
-        model_name: "kvd.health".into(),
-        model_revision: "1".into(),
-        tokenizer: String::new(),
-        adapter: String::new(),
-        cache_salt: String::new(),
-        dtype: KvDtype::Bf16,
-        num_layers: 1,
-        num_kv_heads: 1,
         head_dim: 1,
-        tokens_per_block: 1,
-        bytes_per_block: CANARY_BYTES as u64,
-        tp_rank: 0,
-        tp_size: 1,
-        pp_rank: 0,
-        pp_size: 1,
-        rope: String::new(),
+        ..NamespaceDescriptor::minimal("kvd.health", "1", 1, CANARY_BYTES as u64)
     }
 }
 

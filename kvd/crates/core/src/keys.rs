@@ -265,6 +265,35 @@ pub fn block_tags(
 }
 
 impl NamespaceDescriptor {
+    /// A minimal layout for tools, canaries and tests: `model_name` at `model_revision`, bf16,
+    /// one layer of one KV head of 64, no TP/PP, no adapter, salt or RoPE string; blocks of
+    /// `tokens_per_block` tokens in `bytes_per_block` bytes. Override fields with struct update.
+    pub fn minimal(
+        model_name: &str,
+        model_revision: &str,
+        tokens_per_block: u32,
+        bytes_per_block: u64,
+    ) -> NamespaceDescriptor {
+        NamespaceDescriptor {
+            model_name: model_name.into(),
+            model_revision: model_revision.into(),
+            tokenizer: String::new(),
+            adapter: String::new(),
+            cache_salt: String::new(),
+            dtype: KvDtype::Bf16,
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 64,
+            tokens_per_block,
+            bytes_per_block,
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            pp_size: 1,
+            rope: String::new(),
+        }
+    }
+
     /// A Qwen3-14B-shaped layout (bf16, 40 layers, 8 KV heads of 128, 16 tokens per block of
     /// 2.5 MiB), for examples and tests.
     pub fn example_qwen3_14b() -> NamespaceDescriptor {
