@@ -16,9 +16,32 @@ pub enum Error {
     /// An argument was malformed (a zero length, a table of no pages, a fd that is too short).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    /// An operating-system call failed (memfd, mmap, seals).
+    /// An operating-system call failed (memfd, mmap, seals, sockets, io_uring).
     #[error("io: {0}")]
     Io(String),
+    /// A bound on work in flight was reached (operations, bytes, batches, endpoints, grants).
+    /// Nothing was submitted; retry after the hint.
+    #[error("overloaded: {what}; retry after {retry_after_ms} ms")]
+    Overloaded {
+        /// Which bound was reached.
+        what: String,
+        /// A hint for when to try again.
+        retry_after_ms: u64,
+    },
+    /// No such endpoint, batch or segment.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// The peer is gone, stalled past the timeout, or refused the handshake; the endpoint is
+    /// closed and its operations failed. Open a new endpoint to try again.
+    #[error("peer unavailable: {0}")]
+    PeerUnavailable(String),
+}
+
+impl Error {
+    /// Whether trying again (later, or on a fresh endpoint) can succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::Overloaded { .. } | Error::PeerUnavailable(_))
+    }
 }
 
 /// Shorthand for results whose error is [`Error`].

@@ -146,6 +146,11 @@ impl GrantError {
         }
     }
 
+    /// The reason's code, as [`Grants::refusals`] orders them.
+    pub fn code(&self) -> u8 {
+        self.kind() as u8
+    }
+
     /// Whether trying again later can succeed.
     pub fn is_retryable(&self) -> bool {
         matches!(self, GrantError::TooMany(_))

@@ -5,12 +5,15 @@
 //!   copy fused with a CRC-32C, so a block's checksum costs no second pass over cold memory.
 //! - [`auth`]: peer authentication by challenge-response over the cluster secret (blake3's
 //!   keyed hash over both ends' nonces; the secret never crosses the wire).
+//! - [`engine`]: the transfer interface every backend implements ([`engine::Transport`]),
+//!   with the bookkeeping they share; backends: [`local::LocalTransport`], [`tcp::TcpTransport`].
 //! - [`grant`]: the ranges of local memory a remote peer may touch, per transfer, checked
 //!   before any byte moves (the first piece of the one-sided transfer engine).
 //! - [`segment`]: segment descriptors, the small versioned wire form by which a node tells a
 //!   peer about memory it may name (never an address).
 
 pub mod auth;
+pub mod engine;
 pub mod error;
 pub mod grant;
 pub mod local;

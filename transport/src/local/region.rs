@@ -149,6 +149,12 @@ impl SharedRegion {
         })
     }
 
+    /// The first byte of the mapping (for the transfer engine, which checks every range
+    /// against [`SharedRegion::len`] before it forms a pointer into it).
+    pub fn base_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
     /// The region's length in bytes.
     pub fn len(&self) -> usize {
         self.len

@@ -279,6 +279,15 @@ impl From<transport::Error> for Error {
                 Error::InvalidArgument(e.to_string())
             }
             transport::Error::Io(s) => Error::Io(s),
+            transport::Error::Overloaded {
+                what,
+                retry_after_ms,
+            } => Error::Overloaded {
+                what,
+                retry_after_ms,
+            },
+            transport::Error::NotFound(s) => Error::NotFound(s),
+            transport::Error::PeerUnavailable(s) => Error::Disconnected(s),
         }
     }
 }

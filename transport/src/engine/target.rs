@@ -1,0 +1,327 @@
+//! The memory side of an engine, shared by every backend: the registered segments, the grants
+//! on them, and the accesses peers have in progress.
+//!
+//! A peer's access goes `begin` (checked against a live grant and the node generation, before
+//! a byte is touched) → the bytes move → `end`. [`Target::revoke`] of a transfer waits until
+//! none of its accesses is in progress, so once it returns nobody writes the range any more.
+//! The only pointers formed here are `segment base + checked offset`: nothing from the wire is
+//! ever used as an address.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use super::Memory;
+use crate::error::{Error, Result};
+use crate::grant::{
+    Access, Direction, Grant, GrantError, GrantLimits, Grants, SegmentId, TransferId,
+};
+use crate::segment::{BackendKind, SegmentDescriptor};
+
+/// Refusal code for an access naming another incarnation of this node (after the seven of
+/// [`Grants::refusals`]).
+pub const REFUSED_STALE_GENERATION: u8 = 7;
+
+#[derive(Debug)]
+struct Segment {
+    memory: Arc<dyn Memory>,
+    /// Where the segment starts within `memory`.
+    base: u64,
+    len: u64,
+}
+
+#[derive(Debug)]
+struct State {
+    segments: HashMap<SegmentId, Segment>,
+    grants: Grants,
+    /// Accesses in progress, per transfer and per segment.
+    active: HashMap<TransferId, u32>,
+    active_segments: HashMap<SegmentId, u32>,
+    stale_generation: u64,
+}
+
+/// A local range an op of ours names: where it is, and the memory that keeps it mapped.
+#[derive(Debug, Clone)]
+pub struct LocalRange {
+    /// The first byte.
+    pub ptr: *mut u8,
+    /// Its memory (held by the batch until it is released).
+    pub memory: Arc<dyn Memory>,
+}
+
+// SAFETY: the pointer is into `memory`, which is Send + Sync; using it is governed by the
+// posting contract.
+unsafe impl Send for LocalRange {}
+
+/// A peer's access in progress: `len` bytes at `ptr`, inside a live grant. Hand it back with
+/// [`Target::end`].
+#[derive(Debug)]
+pub struct Window {
+    /// The first byte.
+    pub ptr: *mut u8,
+    /// Bytes.
+    pub len: usize,
+    transfer: TransferId,
+    segment: SegmentId,
+    _memory: Arc<dyn Memory>,
+}
+
+// SAFETY: as for LocalRange.
+unsafe impl Send for Window {}
+
+/// Registered segments, grants and accesses in progress.
+#[derive(Debug)]
+pub struct Target {
+    node_id: u64,
+    node_generation: u64,
+    backend: BackendKind,
+    start: Instant,
+    state: Mutex<State>,
+    quiet: Condvar,
+}
+
+impl Target {
+    /// An empty target for node `node_id` in incarnation `node_generation`.
+    pub fn new(
+        node_id: u64,
+        node_generation: u64,
+        backend: BackendKind,
+        limits: GrantLimits,
+    ) -> Target {
+        Target {
+            node_id,
+            node_generation,
+            backend,
+            start: Instant::now(),
+            state: Mutex::new(State {
+                segments: HashMap::new(),
+                grants: Grants::new(limits),
+                active: HashMap::new(),
+                active_segments: HashMap::new(),
+                stale_generation: 0,
+            }),
+            quiet: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> u64 {
+        self.node_id
+    }
+
+    /// This node's incarnation.
+    pub fn node_generation(&self) -> u64 {
+        self.node_generation
+    }
+
+    /// The clock grants expire on (ms since the target was made).
+    pub fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    /// Register `len` bytes of `memory` from `offset` as `segment`.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`], [`Error::InvalidArgument`] for an empty range or an id in use.
+    pub fn register(
+        &self,
+        segment: SegmentId,
+        memory: Arc<dyn Memory>,
+        offset: u64,
+        len: u64,
+    ) -> Result<SegmentDescriptor> {
+        let inside = offset
+            .checked_add(len)
+            .is_some_and(|end| end <= memory.len() as u64);
+        if !inside {
+            return Err(Error::OutOfRange {
+                offset,
+                len,
+                region_len: memory.len() as u64,
+            });
+        }
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "a segment holds at least one byte".into(),
+            ));
+        }
+        let mut s = self.lock();
+        if s.segments.contains_key(&segment) {
+            return Err(Error::InvalidArgument(format!(
+                "segment {} is registered already",
+                segment.0
+            )));
+        }
+        s.segments.insert(
+            segment,
+            Segment {
+                memory,
+                base: offset,
+                len,
+            },
+        );
+        s.grants.register_segment(segment, len);
+        Ok(SegmentDescriptor {
+            backend: self.backend,
+            segment,
+            len,
+            node_id: self.node_id,
+            node_generation: self.node_generation,
+        })
+    }
+
+    /// Forget a segment and its grants, once no access to it is in progress.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`].
+    pub fn unregister(&self, segment: SegmentId) -> Result<()> {
+        let mut s = self.lock();
+        if !s.segments.contains_key(&segment) {
+            return Err(Error::NotFound(format!("segment {}", segment.0)));
+        }
+        s.grants.unregister_segment(segment);
+        while s.active_segments.get(&segment).copied().unwrap_or(0) > 0 {
+            s = self.quiet.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+        s.segments.remove(&segment);
+        Ok(())
+    }
+
+    /// Where `len` bytes at `offset` of our own segment are, for an op of ours.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] for an unknown segment, [`Error::OutOfRange`] outside it.
+    pub fn local(&self, segment: SegmentId, offset: u64, len: u64) -> Result<LocalRange> {
+        let s = self.lock();
+        let seg = s
+            .segments
+            .get(&segment)
+            .ok_or_else(|| Error::NotFound(format!("local segment {}", segment.0)))?;
+        let inside = len > 0 && offset.checked_add(len).is_some_and(|end| end <= seg.len);
+        if !inside {
+            return Err(Error::OutOfRange {
+                offset,
+                len,
+                region_len: seg.len,
+            });
+        }
+        // SAFETY: base + offset + len <= memory.len() (checked at registration and above), so
+        // the pointer stays inside the mapping.
+        let ptr = unsafe { seg.memory.as_ptr().add((seg.base + offset) as usize) };
+        Ok(LocalRange {
+            ptr,
+            memory: Arc::clone(&seg.memory),
+        })
+    }
+
+    /// Add a grant.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a refused grant, [`Error::Overloaded`] past the bound.
+    pub fn grant(&self, g: Grant) -> Result<()> {
+        let mut s = self.lock();
+        s.grants.grant(g).map_err(|e| match e {
+            GrantError::TooMany(_) => Error::Overloaded {
+                what: e.to_string(),
+                retry_after_ms: 10,
+            },
+            _ => Error::InvalidArgument(e.to_string()),
+        })
+    }
+
+    /// End a transfer's grants; returns once none of its accesses is in progress.
+    pub fn revoke(&self, transfer: TransferId) -> usize {
+        let mut s = self.lock();
+        let n = s.grants.revoke(transfer);
+        while s.active.get(&transfer).copied().unwrap_or(0) > 0 {
+            s = self.quiet.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+        n
+    }
+
+    /// Drop expired grants (at most `budget` transfers' worth).
+    pub fn expire(&self, budget: usize) -> usize {
+        let now = self.now_ms();
+        self.lock().grants.expire(now, budget)
+    }
+
+    /// Begin a peer's access, naming this node's incarnation `node_generation`: checked
+    /// against a live grant before anything is touched.
+    ///
+    /// # Errors
+    /// The refusal code ([`Grants::refusals`]'s order, or [`REFUSED_STALE_GENERATION`]),
+    /// counted.
+    pub fn begin(&self, a: &Access, node_generation: u64) -> std::result::Result<Window, u8> {
+        let now = self.now_ms();
+        let mut s = self.lock();
+        if node_generation != self.node_generation {
+            s.stale_generation += 1;
+            return Err(REFUSED_STALE_GENERATION);
+        }
+        if let Err(e) = s.grants.check(a, now) {
+            return Err(e.code());
+        }
+        let seg = &s.segments[&a.segment];
+        // SAFETY: the grant check put offset + len inside the segment, and the segment inside
+        // its memory, so the pointer stays inside the mapping.
+        let ptr = unsafe { seg.memory.as_ptr().add((seg.base + a.offset) as usize) };
+        let w = Window {
+            ptr,
+            len: a.len as usize,
+            transfer: a.transfer,
+            segment: a.segment,
+            _memory: Arc::clone(&seg.memory),
+        };
+        *s.active.entry(a.transfer).or_default() += 1;
+        *s.active_segments.entry(a.segment).or_default() += 1;
+        Ok(w)
+    }
+
+    /// A peer's access ended.
+    pub fn end(&self, w: Window) {
+        let mut s = self.lock();
+        if let Some(n) = s.active.get_mut(&w.transfer) {
+            *n -= 1;
+            if *n == 0 {
+                s.active.remove(&w.transfer);
+            }
+        }
+        if let Some(n) = s.active_segments.get_mut(&w.segment) {
+            *n -= 1;
+            if *n == 0 {
+                s.active_segments.remove(&w.segment);
+            }
+        }
+        drop(s);
+        self.quiet.notify_all();
+    }
+
+    /// Refusals so far, by reason (the seven of [`Grants::refusals`], then stale generation).
+    pub fn refusals(&self) -> [u64; 8] {
+        let s = self.lock();
+        let g = s.grants.refusals();
+        [g[0], g[1], g[2], g[3], g[4], g[5], g[6], s.stale_generation]
+    }
+
+    /// Live grants.
+    pub fn live_grants(&self) -> usize {
+        self.lock().grants.live()
+    }
+
+    /// Accesses in progress.
+    pub fn active(&self) -> u32 {
+        self.lock().active.values().sum()
+    }
+}
+
+/// The access a direction of op asks for on the remote side.
+pub fn remote_direction(kind: super::OpKind) -> Direction {
+    match kind {
+        super::OpKind::Read => Direction::RemoteRead,
+        super::OpKind::Write => Direction::RemoteWrite,
+    }
+}
