@@ -18,5 +18,6 @@ pub mod error;
 pub mod grant;
 pub mod local;
 pub mod segment;
+pub mod tcp;
 
 pub use error::{Error, Result};

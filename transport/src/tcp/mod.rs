@@ -1,0 +1,569 @@
+//! The `tcp` backend: the transfer interface over TCP, driven by one io_uring event loop per
+//! engine.
+//!
+//! ```text
+//!  caller threads                         the ring thread (ring.rs)
+//!  open()  connect N sockets, auth, bind ──▶ Attach ─┐
+//!  submit() check, admit, cut into chunks ─▶ Submit ─┤  commands (bounded by the in-flight
+//!  cancel()/close()                        ─▶ ...   ─┘  limits), eventfd wakes the ring
+//!  poll()/wait() ◀── batch table (Mutex+Condvar) ◀── chunk completions
+//!  listener thread: accept, auth, bind ───▶ Serve (a target connection)
+//! ```
+//!
+//! An endpoint is [`TcpConfig::connections`] connections to one peer. Its chunks wait in one
+//! queue; each connection pulls the next one whenever it has fewer than
+//! [`TcpConfig::window`] unanswered, so large ops are pipelined across all of them. A write
+//! chunk goes as one `sendmsg` of header and payload straight from the segment (zero-copy
+//! `SENDMSG_ZC` where enabled); the target checks the grant, receives the payload straight
+//! into the granted range, checks the CRC-32C and answers. A read is the mirror image. The
+//! CRC-32C of a payload is computed by the side that sends it in the pass just before the
+//! kernel copies it (so the copy finds it in cache) and checked by the side that receives it
+//! right after its bytes land (likewise): no extra copy exists to fuse it with.
+//!
+//! Failure: a connection that errors, closes, breaks the protocol or makes no progress for
+//! [`TcpConfig::stall_timeout`] while work is outstanding fails its whole endpoint; the
+//! endpoint's ops fail with the reason at once, its sockets are reset, and the batch settles
+//! once the kernel has let go of every buffer. Other endpoints are untouched.
+
+mod handshake;
+mod ring;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::auth::ClusterSecret;
+use crate::engine::batches::Batches;
+use crate::engine::chunk;
+use crate::engine::{
+    BatchId, BatchStatus, EndpointId, Limits, Memory, Op, OpKind, OpStatus, Registration, Target,
+    Transport,
+};
+use crate::error::{Error, Result};
+use crate::grant::{Grant, GrantLimits, SegmentId, TransferId};
+use crate::segment::{BackendKind, SegmentDescriptor};
+
+/// When to send payloads with `SENDMSG_ZC` (the kernel sends from the segment's pages instead
+/// of copying them into socket buffers, and says when it has let go of them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ZeroCopy {
+    /// Never.
+    Off,
+    /// Always (where the kernel supports it; otherwise copied sends).
+    On,
+    /// To peers that are not on loopback: on loopback the kernel copies a zero-copy payload on
+    /// delivery anyway, so it costs the notification and saves nothing.
+    Auto,
+}
+
+/// How a TCP engine runs.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// This node's id (peers check it against what they expect).
+    pub node_id: u64,
+    /// This node's incarnation (stale descriptors name an older one and are refused).
+    pub node_generation: u64,
+    /// Where the target side listens (port 0: any).
+    pub listen: SocketAddr,
+    /// The cluster secret both sides prove they hold.
+    pub secret: ClusterSecret,
+    /// Connections per endpoint.
+    pub connections: usize,
+    /// Largest chunk, in bytes (also the largest a target accepts).
+    pub chunk_bytes: u32,
+    /// Chunks in flight per connection.
+    pub window: usize,
+    /// Checksum every chunk (CRC-32C, checked by the receiver).
+    pub checksum: bool,
+    /// Zero-copy sends.
+    pub zero_copy: ZeroCopy,
+    /// No progress for this long with work outstanding fails the connection's endpoint.
+    pub stall_timeout: Duration,
+    /// Connecting plus the handshake, per connection.
+    pub connect_timeout: Duration,
+    /// Bounds on work in flight.
+    pub limits: Limits,
+    /// Bounds on grants.
+    pub grant_limits: GrantLimits,
+    /// Connections peers may hold open to this engine (past it, new ones are closed at once).
+    pub max_target_connections: usize,
+    /// Handshakes in progress at once (past it, new connections are closed at once).
+    pub max_handshakes: usize,
+}
+
+impl TcpConfig {
+    /// Defaults for a node, listening on `listen`.
+    pub fn new(
+        node_id: u64,
+        node_generation: u64,
+        listen: SocketAddr,
+        secret: ClusterSecret,
+    ) -> TcpConfig {
+        TcpConfig {
+            node_id,
+            node_generation,
+            listen,
+            secret,
+            connections: 2,
+            chunk_bytes: 256 << 10,
+            window: 8,
+            checksum: true,
+            zero_copy: ZeroCopy::Auto,
+            stall_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            limits: Limits::default(),
+            grant_limits: GrantLimits::default(),
+            max_target_connections: 256,
+            max_handshakes: 16,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |what: &str| Err(Error::InvalidArgument(what.to_string()));
+        if self.connections == 0 || self.connections > 16 {
+            return bad("connections per endpoint: 1 to 16");
+        }
+        if self.chunk_bytes < 4096 || self.chunk_bytes > (16 << 20) {
+            return bad("chunk bytes: 4 KiB to 16 MiB");
+        }
+        if self.window == 0 || self.window > 64 {
+            return bad("chunks in flight per connection: 1 to 64");
+        }
+        if self.stall_timeout < Duration::from_millis(10) {
+            return bad("stall timeout: at least 10 ms");
+        }
+        Ok(())
+    }
+}
+
+/// A peer to open an endpoint to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpPeer {
+    /// Its data address.
+    pub addr: SocketAddr,
+    /// The node id it must prove (after authentication) it is.
+    pub node_id: u64,
+}
+
+/// A segment registered with the TCP backend (TCP needs nothing beyond the descriptor: the
+/// target resolves `(segment, offset)` itself).
+#[derive(Debug)]
+pub struct TcpRegistration {
+    descriptor: SegmentDescriptor,
+}
+
+impl Registration for TcpRegistration {
+    fn descriptor(&self) -> SegmentDescriptor {
+        self.descriptor
+    }
+}
+
+/// Counters of one engine (monotonic).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TcpStats {
+    /// Chunks this engine sent as initiator and had answered ok.
+    pub chunks_done: u64,
+    /// Payload bytes moved as initiator (both directions).
+    pub bytes_done: u64,
+    /// Chunks served as target.
+    pub chunks_served: u64,
+    /// Chunks whose CRC-32C failed (either role).
+    pub checksum_failures: u64,
+    /// Accesses refused as target (no live grant, stale generation).
+    pub refused: u64,
+    /// Sends done zero-copy.
+    pub zero_copy_sends: u64,
+    /// Sends done by copy.
+    pub copied_sends: u64,
+    /// Connections failed (error, close, timeout, protocol).
+    pub connections_failed: u64,
+    /// Connections refused at the handshake (wrong secret, malformed, too many).
+    pub handshakes_refused: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    chunks_done: AtomicU64,
+    bytes_done: AtomicU64,
+    chunks_served: AtomicU64,
+    checksum_failures: AtomicU64,
+    refused: AtomicU64,
+    zero_copy_sends: AtomicU64,
+    copied_sends: AtomicU64,
+    connections_failed: AtomicU64,
+    handshakes_refused: AtomicU64,
+    /// Test hook: the Nth payload this engine sends from now (1-based) carries a wrong CRC.
+    corrupt_nth: AtomicU64,
+}
+
+/// What the ring thread is asked to do.
+#[derive(Debug)]
+enum Command {
+    /// New endpoint connections (initiator side).
+    Attach {
+        endpoint: EndpointId,
+        streams: Vec<TcpStream>,
+    },
+    /// A peer's authenticated connection (target side).
+    Serve { stream: TcpStream },
+    /// Chunks of a batch for an endpoint.
+    Submit {
+        endpoint: EndpointId,
+        chunks: Vec<ring::Chunk>,
+    },
+    /// Drop a batch's unsent chunks.
+    Cancel { batch: BatchId },
+    /// Close an endpoint.
+    Close { endpoint: EndpointId },
+}
+
+#[derive(Debug)]
+struct EndpointInfo {
+    node_id: u64,
+    failed: Option<String>,
+}
+
+/// State shared by caller threads, the ring thread and the listener.
+#[derive(Debug)]
+struct Shared {
+    config: TcpConfig,
+    target: Arc<Target>,
+    batches: Mutex<Batches>,
+    settled: Condvar,
+    commands: Mutex<Vec<Command>>,
+    wake: rustix::fd::OwnedFd,
+    endpoints: Mutex<HashMap<EndpointId, EndpointInfo>>,
+    next_endpoint: AtomicU64,
+    counters: Counters,
+    target_connections: AtomicUsize,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn batches(&self) -> MutexGuard<'_, Batches> {
+        self.batches.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn endpoints(&self) -> MutexGuard<'_, HashMap<EndpointId, EndpointInfo>> {
+        self.endpoints.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn send(&self, c: Command) {
+        self.commands
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(c);
+        self.wake_ring();
+    }
+
+    fn wake_ring(&self) {
+        // An eventfd write only fails when the counter would overflow, which a pending wake-up
+        // already covers.
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+
+    fn endpoint_failed(&self, endpoint: EndpointId, why: String) {
+        if let Some(e) = self.endpoints().get_mut(&endpoint) {
+            e.failed.get_or_insert(why);
+        }
+    }
+}
+
+/// The TCP backend. Dropping it fails what is in flight, waits for the kernel to let go of
+/// every buffer, and stops its threads.
+#[derive(Debug)]
+pub struct TcpTransport {
+    shared: Arc<Shared>,
+    local_addr: SocketAddr,
+    ring: Option<JoinHandle<()>>,
+    listener: Option<JoinHandle<()>>,
+}
+
+impl TcpTransport {
+    /// Start an engine: bind its listener, start its ring and listener threads.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad config, [`Error::Io`] when the address cannot be
+    /// bound or io_uring is unavailable.
+    pub fn start(config: TcpConfig) -> Result<TcpTransport> {
+        config.check()?;
+        let listener = TcpListener::bind(config.listen)
+            .map_err(|e| Error::Io(format!("bind the data port {}: {e}", config.listen)))?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|e| Error::Io(e.to_string()))?;
+        let wake = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )
+        .map_err(|e| Error::Io(format!("eventfd: {e}")))?;
+        let shared = Arc::new(Shared {
+            target: Arc::new(Target::new(
+                config.node_id,
+                config.node_generation,
+                BackendKind::Tcp,
+                config.grant_limits,
+            )),
+            batches: Mutex::new(Batches::new(config.limits)),
+            settled: Condvar::new(),
+            commands: Mutex::new(Vec::new()),
+            wake,
+            endpoints: Mutex::new(HashMap::new()),
+            next_endpoint: AtomicU64::new(1),
+            counters: Counters::default(),
+            target_connections: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
+            config,
+        });
+        let ring = ring::Ring::new(Arc::clone(&shared))?;
+        let ring = std::thread::Builder::new()
+            .name("kvd-tcp-ring".into())
+            .spawn(move || ring.run())
+            .map_err(|e| Error::Io(e.to_string()))?;
+        let s = Arc::clone(&shared);
+        let listener = std::thread::Builder::new()
+            .name("kvd-tcp-accept".into())
+            .spawn(move || handshake::accept_loop(&s, &listener))
+            .map_err(|e| Error::Io(e.to_string()))?;
+        Ok(TcpTransport {
+            shared,
+            local_addr,
+            ring: Some(ring),
+            listener: Some(listener),
+        })
+    }
+
+    /// The address the target side listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// This engine's memory side (segments, grants, refusal counts).
+    pub fn target(&self) -> &Target {
+        &self.shared.target
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> TcpStats {
+        let c = &self.shared.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        TcpStats {
+            chunks_done: r(&c.chunks_done),
+            bytes_done: r(&c.bytes_done),
+            chunks_served: r(&c.chunks_served),
+            checksum_failures: r(&c.checksum_failures),
+            refused: r(&c.refused),
+            zero_copy_sends: r(&c.zero_copy_sends),
+            copied_sends: r(&c.copied_sends),
+            connections_failed: r(&c.connections_failed),
+            handshakes_refused: r(&c.handshakes_refused),
+        }
+    }
+
+    /// Ops and bytes in flight.
+    pub fn in_flight(&self) -> (usize, u64) {
+        self.shared.batches().in_flight()
+    }
+
+    /// Test-only fault: the `n`th payload this engine sends from now on (1-based; 0 turns it
+    /// off) carries a CRC-32C that does not match its bytes, as a chunk corrupted in flight
+    /// would. Only checksummed chunks can show it.
+    #[doc(hidden)]
+    pub fn inject_corrupt_chunk(&self, n: u64) {
+        self.shared.counters.corrupt_nth.store(n, Ordering::Relaxed);
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.wake_ring();
+        if let Some(h) = self.listener.take() {
+            let _ = h.join();
+        }
+        if let Some(h) = self.ring.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    type Registration = TcpRegistration;
+    type Peer = TcpPeer;
+
+    fn register(
+        &self,
+        segment: SegmentId,
+        memory: Arc<dyn Memory>,
+        offset: u64,
+        len: u64,
+    ) -> Result<TcpRegistration> {
+        let descriptor = self.shared.target.register(segment, memory, offset, len)?;
+        Ok(TcpRegistration { descriptor })
+    }
+
+    fn unregister(&self, registration: TcpRegistration) -> Result<()> {
+        self.shared
+            .target
+            .unregister(registration.descriptor.segment)
+    }
+
+    unsafe fn grant(&self, grant: Grant) -> Result<()> {
+        self.shared.target.grant(grant)
+    }
+
+    fn revoke(&self, transfer: TransferId) -> usize {
+        self.shared.target.revoke(transfer)
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.shared.target.now_ms()
+    }
+
+    fn open(&self, peer: &TcpPeer) -> Result<EndpointId> {
+        let s = &self.shared;
+        {
+            let eps = s.endpoints();
+            if eps.len() >= s.config.limits.max_endpoints {
+                return Err(Error::Overloaded {
+                    what: format!("{} endpoints open (the limit)", eps.len()),
+                    retry_after_ms: 100,
+                });
+            }
+        }
+        let mut streams = Vec::with_capacity(s.config.connections);
+        for _ in 0..s.config.connections {
+            streams.push(handshake::connect(&s.config, peer)?);
+        }
+        let endpoint = EndpointId(s.next_endpoint.fetch_add(1, Ordering::Relaxed));
+        s.endpoints().insert(
+            endpoint,
+            EndpointInfo {
+                node_id: peer.node_id,
+                failed: None,
+            },
+        );
+        s.send(Command::Attach { endpoint, streams });
+        Ok(endpoint)
+    }
+
+    fn close(&self, endpoint: EndpointId) {
+        if self.shared.endpoints().remove(&endpoint).is_some() {
+            self.shared.send(Command::Close { endpoint });
+        }
+    }
+
+    unsafe fn submit(&self, endpoint: EndpointId, ops: &[Op]) -> Result<BatchId> {
+        let s = &self.shared;
+        let peer_node = {
+            let eps = s.endpoints();
+            let e = eps
+                .get(&endpoint)
+                .ok_or_else(|| Error::NotFound(format!("endpoint {}", endpoint.0)))?;
+            if let Some(why) = &e.failed {
+                return Err(Error::PeerUnavailable(format!(
+                    "endpoint {} failed ({why}); open a new one",
+                    endpoint.0
+                )));
+            }
+            e.node_id
+        };
+        let chunk_bytes = s.config.chunk_bytes;
+        let mut locals = Vec::with_capacity(ops.len());
+        let mut sizes = Vec::with_capacity(ops.len());
+        for op in ops {
+            if op.remote.node_id != peer_node {
+                return Err(Error::InvalidArgument(format!(
+                    "op names a segment of node {}, endpoint {} leads to node {peer_node}",
+                    op.remote.node_id, endpoint.0
+                )));
+            }
+            let past_remote = op
+                .remote_offset
+                .checked_add(op.len)
+                .is_none_or(|end| end > op.remote.len);
+            if past_remote {
+                return Err(Error::OutOfRange {
+                    offset: op.remote_offset,
+                    len: op.len,
+                    region_len: op.remote.len,
+                });
+            }
+            locals.push(s.target.local(op.local, op.local_offset, op.len)?);
+            sizes.push((op.len, chunk::count(op.len, chunk_bytes)));
+        }
+        let keep = locals.iter().map(|l| Arc::clone(&l.memory)).collect();
+        let batch = s.batches().admit(endpoint, &sizes, keep)?;
+        let flags = if s.config.checksum {
+            wire::FLAG_CHECKSUM
+        } else {
+            0
+        };
+        let mut chunks = Vec::with_capacity(sizes.iter().map(|&(_, n)| n as usize).sum());
+        for (i, (op, local)) in ops.iter().zip(&locals).enumerate() {
+            for piece in chunk::split(op.len, chunk_bytes) {
+                chunks.push(ring::Chunk {
+                    batch,
+                    op: i as u32,
+                    // SAFETY: piece.offset < op.len and the local range holds op.len bytes.
+                    local: unsafe { local.ptr.add(piece.offset as usize) },
+                    request: wire::Request {
+                        kind: match op.kind {
+                            OpKind::Write => wire::Kind::Write,
+                            OpKind::Read => wire::Kind::Read,
+                        },
+                        flags,
+                        tag: 0,
+                        transfer: op.transfer.0,
+                        epoch: op.epoch,
+                        node_generation: op.remote.node_generation,
+                        segment: op.remote.segment.0,
+                        len: piece.len,
+                        offset: op.remote_offset + piece.offset,
+                        crc: 0,
+                    },
+                });
+            }
+        }
+        s.send(Command::Submit { endpoint, chunks });
+        Ok(batch)
+    }
+
+    fn poll(&self, batch: BatchId, ops: &mut [OpStatus]) -> Result<BatchStatus> {
+        self.shared.batches().status(batch, ops)
+    }
+
+    fn wait(&self, batch: BatchId, timeout: Duration) -> Result<BatchStatus> {
+        let deadline = Instant::now() + timeout;
+        let mut b = self.shared.batches();
+        loop {
+            let st = b.status(batch, &mut [])?;
+            let now = Instant::now();
+            if st.settled || now >= deadline {
+                return Ok(st);
+            }
+            b = self
+                .shared
+                .settled
+                .wait_timeout(b, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn cancel(&self, batch: BatchId) -> Result<()> {
+        if !self.shared.batches().cancel(batch) {
+            return Err(Error::NotFound(format!("batch {}", batch.0)));
+        }
+        self.shared.send(Command::Cancel { batch });
+        Ok(())
+    }
+
+    fn release(&self, batch: BatchId) -> Result<()> {
+        self.shared.batches().release(batch)
+    }
+}

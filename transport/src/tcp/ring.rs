@@ -1,0 +1,1265 @@
+//! The TCP backend's event loop: one thread, one io_uring, every connection of the engine
+//! (endpoints' connections as initiator, peers' connections as target) as a small state
+//! machine. All of the backend's `unsafe` lives here: pointers handed to the kernel.
+//!
+//! Each connection has at most one send and one receive in the kernel at a time (plus, for
+//! zero-copy sends, the notifications still due). A buffer handed to the kernel is accounted
+//! for until its completion says the kernel let go of it: a batch's memory by its wire
+//! references ([`Batches::wire_taken`]), a grant's window by [`Target::end`], a connection's
+//! own buffers by the connection staying allocated (`outstanding`).
+//!
+//! Initiator: pull a chunk from the endpoint's queue while fewer than `window` are unanswered;
+//! send header + payload (write) or header (read); read the responses in order; a read's
+//! payload goes straight into the local range, then its CRC is checked.
+//! Target: read a request header; check the grant (nothing is touched before that); receive a
+//! write's payload straight into the window (or drain it when refused), check its CRC; send
+//! a read's payload straight from the window; answer in order.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use io_uring::{IoUring, cqueue, opcode, squeue, types};
+
+use super::wire::{self, FLAG_CHECKSUM, Kind, Request, Response, Status};
+use super::{Command, Shared, ZeroCopy};
+use crate::engine::batches::ChunkOutcome;
+use crate::engine::target::Window;
+use crate::engine::{BatchId, EndpointId, OpFailure};
+use crate::error::{Error, Result};
+use crate::grant::{Access, Direction, SegmentId, TransferId};
+use crate::local::crc32c;
+
+/// One chunk on its way: where its local bytes are and the request that names the remote ones.
+#[derive(Debug)]
+pub(super) struct Chunk {
+    pub batch: BatchId,
+    pub op: u32,
+    pub local: *mut u8,
+    pub request: Request,
+}
+
+// SAFETY: the pointer is into a batch's memory, kept alive by the batch table; who may touch
+// it when is the posting contract's business, not the thread's.
+unsafe impl Send for Chunk {}
+
+const UD_WAKE: u64 = u64::MAX;
+const SQE_SEND: u64 = 1;
+const SQE_SEND_HEADER: u64 = 2;
+const SQE_RECV: u64 = 3;
+/// Replies a target connection queues before it stops reading requests (TCP then pushes back).
+const MAX_REPLIES: usize = 64;
+/// A refused write's payload is drained through this much scratch at a time.
+const DRAIN_BYTES: usize = 64 << 10;
+/// Zero-copy only pays for payloads at least this large.
+const ZERO_COPY_MIN_BYTES: usize = 16 << 10;
+
+fn user_data(slot: usize, kind: u64, seq: u64) -> u64 {
+    ((slot as u64) << 44) | (kind << 40) | (seq & ((1 << 40) - 1))
+}
+
+fn parse_user_data(ud: u64) -> (usize, u64, u64) {
+    ((ud >> 44) as usize, (ud >> 40) & 0xf, ud & ((1 << 40) - 1))
+}
+
+#[derive(Debug)]
+enum Role {
+    Initiator { endpoint: EndpointId },
+    Target,
+}
+
+/// What a send holds until the kernel lets go of its payload.
+#[derive(Debug, Default)]
+struct Held {
+    /// A batch's payload (a write chunk): one wire reference.
+    batch: Option<BatchId>,
+    /// A grant's window (a read reply).
+    window: Option<Window>,
+}
+
+/// A zero-copy send's holdings, until its notifications have all come.
+#[derive(Debug)]
+struct ZcPending {
+    seq: u64,
+    notifs: u32,
+    finished: bool,
+    held: Held,
+}
+
+#[derive(Debug)]
+struct SendState {
+    busy: bool,
+    seq: u64,
+    zero_copy: bool,
+    hdr: [u8; Request::WIRE_BYTES],
+    hdr_len: usize,
+    payload: *const u8,
+    payload_len: usize,
+    /// Bytes of header + payload sent so far.
+    done: usize,
+    iov: [libc::iovec; 2],
+    msg: libc::msghdr,
+    held: Held,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Header,
+    Payload,
+    Drain,
+}
+
+#[derive(Debug)]
+struct RecvState {
+    busy: bool,
+    stage: Stage,
+    hdr: [u8; Request::WIRE_BYTES],
+    want: usize,
+    filled: usize,
+    ptr: *mut u8,
+    /// A batch whose memory the posted receive writes (a read's payload).
+    batch: Option<BatchId>,
+}
+
+/// A write request whose payload is being received (target side).
+#[derive(Debug)]
+struct Serving {
+    request: Request,
+    window: Option<Window>,
+    refusal: u8,
+    /// Payload bytes of a refused write still to drain.
+    left: usize,
+}
+
+/// A reply waiting to be sent (target side).
+#[derive(Debug)]
+struct Reply {
+    response: Response,
+    window: Option<Window>,
+}
+
+#[derive(Debug)]
+struct Conn {
+    stream: TcpStream,
+    fd: RawFd,
+    role: Role,
+    zero_copy: bool,
+    send: SendState,
+    recv: RecvState,
+    /// SQEs (and zero-copy notifications) the kernel still has.
+    outstanding: u32,
+    closing: Option<OpFailure>,
+    last_progress: Instant,
+    next_seq: u64,
+    /// Initiator: chunks sent (or being sent) and not yet answered, in order.
+    inflight: VecDeque<Chunk>,
+    /// Target: the write whose payload is arriving.
+    serving: Option<Serving>,
+    /// Target: replies in order.
+    replies: VecDeque<Reply>,
+    zc: VecDeque<ZcPending>,
+    scratch: Vec<u8>,
+}
+
+// SAFETY: a connection's raw pointers (its msghdr's iovecs, a payload, a window) point into
+// its own boxed buffers or into memory kept alive by the batch table or a grant's window; the
+// connection moves with the ring thread as a whole and is only ever touched there.
+unsafe impl Send for Conn {}
+
+#[derive(Debug, Default)]
+struct Ep {
+    conns: Vec<usize>,
+    queue: VecDeque<Chunk>,
+    failed: bool,
+}
+
+pub(super) struct Ring {
+    ring: IoUring,
+    shared: Arc<Shared>,
+    conns: Vec<Option<Box<Conn>>>,
+    free: Vec<usize>,
+    endpoints: HashMap<EndpointId, Ep>,
+    wake_buf: Box<[u8; 8]>,
+    zero_copy_supported: bool,
+    next_tag: u64,
+    /// Whether a chunk finished or memory was let go since the last notify.
+    notify: bool,
+    /// Completions taken from the ring, reused every turn.
+    cq_buf: Vec<(u64, i32, u32)>,
+    last_expire: Instant,
+}
+
+impl std::fmt::Debug for Ring {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ring")
+            .field("connections", &self.conns.iter().flatten().count())
+            .finish_non_exhaustive()
+    }
+}
+
+fn failure_of(errno: i32) -> OpFailure {
+    if errno == libc::ETIMEDOUT {
+        OpFailure::Timeout
+    } else {
+        OpFailure::PeerClosed
+    }
+}
+
+impl Ring {
+    pub(super) fn new(shared: Arc<Shared>) -> Result<Ring> {
+        let ring = IoUring::builder()
+            .setup_cqsize(16_384)
+            .build(4096)
+            .map_err(|e| Error::Io(format!("io_uring setup (is io_uring disabled here?): {e}")))?;
+        let mut probe = io_uring::Probe::new();
+        let zero_copy_supported = ring.submitter().register_probe(&mut probe).is_ok()
+            && probe.is_supported(opcode::SendZc::CODE);
+        Ok(Ring {
+            ring,
+            shared,
+            conns: Vec::new(),
+            free: Vec::new(),
+            endpoints: HashMap::new(),
+            wake_buf: Box::new([0; 8]),
+            zero_copy_supported,
+            next_tag: 1,
+            notify: false,
+            cq_buf: Vec::with_capacity(1024),
+            last_expire: Instant::now(),
+        })
+    }
+
+    fn push(&mut self, e: squeue::Entry) {
+        // SAFETY: every entry's buffers are kept alive (and untouched by us) until its
+        // completion is reaped: see the module docs and each caller.
+        unsafe {
+            while self.ring.submission().push(&e).is_err() {
+                let _ = self.ring.submit();
+            }
+        }
+    }
+
+    fn post_wake(&mut self) {
+        let e = opcode::Read::new(
+            types::Fd(self.shared.wake.as_raw_fd()),
+            self.wake_buf.as_mut_ptr(),
+            8,
+        )
+        .build()
+        .user_data(UD_WAKE);
+        self.push(e);
+    }
+
+    pub(super) fn run(mut self) {
+        self.post_wake();
+        let mut stopping = false;
+        loop {
+            self.take_commands();
+            if self.shared.stop.load(Ordering::Acquire) {
+                stopping = true;
+            }
+            if stopping {
+                self.close_everything();
+            }
+            self.pump_all();
+            self.check_stalls();
+            if self.notify {
+                self.notify = false;
+                self.shared.settled.notify_all();
+            }
+            if stopping && self.conns.iter().all(Option::is_none) {
+                break;
+            }
+            let ts = types::Timespec::new().nsec(50_000_000);
+            let args = types::SubmitArgs::new().timespec(&ts);
+            match self.ring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ETIME | libc::EINTR | libc::EBUSY)
+                    ) => {}
+                Err(_) => std::thread::sleep(Duration::from_millis(1)),
+            }
+            self.reap();
+        }
+        self.shared.settled.notify_all();
+    }
+
+    fn take_commands(&mut self) {
+        let cmds = std::mem::take(
+            &mut *self
+                .shared
+                .commands
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        for c in cmds {
+            match c {
+                Command::Attach { endpoint, streams } => {
+                    let mut ep = Ep::default();
+                    for s in streams {
+                        if let Some(slot) = self.add_conn(s, Role::Initiator { endpoint }) {
+                            ep.conns.push(slot);
+                        }
+                    }
+                    self.endpoints.insert(endpoint, ep);
+                }
+                Command::Serve { stream } => {
+                    if self.add_conn(stream, Role::Target).is_none() {
+                        self.shared
+                            .target_connections
+                            .fetch_sub(1, Ordering::AcqRel);
+                    }
+                }
+                Command::Submit { endpoint, chunks } => match self.endpoints.get_mut(&endpoint) {
+                    Some(ep) if !ep.failed => ep.queue.extend(chunks),
+                    _ => {
+                        for c in chunks {
+                            self.finish(&c, ChunkOutcome::Failed(OpFailure::Closed));
+                        }
+                    }
+                },
+                Command::Cancel { batch } => {
+                    let mut dropped = Vec::new();
+                    for ep in self.endpoints.values_mut() {
+                        let (gone, kept): (VecDeque<Chunk>, VecDeque<Chunk>) =
+                            ep.queue.drain(..).partition(|c| c.batch == batch);
+                        ep.queue = kept;
+                        dropped.extend(gone);
+                    }
+                    for c in dropped {
+                        self.finish(&c, ChunkOutcome::Cancelled);
+                    }
+                }
+                Command::Close { endpoint } => self.fail_endpoint(endpoint, OpFailure::Closed),
+            }
+        }
+    }
+
+    fn add_conn(&mut self, stream: TcpStream, role: Role) -> Option<usize> {
+        if stream.set_nonblocking(true).is_err() {
+            return None;
+        }
+        let loopback = stream
+            .peer_addr()
+            .map(|a| a.ip().is_loopback())
+            .unwrap_or(true);
+        let zero_copy = self.zero_copy_supported
+            && match self.shared.config.zero_copy {
+                ZeroCopy::Off => false,
+                ZeroCopy::On => true,
+                ZeroCopy::Auto => !loopback,
+            };
+        let fd = stream.as_raw_fd();
+        // SAFETY: msghdr is plain old data; all-zero is its empty value.
+        let msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        let empty = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        };
+        let conn = Box::new(Conn {
+            stream,
+            fd,
+            role,
+            zero_copy,
+            send: SendState {
+                busy: false,
+                seq: 0,
+                zero_copy: false,
+                hdr: [0; Request::WIRE_BYTES],
+                hdr_len: 0,
+                payload: std::ptr::null(),
+                payload_len: 0,
+                done: 0,
+                iov: [empty, empty],
+                msg,
+                held: Held::default(),
+            },
+            recv: RecvState {
+                busy: false,
+                stage: Stage::Header,
+                hdr: [0; Request::WIRE_BYTES],
+                want: 0,
+                filled: 0,
+                ptr: std::ptr::null_mut(),
+                batch: None,
+            },
+            outstanding: 0,
+            closing: None,
+            last_progress: Instant::now(),
+            next_seq: 1,
+            inflight: VecDeque::new(),
+            serving: None,
+            replies: VecDeque::new(),
+            zc: VecDeque::new(),
+            scratch: Vec::new(),
+        });
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.conns[s] = Some(conn);
+                s
+            }
+            None => {
+                self.conns.push(Some(conn));
+                self.conns.len() - 1
+            }
+        };
+        Some(slot)
+    }
+
+    fn finish(&mut self, c: &Chunk, outcome: ChunkOutcome) {
+        let mut b = self.shared.batches();
+        b.chunk_finished(c.batch, c.op, u64::from(c.request.len), outcome);
+        drop(b);
+        if outcome == ChunkOutcome::Delivered {
+            let k = &self.shared.counters;
+            k.chunks_done.fetch_add(1, Ordering::Relaxed);
+            k.bytes_done
+                .fetch_add(u64::from(c.request.len), Ordering::Relaxed);
+        }
+        self.notify = true;
+    }
+
+    fn release_held(&mut self, held: Held) {
+        if let Some(b) = held.batch {
+            self.shared.batches().wire_released(b, 1);
+            self.notify = true;
+        }
+        if let Some(w) = held.window {
+            self.shared.target.end(w);
+        }
+    }
+
+    /// Whether the next checksummed payload this engine sends is the one the test hook
+    /// corrupts.
+    fn corrupt_this_one(&self) -> bool {
+        let n = &self.shared.counters.corrupt_nth;
+        n.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| match v {
+            0 => None,
+            v => Some(v - 1),
+        }) == Ok(1)
+    }
+
+    // ---- failure ---------------------------------------------------------------------------
+
+    fn fail_endpoint(&mut self, endpoint: EndpointId, why: OpFailure) {
+        let Some(ep) = self.endpoints.get_mut(&endpoint) else {
+            return;
+        };
+        ep.failed = true;
+        let queued: Vec<Chunk> = ep.queue.drain(..).collect();
+        let conns = ep.conns.clone();
+        self.shared.endpoint_failed(endpoint, why.to_string());
+        for c in queued {
+            self.finish(&c, ChunkOutcome::Failed(why));
+        }
+        for slot in conns {
+            self.begin_close(slot, why);
+        }
+        self.forget_endpoint_if_drained(endpoint);
+    }
+
+    fn forget_endpoint_if_drained(&mut self, endpoint: EndpointId) {
+        let drained = self.endpoints.get(&endpoint).is_some_and(|ep| {
+            ep.failed
+                && ep
+                    .conns
+                    .iter()
+                    .all(|&s| self.conns.get(s).is_none_or(Option::is_none))
+        });
+        if drained {
+            self.endpoints.remove(&endpoint);
+        }
+    }
+
+    /// Stop a connection: reset it (linger 0), fail what it had in flight, and free it once
+    /// the kernel has returned every buffer.
+    fn begin_close(&mut self, slot: usize, why: OpFailure) {
+        let Some(conn) = self.conns.get_mut(slot).and_then(Option::as_mut) else {
+            return;
+        };
+        if conn.closing.is_some() {
+            return;
+        }
+        conn.closing = Some(why);
+        if why != OpFailure::Closed {
+            self.shared
+                .counters
+                .connections_failed
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = rustix::net::sockopt::set_socket_linger(&conn.stream, Some(Duration::ZERO));
+        let _ = conn.stream.shutdown(std::net::Shutdown::Both);
+        let inflight: Vec<Chunk> = conn.inflight.drain(..).collect();
+        let replies: Vec<Reply> = conn.replies.drain(..).collect();
+        let serving_idle = !conn.recv.busy;
+        let serving = if serving_idle {
+            conn.serving.take()
+        } else {
+            None
+        };
+        for c in inflight {
+            self.finish(&c, ChunkOutcome::Failed(why));
+        }
+        for r in replies {
+            if let Some(w) = r.window {
+                self.shared.target.end(w);
+            }
+        }
+        if let Some(Serving {
+            window: Some(w), ..
+        }) = serving
+        {
+            self.shared.target.end(w);
+        }
+        self.free_if_drained(slot);
+    }
+
+    fn free_if_drained(&mut self, slot: usize) {
+        let drained = self.conns[slot]
+            .as_ref()
+            .is_some_and(|c| c.closing.is_some() && c.outstanding == 0);
+        if !drained {
+            return;
+        }
+        let mut conn = self.conns[slot].take().expect("checked above");
+        self.free.push(slot);
+        if let Some(Serving {
+            window: Some(w), ..
+        }) = conn.serving.take()
+        {
+            self.shared.target.end(w);
+        }
+        let held = std::mem::take(&mut conn.send.held);
+        self.release_held(held);
+        if let Some(b) = conn.recv.batch.take() {
+            self.shared.batches().wire_released(b, 1);
+        }
+        for z in std::mem::take(&mut conn.zc) {
+            self.release_held(z.held);
+        }
+        self.notify = true;
+        match conn.role {
+            Role::Target => {
+                self.shared
+                    .target_connections
+                    .fetch_sub(1, Ordering::AcqRel);
+            }
+            Role::Initiator { endpoint } => self.forget_endpoint_if_drained(endpoint),
+        }
+        // dropping `conn` closes the socket (a reset: linger 0)
+    }
+
+    fn fail_conn(&mut self, slot: usize, why: OpFailure) {
+        let endpoint = match self.conns.get(slot).and_then(Option::as_ref).map(|b| &**b) {
+            Some(Conn {
+                role: Role::Initiator { endpoint },
+                ..
+            }) => Some(*endpoint),
+            Some(_) => None,
+            None => return,
+        };
+        match endpoint {
+            Some(e) => self.fail_endpoint(e, why),
+            None => self.begin_close(slot, why),
+        }
+    }
+
+    fn close_everything(&mut self) {
+        let eps: Vec<EndpointId> = self.endpoints.keys().copied().collect();
+        for e in eps {
+            self.fail_endpoint(e, OpFailure::Closed);
+        }
+        for slot in 0..self.conns.len() {
+            self.begin_close(slot, OpFailure::Closed);
+        }
+    }
+
+    fn check_stalls(&mut self) {
+        let timeout = self.shared.config.stall_timeout;
+        let now = Instant::now();
+        let mut stalled = Vec::new();
+        for (slot, c) in self.conns.iter().enumerate() {
+            let Some(c) = c else { continue };
+            let waiting = c.send.busy
+                || !c.inflight.is_empty()
+                || c.serving.is_some()
+                || !c.replies.is_empty();
+            if c.closing.is_none() && waiting && now - c.last_progress > timeout {
+                stalled.push(slot);
+            }
+        }
+        for slot in stalled {
+            self.fail_conn(slot, OpFailure::Timeout);
+        }
+        if now - self.last_expire > Duration::from_millis(100) {
+            self.last_expire = now;
+            let _ = self.shared.target.expire(64);
+        }
+    }
+
+    // ---- posting ---------------------------------------------------------------------------
+
+    fn pump_all(&mut self) {
+        for slot in 0..self.conns.len() {
+            let Some(c) = self.conns[slot].as_ref() else {
+                continue;
+            };
+            if c.closing.is_some() {
+                continue;
+            }
+            match c.role {
+                Role::Initiator { endpoint } => self.pump_initiator(slot, endpoint),
+                Role::Target => self.pump_target(slot),
+            }
+        }
+    }
+
+    fn pump_initiator(&mut self, slot: usize, endpoint: EndpointId) {
+        let window = self.shared.config.window;
+        let conn = self.conns[slot].as_mut().expect("live");
+        if !conn.send.busy && conn.inflight.len() < window {
+            let next = self
+                .endpoints
+                .get_mut(&endpoint)
+                .and_then(|ep| ep.queue.pop_front());
+            if let Some(mut chunk) = next {
+                chunk.request.tag = self.next_tag;
+                self.next_tag += 1;
+                let corrupt = chunk.request.flags & FLAG_CHECKSUM != 0
+                    && chunk.request.kind == Kind::Write
+                    && self.corrupt_this_one();
+                let conn = self.conns[slot].as_mut().expect("live");
+                let len = chunk.request.len as usize;
+                let (payload, held) = match chunk.request.kind {
+                    Kind::Write => {
+                        if chunk.request.flags & FLAG_CHECKSUM != 0 {
+                            // SAFETY: the chunk's local range holds len bytes, which nobody
+                            // writes until the batch settles (the posting contract).
+                            let bytes = unsafe { std::slice::from_raw_parts(chunk.local, len) };
+                            chunk.request.crc = crc32c(0, bytes) ^ u32::from(corrupt);
+                        }
+                        (
+                            chunk.local.cast_const(),
+                            Held {
+                                batch: Some(chunk.batch),
+                                window: None,
+                            },
+                        )
+                    }
+                    Kind::Read => (std::ptr::null(), Held::default()),
+                };
+                let hdr = chunk.request.encode();
+                conn.send.hdr[..hdr.len()].copy_from_slice(&hdr);
+                conn.send.hdr_len = hdr.len();
+                if conn.inflight.is_empty() {
+                    conn.last_progress = Instant::now();
+                }
+                let batch = chunk.batch;
+                conn.inflight.push_back(chunk);
+                if held.batch.is_some() {
+                    self.shared.batches().wire_taken(batch, 1);
+                }
+                let payload_len = if payload.is_null() { 0 } else { len };
+                self.start_send(slot, payload, payload_len, held);
+            }
+        }
+        let conn = self.conns[slot].as_mut().expect("live");
+        if !conn.recv.busy && !conn.inflight.is_empty() {
+            conn.recv.stage = Stage::Header;
+            conn.recv.want = Response::WIRE_BYTES;
+            conn.recv.filled = 0;
+            conn.recv.ptr = conn.recv.hdr.as_mut_ptr();
+            self.post_recv(slot);
+        }
+    }
+
+    fn pump_target(&mut self, slot: usize) {
+        let conn = self.conns[slot].as_mut().expect("live");
+        if !conn.send.busy
+            && let Some(reply) = conn.replies.pop_front()
+        {
+            let hdr = reply.response.encode();
+            conn.send.hdr[..hdr.len()].copy_from_slice(&hdr);
+            conn.send.hdr_len = hdr.len();
+            let (payload, len) = match &reply.window {
+                Some(w) => (w.ptr.cast_const(), w.len),
+                None => (std::ptr::null(), 0),
+            };
+            let held = Held {
+                batch: None,
+                window: reply.window,
+            };
+            self.start_send(slot, payload, len, held);
+        }
+        let conn = self.conns[slot].as_mut().expect("live");
+        if !conn.recv.busy && conn.serving.is_none() && conn.replies.len() < MAX_REPLIES {
+            conn.recv.stage = Stage::Header;
+            conn.recv.want = Request::WIRE_BYTES;
+            conn.recv.filled = 0;
+            conn.recv.ptr = conn.recv.hdr.as_mut_ptr();
+            self.post_recv(slot);
+        }
+    }
+
+    /// Send the header in `conn.send.hdr` and `len` bytes at `payload`, holding `held` until
+    /// the kernel lets go of the payload.
+    fn start_send(&mut self, slot: usize, payload: *const u8, len: usize, held: Held) {
+        let conn = self.conns[slot].as_mut().expect("live");
+        let s = &mut conn.send;
+        s.busy = true;
+        s.seq = conn.next_seq;
+        conn.next_seq += 1;
+        s.payload = payload;
+        s.payload_len = len;
+        s.done = 0;
+        s.zero_copy = conn.zero_copy && len >= ZERO_COPY_MIN_BYTES;
+        s.held = held;
+        let k = &self.shared.counters;
+        if s.zero_copy {
+            k.zero_copy_sends.fetch_add(1, Ordering::Relaxed);
+        } else {
+            k.copied_sends.fetch_add(1, Ordering::Relaxed);
+        }
+        self.post_send(slot);
+    }
+
+    /// Post what remains of the current send.
+    fn post_send(&mut self, slot: usize) {
+        let conn = self.conns[slot].as_mut().expect("live");
+        let s = &mut conn.send;
+        let fd = types::Fd(conn.fd);
+        let total = s.hdr_len + s.payload_len;
+        debug_assert!(s.done < total);
+        if s.zero_copy {
+            // Header by copy, then the payload zero-copy, linked so they go in order. The
+            // header buffer is not touched again until this send completes.
+            let mut entries = Vec::with_capacity(2);
+            let payload_done = if s.done < s.hdr_len {
+                let e = opcode::Send::new(
+                    fd,
+                    // SAFETY: done < hdr_len <= hdr's length.
+                    unsafe { s.hdr.as_ptr().add(s.done) },
+                    (s.hdr_len - s.done) as u32,
+                )
+                .flags(libc::MSG_WAITALL)
+                .build()
+                .flags(squeue::Flags::IO_LINK)
+                .user_data(user_data(slot, SQE_SEND_HEADER, s.seq));
+                entries.push(e);
+                0
+            } else {
+                s.done - s.hdr_len
+            };
+            let e = opcode::SendZc::new(
+                fd,
+                // SAFETY: payload_done < payload_len; the payload is valid until its
+                // notification (held until then).
+                unsafe { s.payload.add(payload_done) },
+                (s.payload_len - payload_done) as u32,
+            )
+            .flags(libc::MSG_WAITALL)
+            .build()
+            .user_data(user_data(slot, SQE_SEND, s.seq));
+            entries.push(e);
+            conn.outstanding += entries.len() as u32;
+            for e in entries {
+                self.push(e);
+            }
+            return;
+        }
+        let mut n = 0;
+        if s.done < s.hdr_len {
+            s.iov[n] = libc::iovec {
+                // SAFETY: done < hdr_len.
+                iov_base: unsafe { s.hdr.as_mut_ptr().add(s.done) }.cast(),
+                iov_len: s.hdr_len - s.done,
+            };
+            n += 1;
+        }
+        if s.payload_len > 0 {
+            let from = s.done.saturating_sub(s.hdr_len);
+            s.iov[n] = libc::iovec {
+                // SAFETY: from < payload_len.
+                iov_base: unsafe { s.payload.add(from) }.cast_mut().cast(),
+                iov_len: s.payload_len - from,
+            };
+            n += 1;
+        }
+        s.msg.msg_iov = s.iov.as_mut_ptr();
+        s.msg.msg_iovlen = n as _;
+        let e = opcode::SendMsg::new(fd, &s.msg)
+            .flags(libc::MSG_WAITALL as u32)
+            .build()
+            .user_data(user_data(slot, SQE_SEND, s.seq));
+        conn.outstanding += 1;
+        self.push(e);
+    }
+
+    fn post_recv(&mut self, slot: usize) {
+        let conn = self.conns[slot].as_mut().expect("live");
+        let r = &mut conn.recv;
+        r.busy = true;
+        let left = (r.want - r.filled) as u32;
+        let e = opcode::Recv::new(
+            types::Fd(conn.fd),
+            // SAFETY: filled < want, and ptr holds want bytes (the header buffer, a granted
+            // window, a local range held by a wire reference, or the scratch).
+            unsafe { r.ptr.add(r.filled) },
+            left,
+        )
+        .flags(libc::MSG_WAITALL)
+        .build()
+        .user_data(user_data(slot, SQE_RECV, 0));
+        conn.outstanding += 1;
+        self.push(e);
+    }
+
+    // ---- completions -----------------------------------------------------------------------
+
+    fn reap(&mut self) {
+        let mut cqes = std::mem::take(&mut self.cq_buf);
+        loop {
+            cqes.clear();
+            cqes.extend(
+                self.ring
+                    .completion()
+                    .map(|c| (c.user_data(), c.result(), c.flags()))
+                    .take(1024),
+            );
+            if cqes.is_empty() {
+                self.cq_buf = cqes;
+                return;
+            }
+            for &(ud, res, flags) in &cqes {
+                if ud == UD_WAKE {
+                    self.post_wake();
+                    continue;
+                }
+                let (slot, kind, seq) = parse_user_data(ud);
+                match kind {
+                    SQE_SEND if cqueue::notif(flags) => self.on_notif(slot, seq),
+                    SQE_SEND => self.on_send(slot, res, cqueue::more(flags)),
+                    SQE_SEND_HEADER => self.on_send_header(slot, res),
+                    SQE_RECV => self.on_recv(slot, res),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn conn_mut(&mut self, slot: usize) -> Option<&mut Conn> {
+        self.conns
+            .get_mut(slot)
+            .and_then(Option::as_mut)
+            .map(|b| &mut **b)
+    }
+
+    fn on_notif(&mut self, slot: usize, seq: u64) {
+        let Some(conn) = self.conn_mut(slot) else {
+            return;
+        };
+        conn.outstanding -= 1;
+        let mut done = None;
+        if let Some(i) = conn.zc.iter().position(|z| z.seq == seq) {
+            let z = &mut conn.zc[i];
+            z.notifs -= 1;
+            if z.notifs == 0 && z.finished {
+                done = conn.zc.remove(i);
+            }
+        }
+        if let Some(z) = done {
+            self.release_held(z.held);
+        }
+        self.free_if_drained(slot);
+    }
+
+    fn on_send_header(&mut self, slot: usize, res: i32) {
+        let Some(conn) = self.conn_mut(slot) else {
+            return;
+        };
+        conn.outstanding -= 1;
+        if res > 0 {
+            conn.send.done += res as usize;
+            conn.last_progress = Instant::now();
+        }
+        // On error the linked payload send completes with -ECANCELED and handles it.
+        self.free_if_drained(slot);
+    }
+
+    fn on_send(&mut self, slot: usize, res: i32, more: bool) {
+        let Some(conn) = self.conn_mut(slot) else {
+            return;
+        };
+        conn.outstanding -= 1;
+        let zero_copy = conn.send.zero_copy;
+        if zero_copy && more {
+            // a notification will follow for this SQE
+            conn.outstanding += 1;
+            let seq = conn.send.seq;
+            match conn.zc.iter_mut().find(|z| z.seq == seq) {
+                Some(z) => z.notifs += 1,
+                None => conn.zc.push_back(ZcPending {
+                    seq,
+                    notifs: 1,
+                    finished: false,
+                    held: Held::default(),
+                }),
+            }
+        }
+        if conn.closing.is_some() {
+            self.finish_send(slot);
+            self.free_if_drained(slot);
+            return;
+        }
+        if res < 0 {
+            let errno = -res;
+            if zero_copy && matches!(errno, libc::EOPNOTSUPP | libc::EINVAL) {
+                // The socket cannot send zero-copy: fall back to copying, once and for all.
+                conn.zero_copy = false;
+                conn.send.zero_copy = false;
+                self.post_send(slot);
+                return;
+            }
+            self.finish_send(slot);
+            self.fail_conn(slot, failure_of(errno));
+            return;
+        }
+        let s = &mut conn.send;
+        s.done += res as usize;
+        conn.last_progress = Instant::now();
+        if s.done < s.hdr_len + s.payload_len {
+            if res == 0 {
+                self.finish_send(slot);
+                self.fail_conn(slot, OpFailure::PeerClosed);
+            } else {
+                self.post_send(slot);
+            }
+            return;
+        }
+        self.finish_send(slot);
+    }
+
+    /// The current send is over (done or abandoned): release what it held, or hand it to the
+    /// zero-copy notifications still due.
+    fn finish_send(&mut self, slot: usize) {
+        let Some(conn) = self.conn_mut(slot) else {
+            return;
+        };
+        if !conn.send.busy {
+            return;
+        }
+        conn.send.busy = false;
+        let held = std::mem::take(&mut conn.send.held);
+        let seq = conn.send.seq;
+        if let Some(i) = conn.zc.iter().position(|z| z.seq == seq) {
+            if conn.zc[i].notifs > 0 {
+                conn.zc[i].finished = true;
+                conn.zc[i].held = held;
+                return;
+            }
+            conn.zc.remove(i);
+        }
+        self.release_held(held);
+    }
+
+    fn on_recv(&mut self, slot: usize, res: i32) {
+        let Some(conn) = self.conn_mut(slot) else {
+            return;
+        };
+        conn.outstanding -= 1;
+        conn.recv.busy = false;
+        if conn.closing.is_some() {
+            let batch = conn.recv.batch.take();
+            let window = conn.serving.take().and_then(|s| s.window);
+            if let Some(b) = batch {
+                self.shared.batches().wire_released(b, 1);
+                self.notify = true;
+            }
+            if let Some(w) = window {
+                self.shared.target.end(w);
+            }
+            self.free_if_drained(slot);
+            return;
+        }
+        if res <= 0 {
+            let why = if res == 0 {
+                OpFailure::PeerClosed
+            } else {
+                failure_of(-res)
+            };
+            self.fail_conn(slot, why);
+            return;
+        }
+        let r = &mut conn.recv;
+        r.filled += res as usize;
+        conn.last_progress = Instant::now();
+        if r.filled < r.want {
+            self.post_recv(slot);
+            return;
+        }
+        let outcome = match conn.role {
+            Role::Initiator { .. } => self.initiator_received(slot),
+            Role::Target => self.target_received(slot),
+        };
+        if let Err(why) = outcome {
+            self.fail_conn(slot, why);
+        }
+    }
+
+    /// A full unit arrived on an initiator connection (a response header or a read's
+    /// payload).
+    fn initiator_received(&mut self, slot: usize) -> std::result::Result<(), OpFailure> {
+        let conn = self.conn_mut(slot).expect("live");
+        match conn.recv.stage {
+            Stage::Header => {
+                let hdr: [u8; Response::WIRE_BYTES] = conn.recv.hdr[..Response::WIRE_BYTES]
+                    .try_into()
+                    .expect("32 bytes");
+                let resp = Response::decode(&hdr).map_err(|_| OpFailure::Protocol)?;
+                let front = conn.inflight.front().ok_or(OpFailure::Protocol)?;
+                if resp.tag != front.request.tag {
+                    return Err(OpFailure::Protocol);
+                }
+                let kind = front.request.kind;
+                match (resp.status, kind) {
+                    (Status::Ok, Kind::Read) => {
+                        if resp.len != front.request.len {
+                            return Err(OpFailure::Protocol);
+                        }
+                        let (ptr, batch, len) = (front.local, front.batch, resp.len as usize);
+                        conn.recv.stage = Stage::Payload;
+                        conn.recv.ptr = ptr;
+                        conn.recv.want = len;
+                        conn.recv.filled = 0;
+                        conn.recv.batch = Some(batch);
+                        // remember the response's CRC until the payload is in
+                        conn.recv.hdr[..Response::WIRE_BYTES].copy_from_slice(&hdr);
+                        self.shared.batches().wire_taken(batch, 1);
+                        self.post_recv(slot);
+                        Ok(())
+                    }
+                    (Status::Ok, Kind::Write) => {
+                        if resp.len != 0 {
+                            return Err(OpFailure::Protocol);
+                        }
+                        let c = conn.inflight.pop_front().expect("front exists");
+                        self.finish(&c, ChunkOutcome::Delivered);
+                        Ok(())
+                    }
+                    (status, _) => {
+                        let c = conn.inflight.pop_front().expect("front exists");
+                        let why = match status {
+                            Status::Refused => OpFailure::Refused(resp.refusal),
+                            Status::Corrupt => {
+                                self.shared
+                                    .counters
+                                    .checksum_failures
+                                    .fetch_add(1, Ordering::Relaxed);
+                                OpFailure::Corrupt
+                            }
+                            _ => OpFailure::Protocol,
+                        };
+                        self.finish(&c, ChunkOutcome::Failed(why));
+                        Ok(())
+                    }
+                }
+            }
+            Stage::Payload => {
+                let c = conn.inflight.pop_front().ok_or(OpFailure::Protocol)?;
+                let batch = conn.recv.batch.take();
+                let hdr: [u8; Response::WIRE_BYTES] = conn.recv.hdr[..Response::WIRE_BYTES]
+                    .try_into()
+                    .expect("32 bytes");
+                let resp = Response::decode(&hdr).map_err(|_| OpFailure::Protocol)?;
+                let intact = c.request.flags & FLAG_CHECKSUM == 0 || {
+                    // SAFETY: the receive just filled these len bytes of the chunk's local
+                    // range; nobody else touches them before the batch settles.
+                    let got =
+                        unsafe { std::slice::from_raw_parts(c.local, c.request.len as usize) };
+                    crc32c(0, got) == resp.crc
+                };
+                if let Some(b) = batch {
+                    self.shared.batches().wire_released(b, 1);
+                }
+                if intact {
+                    self.finish(&c, ChunkOutcome::Delivered);
+                } else {
+                    self.shared
+                        .counters
+                        .checksum_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.finish(&c, ChunkOutcome::Failed(OpFailure::Corrupt));
+                }
+                Ok(())
+            }
+            Stage::Drain => Err(OpFailure::Protocol),
+        }
+    }
+
+    /// A full unit arrived on a target connection (a request header, a write's payload, or a
+    /// piece of a refused write's payload being drained).
+    fn target_received(&mut self, slot: usize) -> std::result::Result<(), OpFailure> {
+        let chunk_bytes = self.shared.config.chunk_bytes;
+        let conn = self.conn_mut(slot).expect("live");
+        match conn.recv.stage {
+            Stage::Header => {
+                let req = Request::decode(&conn.recv.hdr).map_err(|_| OpFailure::Protocol)?;
+                if req.len > chunk_bytes {
+                    return Err(OpFailure::Protocol);
+                }
+                let access = Access {
+                    segment: SegmentId(req.segment),
+                    offset: req.offset,
+                    len: u64::from(req.len),
+                    direction: match req.kind {
+                        Kind::Write => Direction::RemoteWrite,
+                        Kind::Read => Direction::RemoteRead,
+                    },
+                    transfer: TransferId(req.transfer),
+                    epoch: req.epoch,
+                };
+                let verdict = self.shared.target.begin(&access, req.node_generation);
+                if verdict.is_err() {
+                    self.shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+                }
+                match req.kind {
+                    Kind::Write => self.receive_write(slot, req, verdict),
+                    Kind::Read => self.answer_read(slot, req, verdict),
+                }
+                Ok(())
+            }
+            Stage::Payload => {
+                let serving = conn.serving.take().ok_or(OpFailure::Protocol)?;
+                let w = serving.window.expect("a payload stage has a window");
+                let req = serving.request;
+                let intact = req.flags & FLAG_CHECKSUM == 0 || {
+                    // SAFETY: the window's len bytes just arrived; the grant keeps others off.
+                    let got = unsafe { std::slice::from_raw_parts(w.ptr, w.len) };
+                    crc32c(0, got) == req.crc
+                };
+                self.shared.target.end(w);
+                let status = if intact {
+                    self.shared
+                        .counters
+                        .chunks_served
+                        .fetch_add(1, Ordering::Relaxed);
+                    Status::Ok
+                } else {
+                    self.shared
+                        .counters
+                        .checksum_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    Status::Corrupt
+                };
+                self.reply(slot, req.tag, status, 0, None, 0, 0);
+                Ok(())
+            }
+            Stage::Drain => {
+                let serving = conn.serving.as_mut().ok_or(OpFailure::Protocol)?;
+                serving.left -= conn.recv.want;
+                let left = serving.left;
+                if left > 0 {
+                    let piece = left.min(DRAIN_BYTES);
+                    conn.recv.want = piece;
+                    conn.recv.filled = 0;
+                    conn.recv.ptr = conn.scratch.as_mut_ptr();
+                    self.post_recv(slot);
+                    return Ok(());
+                }
+                let s = conn.serving.take().expect("checked");
+                self.reply(slot, s.request.tag, Status::Refused, 0, None, 0, s.refusal);
+                Ok(())
+            }
+        }
+    }
+
+    fn receive_write(
+        &mut self,
+        slot: usize,
+        req: Request,
+        verdict: std::result::Result<Window, u8>,
+    ) {
+        let conn = self.conn_mut(slot).expect("live");
+        match verdict {
+            Ok(w) => {
+                conn.recv.stage = Stage::Payload;
+                conn.recv.ptr = w.ptr;
+                conn.recv.want = w.len;
+                conn.recv.filled = 0;
+                conn.serving = Some(Serving {
+                    request: req,
+                    window: Some(w),
+                    refusal: 0,
+                    left: 0,
+                });
+            }
+            Err(code) => {
+                if conn.scratch.is_empty() {
+                    conn.scratch = vec![0; DRAIN_BYTES];
+                }
+                let piece = (req.len as usize).min(DRAIN_BYTES);
+                conn.recv.stage = Stage::Drain;
+                conn.recv.ptr = conn.scratch.as_mut_ptr();
+                conn.recv.want = piece;
+                conn.recv.filled = 0;
+                conn.serving = Some(Serving {
+                    request: req,
+                    window: None,
+                    refusal: code,
+                    left: req.len as usize,
+                });
+            }
+        }
+        self.post_recv(slot);
+    }
+
+    fn answer_read(&mut self, slot: usize, req: Request, verdict: std::result::Result<Window, u8>) {
+        match verdict {
+            Ok(w) => {
+                let crc = if req.flags & FLAG_CHECKSUM != 0 {
+                    // SAFETY: the window lies inside a live read grant, which nobody writes.
+                    let bytes = unsafe { std::slice::from_raw_parts(w.ptr, w.len) };
+                    crc32c(0, bytes) ^ u32::from(self.corrupt_this_one())
+                } else {
+                    0
+                };
+                self.shared
+                    .counters
+                    .chunks_served
+                    .fetch_add(1, Ordering::Relaxed);
+                let len = w.len as u32;
+                self.reply(slot, req.tag, Status::Ok, len, Some(w), crc, 0);
+            }
+            Err(code) => self.reply(slot, req.tag, Status::Refused, 0, None, 0, code),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reply(
+        &mut self,
+        slot: usize,
+        tag: u64,
+        status: Status,
+        len: u32,
+        window: Option<Window>,
+        crc: u32,
+        refusal: u8,
+    ) {
+        let conn = self.conn_mut(slot).expect("live");
+        conn.replies.push_back(Reply {
+            response: wire::Response {
+                status,
+                len,
+                tag,
+                crc,
+                refusal,
+            },
+            window,
+        });
+    }
+}

@@ -1,0 +1,350 @@
+//! The TCP backend's frames. Every connection starts with the authentication handshake
+//! ([`crate::auth`]), then one [`Bind`] each way, then requests (initiator → target) and
+//! responses (target → initiator) in order. Little-endian, fixed size, versioned.
+//!
+//! ```text
+//! Bind (24 bytes)          Request (64 bytes)                 Response (32 bytes)
+//! 0  2 "KB"                0  2 "KQ"                          0  2 "KR"
+//! 2  1 version             2  1 version                       2  1 version
+//! 3  1 reserved            3  1 kind (1 write, 2 read)        3  1 status (0 ok, 1 refused,
+//! 4  4 reserved            4  4 flags (bit 0: checksummed)          2 corrupt, 3 bad request)
+//! 8  8 node id             8  8 tag (the initiator's)         4  4 payload bytes that follow
+//! 16 8 node generation     16 8 transfer                      8  8 tag
+//!                          24 8 transfer epoch                16 4 CRC-32C of the payload
+//!                          32 8 target node generation        20 1 refusal code
+//!                          40 4 segment                       21 11 reserved (zero)
+//!                          44 4 payload bytes
+//!                          48 8 offset within the segment
+//!                          56 4 CRC-32C of the payload (write)
+//!                          60 4 reserved (zero)
+//! ```
+//!
+//! A write request is followed by its payload; a read response with status ok by its
+//! payload. A chunk's payload is at most the target's chunk limit; anything larger, an unknown
+//! kind, magic or version closes the connection (it is out of step or hostile). The offset is
+//! a number within a segment, checked against a grant; never an address.
+
+use crate::error::{Error, Result};
+
+/// The frame layout this build speaks.
+pub const WIRE_VERSION: u8 = 1;
+
+/// Flag: the payload carries a CRC-32C (request: of the write's payload; read: wanted back).
+pub const FLAG_CHECKSUM: u32 = 1;
+
+/// A connection's introduction, after authentication.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bind {
+    /// The sender's node id.
+    pub node_id: u64,
+    /// The sender's incarnation.
+    pub node_generation: u64,
+}
+
+/// Request kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// Payload follows; the target writes it into the granted range.
+    Write = 1,
+    /// The target answers with the granted range's bytes.
+    Read = 2,
+}
+
+/// One chunk's request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    /// Write or read.
+    pub kind: Kind,
+    /// [`FLAG_CHECKSUM`] or nothing.
+    pub flags: u32,
+    /// The initiator's tag, echoed in the response.
+    pub tag: u64,
+    /// The transfer whose grant must cover the range.
+    pub transfer: u64,
+    /// Its epoch.
+    pub epoch: u64,
+    /// The target's incarnation, as the initiator's segment descriptor names it.
+    pub node_generation: u64,
+    /// The segment.
+    pub segment: u32,
+    /// Payload bytes.
+    pub len: u32,
+    /// Offset within the segment.
+    pub offset: u64,
+    /// CRC-32C of a write's payload (zero otherwise).
+    pub crc: u32,
+}
+
+/// Response statuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Status {
+    /// Done (a read's payload follows).
+    Ok = 0,
+    /// No live grant covers the access; `refusal` says why.
+    Refused = 1,
+    /// The write's payload did not match its CRC-32C.
+    Corrupt = 2,
+    /// The request was well-formed but not servable (a payload past the chunk limit).
+    BadRequest = 3,
+}
+
+/// One chunk's response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Response {
+    /// The outcome.
+    pub status: Status,
+    /// Payload bytes that follow (a read's, when ok).
+    pub len: u32,
+    /// The request's tag.
+    pub tag: u64,
+    /// CRC-32C of the payload (a checksummed read).
+    pub crc: u32,
+    /// Why it was refused ([`crate::engine::target::Target::begin`]'s codes).
+    pub refusal: u8,
+}
+
+fn protocol(what: String) -> Error {
+    Error::InvalidArgument(format!("transfer protocol: {what}"))
+}
+
+fn check_head(b: &[u8], magic: &[u8; 2]) -> Result<()> {
+    if &b[0..2] != magic {
+        return Err(protocol(format!(
+            "expected a {:?} frame",
+            std::str::from_utf8(magic)
+        )));
+    }
+    if b[2] != WIRE_VERSION {
+        return Err(protocol(format!(
+            "the peer speaks frame version {}, this node {WIRE_VERSION}",
+            b[2]
+        )));
+    }
+    Ok(())
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+impl Bind {
+    /// Bytes on the wire.
+    pub const WIRE_BYTES: usize = 24;
+
+    /// The wire form.
+    pub fn encode(&self) -> [u8; Self::WIRE_BYTES] {
+        let mut b = [0u8; Self::WIRE_BYTES];
+        b[0..2].copy_from_slice(b"KB");
+        b[2] = WIRE_VERSION;
+        b[8..16].copy_from_slice(&self.node_id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.node_generation.to_le_bytes());
+        b
+    }
+
+    /// Parse the wire form.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for another magic or version.
+    pub fn decode(b: &[u8; Self::WIRE_BYTES]) -> Result<Bind> {
+        check_head(b, b"KB")?;
+        Ok(Bind {
+            node_id: u64_at(b, 8),
+            node_generation: u64_at(b, 16),
+        })
+    }
+}
+
+impl Request {
+    /// Bytes on the wire.
+    pub const WIRE_BYTES: usize = 64;
+
+    /// The wire form.
+    pub fn encode(&self) -> [u8; Self::WIRE_BYTES] {
+        let mut b = [0u8; Self::WIRE_BYTES];
+        b[0..2].copy_from_slice(b"KQ");
+        b[2] = WIRE_VERSION;
+        b[3] = self.kind as u8;
+        b[4..8].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..16].copy_from_slice(&self.tag.to_le_bytes());
+        b[16..24].copy_from_slice(&self.transfer.to_le_bytes());
+        b[24..32].copy_from_slice(&self.epoch.to_le_bytes());
+        b[32..40].copy_from_slice(&self.node_generation.to_le_bytes());
+        b[40..44].copy_from_slice(&self.segment.to_le_bytes());
+        b[44..48].copy_from_slice(&self.len.to_le_bytes());
+        b[48..56].copy_from_slice(&self.offset.to_le_bytes());
+        b[56..60].copy_from_slice(&self.crc.to_le_bytes());
+        b
+    }
+
+    /// Parse the wire form.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for another magic, version or kind, unknown flags, an empty
+    /// payload or nonzero reserved bytes.
+    pub fn decode(b: &[u8; Self::WIRE_BYTES]) -> Result<Request> {
+        check_head(b, b"KQ")?;
+        let kind = match b[3] {
+            1 => Kind::Write,
+            2 => Kind::Read,
+            k => return Err(protocol(format!("unknown request kind {k}"))),
+        };
+        let flags = u32_at(b, 4);
+        if flags & !FLAG_CHECKSUM != 0 {
+            return Err(protocol(format!("unknown request flags {flags:#x}")));
+        }
+        if b[60..64] != [0; 4] {
+            return Err(protocol("reserved request bytes are not zero".into()));
+        }
+        let len = u32_at(b, 44);
+        if len == 0 {
+            return Err(protocol("a chunk of no bytes".into()));
+        }
+        Ok(Request {
+            kind,
+            flags,
+            tag: u64_at(b, 8),
+            transfer: u64_at(b, 16),
+            epoch: u64_at(b, 24),
+            node_generation: u64_at(b, 32),
+            segment: u32_at(b, 40),
+            len,
+            offset: u64_at(b, 48),
+            crc: u32_at(b, 56),
+        })
+    }
+}
+
+impl Response {
+    /// Bytes on the wire.
+    pub const WIRE_BYTES: usize = 32;
+
+    /// The wire form.
+    pub fn encode(&self) -> [u8; Self::WIRE_BYTES] {
+        let mut b = [0u8; Self::WIRE_BYTES];
+        b[0..2].copy_from_slice(b"KR");
+        b[2] = WIRE_VERSION;
+        b[3] = self.status as u8;
+        b[4..8].copy_from_slice(&self.len.to_le_bytes());
+        b[8..16].copy_from_slice(&self.tag.to_le_bytes());
+        b[16..20].copy_from_slice(&self.crc.to_le_bytes());
+        b[20] = self.refusal;
+        b
+    }
+
+    /// Parse the wire form.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for another magic, version or status, or a payload on
+    /// anything but an ok answer.
+    pub fn decode(b: &[u8; Self::WIRE_BYTES]) -> Result<Response> {
+        check_head(b, b"KR")?;
+        let status = match b[3] {
+            0 => Status::Ok,
+            1 => Status::Refused,
+            2 => Status::Corrupt,
+            3 => Status::BadRequest,
+            s => return Err(protocol(format!("unknown response status {s}"))),
+        };
+        let len = u32_at(b, 4);
+        if status != Status::Ok && len != 0 {
+            return Err(protocol("a refusal with a payload".into()));
+        }
+        Ok(Response {
+            status,
+            len,
+            tag: u64_at(b, 8),
+            crc: u32_at(b, 16),
+            refusal: b[20],
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn requests_round_trip(
+            write in any::<bool>(), ck in any::<bool>(), tag in any::<u64>(), transfer in any::<u64>(),
+            epoch in any::<u64>(), generation in any::<u64>(), segment in any::<u32>(),
+            len in 1u32.., offset in any::<u64>(), crc in any::<u32>(),
+        ) {
+            let r = Request {
+                kind: if write { Kind::Write } else { Kind::Read },
+                flags: if ck { FLAG_CHECKSUM } else { 0 },
+                tag, transfer, epoch, node_generation: generation, segment, len, offset, crc,
+            };
+            prop_assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+        }
+
+        #[test]
+        fn responses_and_binds_round_trip(
+            status in 0u8..4, len in any::<u32>(), tag in any::<u64>(), crc in any::<u32>(),
+            refusal in any::<u8>(), node in any::<u64>(), generation in any::<u64>(),
+        ) {
+            let status = [Status::Ok, Status::Refused, Status::Corrupt, Status::BadRequest][status as usize];
+            let r = Response { status, len: if status == Status::Ok { len } else { 0 }, tag, crc, refusal };
+            prop_assert_eq!(Response::decode(&r.encode()).unwrap(), r);
+            let b = Bind { node_id: node, node_generation: generation };
+            prop_assert_eq!(Bind::decode(&b.encode()).unwrap(), b);
+        }
+
+        #[test]
+        fn a_request_with_any_byte_changed_is_refused_or_reads_back_as_exactly_those_bytes(
+            at in 0usize..64, value in any::<u8>(), len in 1u32..,
+        ) {
+            let r = Request {
+                kind: Kind::Read, flags: FLAG_CHECKSUM, tag: 9, transfer: 8, epoch: 7,
+                node_generation: 6, segment: 5, len, offset: 4, crc: 0,
+            };
+            let mut b = r.encode();
+            b[at] = value;
+            if let Ok(parsed) = Request::decode(&b) {
+                prop_assert_eq!(parsed.encode(), b);
+            }
+        }
+    }
+
+    #[test]
+    fn a_frame_of_another_version_or_kind_is_refused_with_the_reason() {
+        let r = Request {
+            kind: Kind::Write,
+            flags: 0,
+            tag: 1,
+            transfer: 2,
+            epoch: 3,
+            node_generation: 4,
+            segment: 5,
+            len: 6,
+            offset: 7,
+            crc: 8,
+        };
+        let mut b = r.encode();
+        b[2] = 9;
+        assert!(
+            Request::decode(&b)
+                .unwrap_err()
+                .to_string()
+                .contains("version 9")
+        );
+        let mut b = r.encode();
+        b[3] = 7;
+        assert!(
+            Request::decode(&b)
+                .unwrap_err()
+                .to_string()
+                .contains("kind 7")
+        );
+        let mut b = r.encode();
+        b[44..48].copy_from_slice(&0u32.to_le_bytes());
+        assert!(Request::decode(&b).is_err(), "an empty chunk");
+    }
+}

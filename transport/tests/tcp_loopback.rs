@@ -1,0 +1,329 @@
+//! The TCP backend between two engines in one process, on loopback: byte-exact batches both
+//! ways, grants enforced, the fault hook, cancel, bounds.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use transport::auth::ClusterSecret;
+use transport::engine::{
+    HeapMemory, Memory, Op, OpFailure, OpKind, OpStatus, Registration, Transport,
+};
+use transport::grant::{Direction, Grant, SegmentId, TransferId};
+use transport::segment::SegmentDescriptor;
+use transport::tcp::{TcpConfig, TcpPeer, TcpStats, TcpTransport, ZeroCopy};
+
+const SEG: SegmentId = SegmentId(1);
+const MIB: u64 = 1 << 20;
+
+fn secret(b: u8) -> ClusterSecret {
+    ClusterSecret::from_bytes(&[b; 32]).unwrap()
+}
+
+fn engine(node: u64, tune: impl FnOnce(&mut TcpConfig)) -> TcpTransport {
+    let mut c = TcpConfig::new(node, 1, "127.0.0.1:0".parse().unwrap(), secret(7));
+    c.stall_timeout = Duration::from_secs(2);
+    tune(&mut c);
+    TcpTransport::start(c).unwrap()
+}
+
+fn pattern(mem: &HeapMemory, seed: u8) {
+    // SAFETY: no transfer touches the memory yet.
+    let b = unsafe { mem.bytes_mut() };
+    for (i, x) in b.iter_mut().enumerate() {
+        *x = (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8;
+    }
+}
+
+struct Pair {
+    a: TcpTransport,
+    b: TcpTransport,
+    ma: Arc<HeapMemory>,
+    mb: Arc<HeapMemory>,
+    remote: SegmentDescriptor,
+}
+
+fn pair(len: u64, tune: impl Fn(&mut TcpConfig)) -> Pair {
+    let a = engine(1, &tune);
+    let b = engine(2, &tune);
+    let ma = Arc::new(HeapMemory::zeroed(len as usize));
+    let mb = Arc::new(HeapMemory::zeroed(len as usize));
+    a.register(SEG, ma.clone() as Arc<dyn Memory>, 0, len)
+        .unwrap();
+    let remote = b
+        .register(SEG, mb.clone() as Arc<dyn Memory>, 0, len)
+        .unwrap()
+        .descriptor();
+    Pair {
+        a,
+        b,
+        ma,
+        mb,
+        remote,
+    }
+}
+
+fn grant(e: &TcpTransport, t: u64, off: u64, len: u64, d: Direction) {
+    let g = Grant {
+        transfer: TransferId(t),
+        epoch: 1,
+        segment: SEG,
+        offset: off,
+        len,
+        direction: d,
+        expires_at_ms: e.now_ms() + 60_000,
+    };
+    // SAFETY: the tests touch granted ranges only after the batch settled and revoke returned.
+    unsafe { e.grant(g).unwrap() };
+}
+
+fn ops(kind: OpKind, remote: SegmentDescriptor, t: u64, n: u64, size: u64) -> Vec<Op> {
+    (0..n)
+        .map(|i| Op {
+            kind,
+            local: SEG,
+            local_offset: i * size,
+            remote,
+            remote_offset: i * size,
+            len: size,
+            transfer: TransferId(t),
+            epoch: 1,
+        })
+        .collect()
+}
+
+fn peer(e: &TcpTransport, node: u64) -> TcpPeer {
+    TcpPeer {
+        addr: e.local_addr(),
+        node_id: node,
+    }
+}
+
+#[test]
+fn batches_of_many_writes_and_reads_arrive_byte_exact_with_every_chunk_checksummed() {
+    byte_exact(|_| {});
+}
+
+#[test]
+fn zero_copy_sends_arrive_byte_exact_and_settle_only_after_the_kernel_lets_go() {
+    let st = byte_exact(|c| c.zero_copy = ZeroCopy::On);
+    assert!(st.zero_copy_sends > 0, "{st:?}");
+}
+
+fn byte_exact(tune: impl Fn(&mut TcpConfig)) -> TcpStats {
+    let p = pair(64 * MIB, tune);
+    pattern(&p.ma, 1);
+    pattern(&p.mb, 2);
+    grant(&p.b, 1, 0, 32 * MIB, Direction::RemoteWrite);
+    grant(&p.b, 2, 32 * MIB, 32 * MIB, Direction::RemoteRead);
+    let ep = p.a.open(&peer(&p.b, 2)).unwrap();
+    // 64 writes of 256 KiB (one chunk each) and 16 of 1 MiB (four chunks each)
+    let mut w = ops(OpKind::Write, p.remote, 1, 64, 256 << 10);
+    w.extend(
+        ops(OpKind::Write, p.remote, 1, 16, MIB)
+            .into_iter()
+            .map(|mut o| {
+                o.local_offset += 16 * MIB;
+                o.remote_offset += 16 * MIB;
+                o
+            }),
+    );
+    // SAFETY: the ranges are left alone until the batch settles.
+    let bw = unsafe { p.a.submit(ep, &w).unwrap() };
+    let r: Vec<Op> = ops(OpKind::Read, p.remote, 2, 32, MIB)
+        .into_iter()
+        .map(|mut o| {
+            o.local_offset += 32 * MIB;
+            o.remote_offset += 32 * MIB;
+            o
+        })
+        .collect();
+    // SAFETY: as above.
+    let br = unsafe { p.a.submit(ep, &r).unwrap() };
+    for b in [bw, br] {
+        let s = p.a.wait(b, Duration::from_secs(20)).unwrap();
+        assert!(s.succeeded(), "{s:?}");
+        p.a.release(b).unwrap();
+    }
+    p.b.revoke(TransferId(1));
+    p.b.revoke(TransferId(2));
+    // SAFETY: settled and revoked: nothing touches the memory any more.
+    let (a, b) = unsafe { (p.ma.bytes(), p.mb.bytes()) };
+    assert!(
+        a[..32 * MIB as usize] == b[..32 * MIB as usize],
+        "writes landed byte-exact"
+    );
+    assert!(
+        a[32 * MIB as usize..] == b[32 * MIB as usize..],
+        "reads landed byte-exact"
+    );
+    let st = p.a.stats();
+    assert_eq!(st.chunks_done, 64 + 16 * 4 + 32 * 4);
+    assert_eq!(st.checksum_failures, 0);
+    assert_eq!(p.a.in_flight(), (0, 0));
+    st
+}
+
+#[test]
+fn a_corrupted_chunk_fails_its_op_and_only_its_op() {
+    let p = pair(8 * MIB, |_| {});
+    pattern(&p.ma, 3);
+    grant(&p.b, 1, 0, 8 * MIB, Direction::RemoteWrite);
+    let ep = p.a.open(&peer(&p.b, 2)).unwrap();
+    p.a.inject_corrupt_chunk(5);
+    // SAFETY: left alone until settled.
+    let b = unsafe {
+        p.a.submit(ep, &ops(OpKind::Write, p.remote, 1, 8, MIB))
+            .unwrap()
+    };
+    let s = p.a.wait(b, Duration::from_secs(20)).unwrap();
+    let mut st = [OpStatus::Pending; 8];
+    p.a.poll(b, &mut st).unwrap();
+    assert!(s.settled);
+    assert_eq!(s.failed, 1, "{st:?}");
+    assert_eq!(s.done, 7);
+    // chunk 5 of 4-chunk ops is op 1's first chunk
+    assert_eq!(st[1], OpStatus::Failed(OpFailure::Corrupt));
+    assert_eq!(p.b.stats().checksum_failures, 1);
+}
+
+#[test]
+fn a_read_whose_reply_is_corrupted_fails_with_corrupt() {
+    let p = pair(4 * MIB, |_| {});
+    pattern(&p.mb, 9);
+    grant(&p.b, 1, 0, 4 * MIB, Direction::RemoteRead);
+    let ep = p.a.open(&peer(&p.b, 2)).unwrap();
+    p.b.inject_corrupt_chunk(1);
+    // SAFETY: left alone until settled.
+    let b = unsafe {
+        p.a.submit(ep, &ops(OpKind::Read, p.remote, 1, 4, MIB))
+            .unwrap()
+    };
+    let s = p.a.wait(b, Duration::from_secs(20)).unwrap();
+    assert_eq!((s.failed, s.done), (1, 3), "{s:?}");
+    assert_eq!(s.first_failure, Some(OpFailure::Corrupt));
+}
+
+#[test]
+fn accesses_outside_the_grant_are_refused_and_touch_nothing() {
+    let p = pair(4 * MIB, |_| {});
+    pattern(&p.ma, 4);
+    grant(&p.b, 1, 0, MIB, Direction::RemoteWrite);
+    grant(&p.b, 2, 2 * MIB, MIB, Direction::RemoteRead);
+    let ep = p.a.open(&peer(&p.b, 2)).unwrap();
+    let mk = |kind, t: u64, off: u64, len: u64, epoch: u64| Op {
+        kind,
+        local: SEG,
+        local_offset: 0,
+        remote: p.remote,
+        remote_offset: off,
+        len,
+        transfer: TransferId(t),
+        epoch,
+    };
+    let bad = [
+        mk(OpKind::Write, 1, MIB - 4096, 8192, 1), // straddles the end of the grant
+        mk(OpKind::Write, 1, 2 * MIB, 4096, 1),    // inside transfer 2's range
+        mk(OpKind::Write, 2, 2 * MIB, 4096, 1),    // wrong direction
+        mk(OpKind::Write, 1, 0, 4096, 2),          // wrong epoch
+        mk(OpKind::Write, 3, 0, 4096, 1),          // never granted
+    ];
+    // SAFETY: left alone until settled.
+    let b = unsafe { p.a.submit(ep, &bad).unwrap() };
+    let s = p.a.wait(b, Duration::from_secs(10)).unwrap();
+    let mut st = [OpStatus::Pending; 5];
+    p.a.poll(b, &mut st).unwrap();
+    assert_eq!(s.failed, 5, "{st:?}");
+    assert!(
+        st.iter()
+            .all(|s| matches!(s, OpStatus::Failed(OpFailure::Refused(_))))
+    );
+    p.b.revoke(TransferId(1));
+    p.b.revoke(TransferId(2));
+    // SAFETY: nothing is granted any more.
+    let landed = unsafe { p.mb.bytes() };
+    assert!(landed.iter().all(|&x| x == 0), "no refused byte landed");
+    assert_eq!(p.b.stats().refused, 5);
+    // the endpoint still works after refusals (payloads were drained, the stream is in step)
+    grant(&p.b, 4, 0, MIB, Direction::RemoteWrite);
+    // SAFETY: left alone until settled.
+    let b = unsafe {
+        p.a.submit(ep, &ops(OpKind::Write, p.remote, 4, 1, MIB))
+            .unwrap()
+    };
+    assert!(p.a.wait(b, Duration::from_secs(10)).unwrap().succeeded());
+}
+
+#[test]
+fn a_peer_without_the_secret_cannot_open_an_endpoint() {
+    let b = engine(2, |_| {});
+    let mut c = TcpConfig::new(1, 1, "127.0.0.1:0".parse().unwrap(), secret(8));
+    c.connect_timeout = Duration::from_secs(2);
+    let a = TcpTransport::start(c).unwrap();
+    let e = a.open(&peer(&b, 2)).unwrap_err();
+    assert!(e.to_string().contains("secret"), "{e}");
+    // a raw connection that sends garbage gets nothing back but a close
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(b.local_addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&[1u8; 33]).unwrap();
+    let mut chal = [0u8; 64];
+    s.read_exact(&mut chal).unwrap(); // a challenge, which proves nothing to us
+    s.write_all(&[0u8; 32 + 24]).unwrap(); // a wrong proof
+    let mut rest = [0u8; 1];
+    assert!(
+        matches!(s.read(&mut rest), Ok(0) | Err(_)),
+        "closed after a wrong proof"
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(b.stats().handshakes_refused >= 2);
+}
+
+#[test]
+fn an_endpoint_to_the_wrong_node_id_is_refused() {
+    let b = engine(2, |_| {});
+    let a = engine(1, |_| {});
+    let e = a.open(&peer(&b, 3)).unwrap_err();
+    assert!(e.to_string().contains("not node 3"), "{e}");
+}
+
+#[test]
+fn past_the_in_flight_bound_submit_fails_retryably_and_submits_nothing() {
+    let p = pair(8 * MIB, |c| {
+        c.limits.max_bytes_per_endpoint = 4 * MIB;
+    });
+    grant(&p.b, 1, 0, 8 * MIB, Direction::RemoteWrite);
+    let ep = p.a.open(&peer(&p.b, 2)).unwrap();
+    // SAFETY: left alone until settled.
+    let e = unsafe { p.a.submit(ep, &ops(OpKind::Write, p.remote, 1, 5, MIB)) }.unwrap_err();
+    assert!(e.is_retryable(), "{e}");
+    assert_eq!(p.a.in_flight(), (0, 0));
+    // SAFETY: as above.
+    let b = unsafe {
+        p.a.submit(ep, &ops(OpKind::Write, p.remote, 1, 4, MIB))
+            .unwrap()
+    };
+    assert!(p.a.wait(b, Duration::from_secs(10)).unwrap().succeeded());
+}
+
+#[test]
+fn cancel_drops_what_has_not_been_sent_and_the_batch_settles() {
+    let p = pair(64 * MIB, |c| {
+        c.connections = 1;
+        c.window = 1;
+        c.checksum = false;
+    });
+    grant(&p.b, 1, 0, 64 * MIB, Direction::RemoteWrite);
+    let ep = p.a.open(&peer(&p.b, 2)).unwrap();
+    // SAFETY: left alone until settled.
+    let b = unsafe {
+        p.a.submit(ep, &ops(OpKind::Write, p.remote, 1, 256, 256 << 10))
+            .unwrap()
+    };
+    p.a.cancel(b).unwrap();
+    let s = p.a.wait(b, Duration::from_secs(10)).unwrap();
+    assert!(s.settled, "{s:?}");
+    assert_eq!(s.done + s.cancelled, 256, "{s:?}");
+    assert!(s.cancelled > 0, "{s:?}");
+    p.a.release(b).unwrap();
+    assert_eq!(p.a.in_flight(), (0, 0));
+}
