@@ -532,7 +532,7 @@ pub(crate) fn touch(v: &mut [u8]) {
 }
 
 /// One large `memcpy` (glibc picks non-temporal stores at this size), best of 3.
-fn memcpy_bound(bytes: usize) -> f64 {
+pub(crate) fn memcpy_bound(bytes: usize) -> f64 {
     let mut a = vec![0u8; bytes];
     let mut b = vec![0u8; bytes];
     touch(&mut a);

@@ -5,6 +5,8 @@
 //!
 //! - `local`: engine ↔ daemon on one node, through the Unix socket and the mapped pool.
 //! - `bindings`: the Rust client's half of the C / Python bindings' overhead measurement.
+//! - `transfer`: the TCP transfer backend between two processes on loopback, beside raw
+//!   single-stream loopback TCP and memcpy measured in the same run.
 //!
 //! Progress goes to stderr, the summary table to stdout. Every loop is bounded in count and
 //! time.
@@ -12,6 +14,7 @@
 mod bindings;
 mod clients;
 mod local;
+mod transfer;
 
 use clap::{Parser, Subcommand};
 
@@ -43,6 +46,17 @@ enum Command {
     /// scripts/bench-bindings.sh beside the C and Python halves): lookup of 128 tags, put and
     /// get of 64 x 2.5 MiB pages, against a running daemon.
     Bindings(bindings::BindingsArgs),
+    /// TCP transfer backend throughput between two processes on loopback: write and read of
+    /// 64 KiB to 4 MiB blocks in batches, checksums off and on, as GB/s, as a ratio to raw
+    /// single-stream loopback TCP and to one large memcpy (both measured in the same run),
+    /// and CPU seconds per GB of both processes beside raw TCP's.
+    ///
+    /// Build with `cargo build --release -p kvd-bench` and run
+    /// `target/release/kvd-bench transfer`; about a minute with the defaults.
+    Transfer(transfer::TransferArgs),
+    /// The target process of `transfer` (started by it).
+    #[command(hide = true)]
+    TransferTarget(transfer::TargetArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -65,6 +79,20 @@ fn main() -> std::process::ExitCode {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kvd-bench bindings: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Command::Transfer(args) => match transfer::run(&args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvd-bench transfer: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Command::TransferTarget(args) => match transfer::target(&args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvd-bench transfer-target: {e}");
                 std::process::ExitCode::FAILURE
             }
         },

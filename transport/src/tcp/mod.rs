@@ -109,7 +109,7 @@ impl TcpConfig {
             listen,
             secret,
             connections: 2,
-            chunk_bytes: 256 << 10,
+            chunk_bytes: 1 << 20,
             window: 8,
             checksum: true,
             zero_copy: ZeroCopy::Auto,
@@ -319,11 +319,27 @@ impl TcpTransport {
             stop: AtomicBool::new(false),
             config,
         });
-        let ring = ring::Ring::new(Arc::clone(&shared))?;
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+        let s = Arc::clone(&shared);
         let ring = std::thread::Builder::new()
             .name("kvd-tcp-ring".into())
-            .spawn(move || ring.run())
+            .spawn(move || match ring::Ring::new(s) {
+                Ok(r) => {
+                    let _ = ready_tx.send(Ok(()));
+                    r.run();
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
             .map_err(|e| Error::Io(e.to_string()))?;
+        let started = ready_rx
+            .recv()
+            .unwrap_or_else(|_| Err(Error::Io("the ring thread died at start".into())));
+        if let Err(e) = started {
+            let _ = ring.join();
+            return Err(e);
+        }
         let s = Arc::clone(&shared);
         let listener = std::thread::Builder::new()
             .name("kvd-tcp-accept".into())

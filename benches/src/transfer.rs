@@ -1,0 +1,565 @@
+//! `kvd-bench transfer`: the TCP transfer backend between two processes on loopback, against
+//! the bounds measured in the same run.
+//!
+//! - **engine**: this process opens an endpoint to a target process (`transfer-target`, this
+//!   binary started as a child) and keeps two batches of B ops of one block size in flight,
+//!   alternating between two halves of its segment (so no range is reused while a batch that
+//!   names it is in flight), until at least `--gib-per-case` GiB moved. Writes push to the
+//!   target's granted range, reads pull from it. Checksums off and on (CRC-32C per chunk,
+//!   computed by the sender, checked by the receiver).
+//! - **raw TCP**: one plain blocking socket, `write_all` of 1 MiB slices of the same memory in
+//!   this process, `read_exact` into the target's memory in the child: what one stream over
+//!   loopback can do on this machine, with no protocol at all.
+//! - **memcpy**: one large memcpy (1 GiB), best of three.
+//!
+//! CPU per GB is user + system time of both processes (getrusage) over bytes moved, for the
+//! engine and for raw TCP alike. Every case runs `--repeat` times; the table gives the median
+//! and the spread (min–max). Progress goes to stderr, the table to stdout.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use transport::auth::ClusterSecret;
+use transport::engine::{HeapMemory, Limits, Memory, Op, OpKind, Transport};
+use transport::grant::{Direction, Grant, SegmentId, TransferId};
+use transport::segment::SegmentDescriptor;
+use transport::tcp::{TcpConfig, TcpPeer, TcpTransport, ZeroCopy};
+
+const SEG: SegmentId = SegmentId(1);
+const WRITE_TRANSFER: TransferId = TransferId(1);
+const READ_TRANSFER: TransferId = TransferId(2);
+const TARGET_NODE: u64 = 2;
+/// No case runs longer than this, whatever it has moved.
+const CASE_CAP: Duration = Duration::from_secs(60);
+
+/// `kvd-bench transfer` arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TransferArgs {
+    /// Block sizes in KiB, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![64u64, 256, 1024, 4096])]
+    pub block_kib: Vec<u64>,
+    /// Ops per batch (two batches are kept in flight).
+    #[arg(long, default_value_t = 128)]
+    pub batch: usize,
+    /// GiB moved per case (at least; a case also stops after 60 s).
+    #[arg(long, default_value_t = 1.0)]
+    pub gib_per_case: f64,
+    /// Times each case runs (median and spread reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Connections per endpoint.
+    #[arg(long, default_value_t = 2)]
+    pub connections: usize,
+    /// Chunk size in KiB.
+    #[arg(long, default_value_t = 1024)]
+    pub chunk_kib: u32,
+    /// Chunks in flight per connection.
+    #[arg(long, default_value_t = 8)]
+    pub window: usize,
+    /// Zero-copy sends: off, on or auto (auto means off on loopback).
+    #[arg(long, default_value = "auto")]
+    pub zero_copy: String,
+    /// Directions, comma-separated: write, read.
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["write".to_string(), "read".to_string()])]
+    pub direction: Vec<String>,
+    /// Checksum modes, comma-separated: off, on.
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["off".to_string(), "on".to_string()])]
+    pub checksum: Vec<String>,
+}
+
+/// `kvd-bench transfer-target` arguments (the child process).
+#[derive(Debug, Clone, clap::Args)]
+pub struct TargetArgs {
+    /// The cluster secret file.
+    #[arg(long)]
+    pub secret_file: PathBuf,
+    /// Segment bytes.
+    #[arg(long)]
+    pub segment_bytes: u64,
+    /// Largest chunk accepted, KiB.
+    #[arg(long)]
+    pub chunk_kib: u32,
+    /// Zero-copy sends of read replies: off, on, auto.
+    #[arg(long)]
+    pub zero_copy: String,
+}
+
+fn zero_copy(s: &str) -> Result<ZeroCopy, String> {
+    match s {
+        "off" => Ok(ZeroCopy::Off),
+        "on" => Ok(ZeroCopy::On),
+        "auto" => Ok(ZeroCopy::Auto),
+        _ => Err(format!("--zero-copy takes off, on or auto, not {s:?}")),
+    }
+}
+
+/// User + system CPU seconds of this process so far (all threads).
+fn cpu_seconds() -> f64 {
+    // SAFETY: rusage is plain old data, and getrusage only writes the struct it is given.
+    let u = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut u);
+        u
+    };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+fn big_limits() -> Limits {
+    Limits {
+        max_ops_per_endpoint: 1 << 16,
+        max_bytes_per_endpoint: 8 << 30,
+        max_ops: 1 << 16,
+        max_bytes: 8 << 30,
+        max_batch_ops: 4096,
+        max_batches: 64,
+        max_endpoints: 8,
+    }
+}
+
+fn touch(mem: &HeapMemory) {
+    // SAFETY: no transfer runs yet.
+    let b = unsafe { mem.bytes_mut() };
+    for (i, x) in b.iter_mut().enumerate().step_by(512) {
+        *x = i as u8 | 1;
+    }
+}
+
+/// The child: a target engine with one segment granted for writes and for reads, and a raw
+/// socket receiver. Commands on stdin: `cpu` (answers `cpu SECONDS`), `raw BYTES` (accepts one
+/// raw connection, reads that many bytes, answers `raw-done`); EOF ends it.
+pub fn target(args: &TargetArgs) -> Result<(), String> {
+    let secret = ClusterSecret::from_file(&args.secret_file).map_err(|e| e.to_string())?;
+    let mut c = TcpConfig::new(
+        TARGET_NODE,
+        1,
+        "127.0.0.1:0".parse().expect("an address"),
+        secret,
+    );
+    c.chunk_bytes = args.chunk_kib << 10;
+    c.zero_copy = zero_copy(&args.zero_copy)?;
+    c.limits = big_limits();
+    c.stall_timeout = Duration::from_secs(10);
+    let engine = TcpTransport::start(c).map_err(|e| e.to_string())?;
+    let mem = Arc::new(HeapMemory::zeroed(args.segment_bytes as usize));
+    touch(&mem);
+    let reg = engine
+        .register(SEG, mem.clone() as Arc<dyn Memory>, 0, args.segment_bytes)
+        .map_err(|e| e.to_string())?;
+    for (t, d) in [
+        (WRITE_TRANSFER, Direction::RemoteWrite),
+        (READ_TRANSFER, Direction::RemoteRead),
+    ] {
+        let g = Grant {
+            transfer: t,
+            epoch: 1,
+            segment: SEG,
+            offset: 0,
+            len: args.segment_bytes,
+            direction: d,
+            expires_at_ms: engine.now_ms() + 3_600_000,
+        };
+        // SAFETY: this process never touches the segment while the engine runs (the raw
+        // receiver below writes it only between engine cases, which the parent serialises).
+        unsafe { engine.grant(g).map_err(|e| e.to_string())? };
+    }
+    let raw = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let d = transport::engine::Registration::descriptor(&reg).encode();
+    let hex: String = d.iter().map(|b| format!("{b:02x}")).collect();
+    println!(
+        "ready {} {} {hex}",
+        engine.local_addr().port(),
+        raw.local_addr().map_err(|e| e.to_string())?.port()
+    );
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    for line in std::io::stdin().lock().lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let mut words = line.split_whitespace();
+        match (words.next(), words.next()) {
+            (Some("cpu"), _) => println!("cpu {}", cpu_seconds()),
+            (Some("raw"), Some(n)) => {
+                let total: u64 = n
+                    .parse()
+                    .map_err(|_| format!("raw takes a byte count: {n}"))?;
+                let (mut s, _) = raw.accept().map_err(|e| e.to_string())?;
+                // SAFETY: the engine is idle between cases (the parent runs raw cases alone).
+                let dst = unsafe { mem.bytes_mut() };
+                let mut got = 0u64;
+                while got < total {
+                    let at = (got % (dst.len() as u64 - (1 << 20))) as usize;
+                    let want = ((total - got) as usize).min(1 << 20);
+                    s.read_exact(&mut dst[at..at + want])
+                        .map_err(|e| e.to_string())?;
+                    got += want as u64;
+                }
+                println!("raw-done");
+            }
+            _ => return Err(format!("unknown command {line:?}")),
+        }
+        std::io::stdout().flush().map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+struct Child_ {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Child_ {
+    fn ask(&mut self, line: &str) -> Result<String, String> {
+        writeln!(self.stdin, "{line}").map_err(|e| e.to_string())?;
+        let mut answer = String::new();
+        self.stdout
+            .read_line(&mut answer)
+            .map_err(|e| e.to_string())?;
+        if answer.is_empty() {
+            return Err("the target process exited; see its error above".into());
+        }
+        Ok(answer.trim().to_string())
+    }
+
+    fn cpu(&mut self) -> Result<f64, String> {
+        let a = self.ask("cpu")?;
+        a.strip_prefix("cpu ")
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("unexpected answer {a:?}"))
+    }
+}
+
+impl Drop for Child_ {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One measurement: GB/s and CPU seconds per GB (both processes).
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    gbps: f64,
+    cpu_per_gb: f64,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[derive(Debug)]
+struct Row {
+    case: String,
+    samples: Vec<Sample>,
+}
+
+impl Row {
+    fn gbps(&self) -> f64 {
+        median(&mut self.samples.iter().map(|s| s.gbps).collect::<Vec<_>>())
+    }
+    fn cpu(&self) -> f64 {
+        median(
+            &mut self
+                .samples
+                .iter()
+                .map(|s| s.cpu_per_gb)
+                .collect::<Vec<_>>(),
+        )
+    }
+    fn spread(&self) -> (f64, f64) {
+        let g = self.samples.iter().map(|s| s.gbps);
+        (g.clone().fold(f64::MAX, f64::min), g.fold(0.0, f64::max))
+    }
+}
+
+/// Run the benchmark.
+pub fn run(args: &TransferArgs) -> Result<(), String> {
+    if args.batch == 0 || args.repeat == 0 || args.block_kib.is_empty() {
+        return Err("--batch, --repeat and --block-kib need at least one".into());
+    }
+    let zc = zero_copy(&args.zero_copy)?;
+    let largest = args.block_kib.iter().max().copied().unwrap_or(1024) << 10;
+    // two halves, each one batch of the largest block
+    let segment = 2 * args.batch as u64 * largest;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let secret_path = dir.path().join("secret");
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .create_new(true)
+            .write(true)
+            .mode(0o600)
+            .open(&secret_path)
+            .map_err(|e| e.to_string())?;
+        let mut bytes = [0u8; 32];
+        rustix::rand::getrandom(&mut bytes, rustix::rand::GetRandomFlags::empty())
+            .map_err(|e| e.to_string())?;
+        f.write_all(&bytes).map_err(|e| e.to_string())?;
+    }
+    let secret = ClusterSecret::from_file(&secret_path).map_err(|e| e.to_string())?;
+    eprintln!(
+        "kvd-bench transfer: starting the target process ({} MiB segment on each side)",
+        segment >> 20
+    );
+    let me = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut child = Command::new(me)
+        .args(["transfer-target", "--secret-file"])
+        .arg(&secret_path)
+        .args(["--segment-bytes", &segment.to_string()])
+        .args(["--chunk-kib", &args.chunk_kib.to_string()])
+        .args(["--zero-copy", &args.zero_copy])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("start the target process: {e}"))?;
+    let mut child = Child_ {
+        stdin: child.stdin.take().expect("piped"),
+        stdout: BufReader::new(child.stdout.take().expect("piped")),
+        child,
+    };
+    let mut ready = String::new();
+    child
+        .stdout
+        .read_line(&mut ready)
+        .map_err(|e| e.to_string())?;
+    let w: Vec<&str> = ready.split_whitespace().collect();
+    let [_, data_port, raw_port, hex] = w[..] else {
+        return Err(format!("the target process did not start: {ready:?}"));
+    };
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect();
+    let remote = SegmentDescriptor::decode(&bytes).map_err(|e| e.to_string())?;
+    let data_addr = format!("127.0.0.1:{data_port}")
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    let raw_addr = format!("127.0.0.1:{raw_port}");
+
+    let mem = Arc::new(HeapMemory::zeroed(segment as usize));
+    touch(&mem);
+    let total = (args.gib_per_case * (1u64 << 30) as f64) as u64;
+    let mut rows: Vec<Row> = Vec::new();
+
+    eprintln!("kvd-bench transfer: memcpy bound (1 GiB, best of 3)");
+    let memcpy = crate::local::memcpy_bound(1 << 30);
+
+    let mut raw = Row {
+        case: "raw TCP, 1 stream, 1 MiB writes".into(),
+        samples: vec![],
+    };
+    for i in 0..args.repeat {
+        eprintln!("kvd-bench transfer: raw TCP {} of {}", i + 1, args.repeat);
+        raw.samples
+            .push(raw_tcp(&mut child, &raw_addr, &mem, total)?);
+    }
+    let raw_gbps = raw.gbps();
+    let raw_cpu = raw.cpu();
+
+    for ck in &args.checksum {
+        let checksum = match ck.as_str() {
+            "off" => false,
+            "on" => true,
+            _ => return Err(format!("--checksum takes off or on, not {ck:?}")),
+        };
+        let mut c = TcpConfig::new(
+            1,
+            1,
+            "127.0.0.1:0".parse().expect("an address"),
+            secret.clone(),
+        );
+        c.connections = args.connections;
+        c.chunk_bytes = args.chunk_kib << 10;
+        c.window = args.window;
+        c.checksum = checksum;
+        c.zero_copy = zc;
+        c.limits = big_limits();
+        c.stall_timeout = Duration::from_secs(10);
+        let engine = TcpTransport::start(c).map_err(|e| e.to_string())?;
+        engine
+            .register(SEG, mem.clone() as Arc<dyn Memory>, 0, segment)
+            .map_err(|e| e.to_string())?;
+        let ep = engine
+            .open(&TcpPeer {
+                addr: data_addr,
+                node_id: TARGET_NODE,
+            })
+            .map_err(|e| e.to_string())?;
+        for d in &args.direction {
+            let kind = match d.as_str() {
+                "write" => OpKind::Write,
+                "read" => OpKind::Read,
+                _ => return Err(format!("--direction takes write or read, not {d:?}")),
+            };
+            for &kib in &args.block_kib {
+                let mut row = Row {
+                    case: format!("{d:<5} {:>5} KiB blocks, checksum {ck}", kib),
+                    samples: vec![],
+                };
+                for i in 0..args.repeat {
+                    eprintln!(
+                        "kvd-bench transfer: {} ({} of {})",
+                        row.case,
+                        i + 1,
+                        args.repeat
+                    );
+                    let s = engine_case(
+                        &engine,
+                        ep,
+                        &mut child,
+                        remote,
+                        kind,
+                        kib << 10,
+                        args.batch,
+                        total,
+                    )?;
+                    row.samples.push(s);
+                }
+                rows.push(row);
+            }
+        }
+    }
+
+    println!();
+    println!(
+        "{:<44} {:>7} {:>13} {:>7} {:>7} {:>8} {:>7}",
+        "case", "GB/s", "spread", "xTCP", "xmemcpy", "CPU s/GB", "CPU/TCP"
+    );
+    let print = |r: &Row| {
+        let (lo, hi) = r.spread();
+        println!(
+            "{:<44} {:>7.2} {:>5.2}..{:<6.2} {:>7.2} {:>7.2} {:>8.3} {:>7.2}",
+            r.case,
+            r.gbps(),
+            lo,
+            hi,
+            r.gbps() / raw_gbps,
+            r.gbps() / memcpy,
+            r.cpu(),
+            r.cpu() / raw_cpu
+        );
+    };
+    println!("{:<44} {:>7.2}", "memcpy, 1 GiB (best of 3)", memcpy);
+    print(&raw);
+    for r in &rows {
+        print(r);
+    }
+    println!(
+        "\n{} runs per case, >= {:.2} GiB each; batches of {}, two in flight; {} connections, {} KiB chunks, window {}, zero-copy {}.",
+        args.repeat,
+        args.gib_per_case,
+        args.batch,
+        args.connections,
+        args.chunk_kib,
+        args.window,
+        args.zero_copy
+    );
+    Ok(())
+}
+
+fn raw_tcp(child: &mut Child_, addr: &str, mem: &HeapMemory, total: u64) -> Result<Sample, String> {
+    let cpu0 = cpu_seconds() + child.cpu()?;
+    writeln!(child.stdin, "raw {total}").map_err(|e| e.to_string())?;
+    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    // SAFETY: no engine batch is in flight while the raw case runs.
+    let src = unsafe { mem.bytes() };
+    let t = Instant::now();
+    let mut sent = 0u64;
+    while sent < total {
+        let at = (sent % (src.len() as u64 - (1 << 20))) as usize;
+        let n = ((total - sent) as usize).min(1 << 20);
+        s.write_all(&src[at..at + n]).map_err(|e| e.to_string())?;
+        sent += n as u64;
+    }
+    let mut done = String::new();
+    child
+        .stdout
+        .read_line(&mut done)
+        .map_err(|e| e.to_string())?;
+    if done.trim() != "raw-done" {
+        return Err(format!("raw receiver: {done:?}"));
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() + child.cpu()? - cpu0;
+    let gb = total as f64 / 1e9;
+    Ok(Sample {
+        gbps: gb / secs,
+        cpu_per_gb: cpu / gb,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn engine_case(
+    engine: &TcpTransport,
+    ep: transport::engine::EndpointId,
+    child: &mut Child_,
+    remote: SegmentDescriptor,
+    kind: OpKind,
+    block: u64,
+    batch: usize,
+    total: u64,
+) -> Result<Sample, String> {
+    let half = batch as u64 * block;
+    let transfer = match kind {
+        OpKind::Write => WRITE_TRANSFER,
+        OpKind::Read => READ_TRANSFER,
+    };
+    let make = |h: u64| -> Vec<Op> {
+        (0..batch as u64)
+            .map(|i| Op {
+                kind,
+                local: SEG,
+                local_offset: h * half + i * block,
+                remote,
+                remote_offset: h * half + i * block,
+                len: block,
+                transfer,
+                epoch: 1,
+            })
+            .collect()
+    };
+    let halves = [make(0), make(1)];
+    let cpu0 = cpu_seconds() + child.cpu()?;
+    let t = Instant::now();
+    let mut moved = 0u64;
+    let mut in_flight = std::collections::VecDeque::new();
+    let mut next = 0usize;
+    while moved < total && t.elapsed() < CASE_CAP {
+        while in_flight.len() < 2 {
+            // SAFETY: a half's ranges are named by at most one batch in flight at a time, and
+            // nothing else touches the memory while the case runs.
+            let b = unsafe { engine.submit(ep, &halves[next % 2]) }.map_err(|e| e.to_string())?;
+            in_flight.push_back(b);
+            next += 1;
+        }
+        let b = in_flight.pop_front().expect("two in flight");
+        let s = engine
+            .wait(b, Duration::from_secs(30))
+            .map_err(|e| e.to_string())?;
+        if !s.succeeded() {
+            return Err(format!("a batch failed: {s:?}"));
+        }
+        engine.release(b).map_err(|e| e.to_string())?;
+        moved += half;
+    }
+    for b in in_flight {
+        let s = engine
+            .wait(b, Duration::from_secs(30))
+            .map_err(|e| e.to_string())?;
+        if !s.succeeded() {
+            return Err(format!("a batch failed: {s:?}"));
+        }
+        engine.release(b).map_err(|e| e.to_string())?;
+        moved += half;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() + child.cpu()? - cpu0;
+    let gb = moved as f64 / 1e9;
+    Ok(Sample {
+        gbps: gb / secs,
+        cpu_per_gb: cpu / gb,
+    })
+}
