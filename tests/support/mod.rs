@@ -342,33 +342,55 @@ pub fn wait_stopped(pid: u32) {
 }
 
 /// A helper process: this test binary started again to run one ignored test (which acts out a
-/// client: a writer that hangs, a hog), talking to `d`'s socket (as `KVD_TEST_SOCKET`). Killed
-/// on drop.
+/// client: a writer that hangs, a hog; or a transfer engine), with lines to its stdin and from
+/// its stdout. Killed on drop.
 #[derive(Debug)]
 pub struct Helper {
     /// The child process.
     pub child: Child,
+    stdin: Option<std::process::ChildStdin>,
     lines: std::sync::mpsc::Receiver<String>,
     log: PathBuf,
 }
 
 impl Helper {
-    /// Start the ignored test `name` as a helper of `d`; its stderr goes to `<d.dir>/<name>.log`.
+    /// Start the ignored test `name` as a helper of `d` (its socket as `KVD_TEST_SOCKET`); its
+    /// stderr goes to `<d.dir>/<name>.log`.
     pub fn start(d: &Daemon, name: &str) -> Helper {
-        let log = d.dir.join(format!("{name}.log"));
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                name,
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("KVD_TEST_SOCKET", &d.socket)
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
+        let socket = d.socket.to_string_lossy().into_owned();
+        Helper::spawn(
+            &[],
+            name,
+            &[("KVD_TEST_SOCKET", &socket)],
+            d.dir.join(format!("{name}.log")),
+        )
+    }
+
+    /// Start the ignored test `name` as a helper, behind the command `prefix` (for example
+    /// `ip netns exec NS`), with `envs`; its stderr goes to `log`.
+    pub fn spawn(prefix: &[&str], name: &str, envs: &[(&str, &str)], log: PathBuf) -> Helper {
+        let me = std::env::current_exe().unwrap();
+        let mut cmd = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&me);
+                c
+            }
+            None => Command::new(&me),
+        };
+        cmd.args([
+            "--exact",
+            name,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .envs(envs.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap());
+        let mut child = cmd.spawn().unwrap();
+        let stdin = child.stdin.take();
         let stdout = child.stdout.take().unwrap();
         let (tx, lines) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -378,7 +400,26 @@ impl Helper {
                 }
             }
         });
-        Helper { child, lines, log }
+        Helper {
+            child,
+            stdin,
+            lines,
+            log,
+        }
+    }
+
+    /// Send the helper one line on its stdin.
+    pub fn send(&mut self, line: &str) {
+        use std::io::Write;
+        let w = self.stdin.as_mut().expect("the helper's stdin");
+        writeln!(w, "{line}").unwrap();
+        w.flush().unwrap();
+    }
+
+    /// Send a line and wait (at most `timeout`) for the answer starting with `marker`.
+    pub fn ask(&mut self, line: &str, marker: &str, timeout: Duration) -> String {
+        self.send(line);
+        self.wait_for(marker, timeout)
     }
 
     /// Wait (at most `timeout`) for the helper to print a line containing `marker`; returns

@@ -171,7 +171,8 @@ pub struct TcpStats {
     pub bytes_done: u64,
     /// Chunks served as target.
     pub chunks_served: u64,
-    /// Chunks whose CRC-32C failed (either role).
+    /// Chunks whose CRC-32C this engine found wrong (a write's payload as target, a read's
+    /// as initiator).
     pub checksum_failures: u64,
     /// Accesses refused as target (no live grant, stale generation).
     pub refused: u64,

@@ -1068,13 +1068,8 @@ impl Ring {
                         let c = conn.inflight.pop_front().expect("front exists");
                         let why = match status {
                             Status::Refused => OpFailure::Refused(resp.refusal),
-                            Status::Corrupt => {
-                                self.shared
-                                    .counters
-                                    .checksum_failures
-                                    .fetch_add(1, Ordering::Relaxed);
-                                OpFailure::Corrupt
-                            }
+                            // counted by the target, which found it
+                            Status::Corrupt => OpFailure::Corrupt,
                             _ => OpFailure::Protocol,
                         };
                         self.finish(&c, ChunkOutcome::Failed(why));
