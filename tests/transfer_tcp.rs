@@ -482,6 +482,51 @@ fn a_peer_killed_mid_batch_fails_that_endpoints_ops_within_the_timeout_while_ano
     );
 }
 
+#[test]
+fn a_stalled_peer_fails_the_batch_with_a_timeout_within_the_stall_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path(), "secret", 1);
+    let mut t = start_target(dir.path(), &[], 2, "127.0.0.1:0", &secret, 256, 20);
+    t.grant(1, "w", 0, 256 * MIB);
+    let stall = Duration::from_millis(1000);
+    let e = {
+        let mut c = config(1, "127.0.0.1:0", &secret, stall.as_millis() as u64);
+        c.connections = 1;
+        c.window = 1;
+        c.chunk_bytes = 64 << 10;
+        TcpTransport::start(c).unwrap()
+    };
+    let mem = Arc::new(HeapMemory::zeroed((256 * MIB) as usize));
+    e.register(SEG, mem.clone() as Arc<dyn Memory>, 0, 256 * MIB)
+        .unwrap();
+    let ep = e.open(&t.peer()).unwrap();
+    // SAFETY: the memory is not touched while the batch runs.
+    let b = unsafe {
+        e.submit(ep, &ops(OpKind::Write, t.desc, 1, 0, 256, MIB))
+            .unwrap()
+    };
+    support::wait_until(Duration::from_secs(30), "the first ops land", || {
+        e.poll(b, &mut []).unwrap().done > 0
+    });
+    let stopped = Instant::now();
+    support::signal(t.helper.pid(), rustix::process::Signal::STOP);
+    let s = e.wait(b, Duration::from_secs(20)).unwrap();
+    let detected = stopped.elapsed();
+    support::signal(t.helper.pid(), rustix::process::Signal::CONT);
+    println!("SIGSTOP mid-batch: the batch settled {detected:?} after the stop: {s:?}");
+    assert!(s.settled && s.failed > 0, "{s:?}");
+    assert_eq!(s.first_failure, Some(OpFailure::Timeout), "{s:?}");
+    assert!(
+        detected >= stall.mul_f32(0.5),
+        "not before the peer could have stalled"
+    );
+    assert!(
+        detected < stall + Duration::from_secs(3),
+        "within the stall timeout + margin"
+    );
+    assert_eq!(e.in_flight(), (0, 0), "nothing left in flight");
+}
+
 /// Two network namespaces joined by a veth pair, deleted on drop.
 struct TwoHosts {
     a: String,
