@@ -424,9 +424,11 @@ impl Ring {
         Some(slot)
     }
 
+    /// Account for one chunk's end. Waiters are woken only when a batch settles (a wake-up
+    /// per chunk costs the waiting thread a futex round trip per MiB).
     fn finish(&mut self, c: &Chunk, outcome: ChunkOutcome) {
         let mut b = self.shared.batches();
-        b.chunk_finished(c.batch, c.op, u64::from(c.request.len), outcome);
+        let settled = b.chunk_finished(c.batch, c.op, u64::from(c.request.len), outcome);
         drop(b);
         if outcome == ChunkOutcome::Delivered {
             let k = &self.shared.counters;
@@ -434,13 +436,18 @@ impl Ring {
             k.bytes_done
                 .fetch_add(u64::from(c.request.len), Ordering::Relaxed);
         }
-        self.notify = true;
+        self.notify |= settled;
+    }
+
+    /// The kernel let go of one buffer of `batch`.
+    fn let_go(&mut self, batch: BatchId) {
+        let settled = self.shared.batches().wire_released(batch, 1);
+        self.notify |= settled;
     }
 
     fn release_held(&mut self, held: Held) {
         if let Some(b) = held.batch {
-            self.shared.batches().wire_released(b, 1);
-            self.notify = true;
+            self.let_go(b);
         }
         if let Some(w) = held.window {
             self.shared.target.end(w);
@@ -550,7 +557,7 @@ impl Ring {
         let held = std::mem::take(&mut conn.send.held);
         self.release_held(held);
         if let Some(b) = conn.recv.batch.take() {
-            self.shared.batches().wire_released(b, 1);
+            self.let_go(b);
         }
         for z in std::mem::take(&mut conn.zc) {
             self.release_held(z.held);
@@ -990,8 +997,7 @@ impl Ring {
             let batch = conn.recv.batch.take();
             let window = conn.serving.take().and_then(|s| s.window);
             if let Some(b) = batch {
-                self.shared.batches().wire_released(b, 1);
-                self.notify = true;
+                self.let_go(b);
             }
             if let Some(w) = window {
                 self.shared.target.end(w);
@@ -1092,7 +1098,7 @@ impl Ring {
                     crc32c(0, got) == resp.crc
                 };
                 if let Some(b) = batch {
-                    self.shared.batches().wire_released(b, 1);
+                    self.let_go(b);
                 }
                 if intact {
                     self.finish(&c, ChunkOutcome::Delivered);
