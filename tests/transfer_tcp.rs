@@ -546,9 +546,36 @@ fn ip(args: &[&str]) {
     );
 }
 
+/// Delete namespaces an earlier run of this test left behind when it was killed (their name
+/// carries the pid of a process that no longer exists).
+fn remove_stale_namespaces() {
+    let Ok(out) = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+    else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        let Some(pid) = name
+            .strip_prefix("kvdt")
+            .and_then(|r| r.strip_suffix(['a', 'b']))
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", name])
+                .status();
+        }
+    }
+}
+
 impl TwoHosts {
     fn new() -> TwoHosts {
-        let tag = std::process::id() % 100_000;
+        remove_stale_namespaces();
+        let tag = std::process::id();
         let h = TwoHosts {
             a: format!("kvdt{tag}a"),
             b: format!("kvdt{tag}b"),
@@ -568,7 +595,7 @@ impl TwoHosts {
     }
 
     fn dev_a(&self) -> String {
-        format!("kv{}a", std::process::id() % 100_000)
+        format!("kv{}a", std::process::id())
     }
 }
 
