@@ -56,6 +56,13 @@ const MAX_REPLIES: usize = 64;
 const DRAIN_BYTES: usize = 64 << 10;
 /// Zero-copy only pays for payloads at least this large.
 const ZERO_COPY_MIN_BYTES: usize = 16 << 10;
+/// Chunks (initiator) or header-only replies (target) one `sendmsg` carries at most: small
+/// chunks then cost one send per few of them, not one each.
+const MAX_GATHER: usize = 8;
+/// Answers to writes (header only) one receive takes at most.
+const MAX_ANSWERS: usize = 16;
+/// The receive buffer for headers: one request, or up to `MAX_ANSWERS` answers.
+const HEADER_BUF: usize = MAX_ANSWERS * Response::WIRE_BYTES;
 
 fn user_data(slot: usize, kind: u64, seq: u64) -> u64 {
     ((slot as u64) << 44) | (kind << 40) | (seq & ((1 << 40) - 1))
@@ -89,20 +96,39 @@ struct ZcPending {
     held: Held,
 }
 
+/// One send: up to `MAX_GATHER` parts, each a header and an optional payload, in one
+/// `sendmsg` (a zero-copy send has exactly one part).
 #[derive(Debug)]
 struct SendState {
     busy: bool,
     seq: u64,
     zero_copy: bool,
-    hdr: [u8; Request::WIRE_BYTES],
-    hdr_len: usize,
-    payload: *const u8,
-    payload_len: usize,
-    /// Bytes of header + payload sent so far.
+    parts: usize,
+    hdrs: [[u8; Request::WIRE_BYTES]; MAX_GATHER],
+    hdr_lens: [usize; MAX_GATHER],
+    payloads: [(*const u8, usize); MAX_GATHER],
+    /// Bytes of all parts sent so far.
     done: usize,
-    iov: [libc::iovec; 2],
+    total: usize,
+    iov: [libc::iovec; 2 * MAX_GATHER],
     msg: libc::msghdr,
-    held: Held,
+    held: [Held; MAX_GATHER],
+}
+
+impl SendState {
+    fn add(&mut self, hdr: &[u8], payload: *const u8, len: usize, held: Held) {
+        let i = self.parts;
+        self.hdrs[i][..hdr.len()].copy_from_slice(hdr);
+        self.hdr_lens[i] = hdr.len();
+        self.payloads[i] = (payload, len);
+        self.held[i] = held;
+        self.parts += 1;
+    }
+
+    fn take_held(&mut self) -> Vec<Held> {
+        let n = self.parts;
+        self.held[..n].iter_mut().map(std::mem::take).collect()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,7 +142,7 @@ enum Stage {
 struct RecvState {
     busy: bool,
     stage: Stage,
-    hdr: [u8; Request::WIRE_BYTES],
+    hdr: [u8; HEADER_BUF],
     want: usize,
     filled: usize,
     ptr: *mut u8,
@@ -383,19 +409,20 @@ impl Ring {
                 busy: false,
                 seq: 0,
                 zero_copy: false,
-                hdr: [0; Request::WIRE_BYTES],
-                hdr_len: 0,
-                payload: std::ptr::null(),
-                payload_len: 0,
+                parts: 0,
+                hdrs: [[0; Request::WIRE_BYTES]; MAX_GATHER],
+                hdr_lens: [0; MAX_GATHER],
+                payloads: [(std::ptr::null(), 0); MAX_GATHER],
                 done: 0,
-                iov: [empty, empty],
+                total: 0,
+                iov: [empty; 2 * MAX_GATHER],
                 msg,
-                held: Held::default(),
+                held: std::array::from_fn(|_| Held::default()),
             },
             recv: RecvState {
                 busy: false,
                 stage: Stage::Header,
-                hdr: [0; Request::WIRE_BYTES],
+                hdr: [0; HEADER_BUF],
                 want: 0,
                 filled: 0,
                 ptr: std::ptr::null_mut(),
@@ -554,8 +581,9 @@ impl Ring {
         {
             self.shared.target.end(w);
         }
-        let held = std::mem::take(&mut conn.send.held);
-        self.release_held(held);
+        for held in conn.send.take_held() {
+            self.release_held(held);
+        }
         if let Some(b) = conn.recv.batch.take() {
             self.let_go(b);
         }
@@ -642,79 +670,104 @@ impl Ring {
     fn pump_initiator(&mut self, slot: usize, endpoint: EndpointId) {
         let window = self.shared.config.window;
         let conn = self.conns[slot].as_mut().expect("live");
-        if !conn.send.busy && conn.inflight.len() < window {
-            let next = self
-                .endpoints
-                .get_mut(&endpoint)
-                .and_then(|ep| ep.queue.pop_front());
-            if let Some(mut chunk) = next {
-                chunk.request.tag = self.next_tag;
-                self.next_tag += 1;
-                let corrupt = chunk.request.flags & FLAG_CHECKSUM != 0
-                    && chunk.request.kind == Kind::Write
-                    && self.corrupt_this_one();
-                let conn = self.conns[slot].as_mut().expect("live");
-                let len = chunk.request.len as usize;
-                let (payload, held) = match chunk.request.kind {
-                    Kind::Write => {
-                        if chunk.request.flags & FLAG_CHECKSUM != 0 {
-                            // SAFETY: the chunk's local range holds len bytes, which nobody
-                            // writes until the batch settles (the posting contract).
-                            let bytes = unsafe { std::slice::from_raw_parts(chunk.local, len) };
-                            chunk.request.crc = crc32c(0, bytes) ^ u32::from(corrupt);
-                        }
-                        (
-                            chunk.local.cast_const(),
-                            Held {
-                                batch: Some(chunk.batch),
-                                window: None,
-                            },
-                        )
-                    }
-                    Kind::Read => (std::ptr::null(), Held::default()),
+        if !conn.send.busy {
+            conn.send.parts = 0;
+            // gather chunks while the window allows (one only for a zero-copy connection,
+            // whose headers must stay untouched until the kernel lets go of them)
+            let gather = if conn.zero_copy { 1 } else { MAX_GATHER };
+            while self.conns[slot].as_ref().expect("live").send.parts < gather
+                && self.conns[slot].as_ref().expect("live").inflight.len() < window
+            {
+                let Some(chunk) = self
+                    .endpoints
+                    .get_mut(&endpoint)
+                    .and_then(|ep| ep.queue.pop_front())
+                else {
+                    break;
                 };
-                let hdr = chunk.request.encode();
-                conn.send.hdr[..hdr.len()].copy_from_slice(&hdr);
-                conn.send.hdr_len = hdr.len();
-                if conn.inflight.is_empty() {
-                    conn.last_progress = Instant::now();
-                }
-                let batch = chunk.batch;
-                conn.inflight.push_back(chunk);
-                if held.batch.is_some() {
-                    self.shared.batches().wire_taken(batch, 1);
-                }
-                let payload_len = if payload.is_null() { 0 } else { len };
-                self.start_send(slot, payload, payload_len, held);
+                self.add_chunk(slot, chunk);
+            }
+            if self.conns[slot].as_ref().expect("live").send.parts > 0 {
+                self.start_send(slot);
             }
         }
         let conn = self.conns[slot].as_mut().expect("live");
         if !conn.recv.busy && !conn.inflight.is_empty() {
+            // answers to writes carry no payload, so several can be taken in one receive;
+            // an answer to a read is taken alone (its payload goes elsewhere)
+            let writes = conn
+                .inflight
+                .iter()
+                .take(MAX_ANSWERS)
+                .take_while(|c| c.request.kind == Kind::Write)
+                .count();
             conn.recv.stage = Stage::Header;
-            conn.recv.want = Response::WIRE_BYTES;
-            conn.recv.filled = 0;
+            conn.recv.want = writes.max(1) * Response::WIRE_BYTES;
             conn.recv.ptr = conn.recv.hdr.as_mut_ptr();
             self.post_recv(slot);
         }
     }
 
+    /// Put one chunk into the send being gathered on `slot`.
+    fn add_chunk(&mut self, slot: usize, mut chunk: Chunk) {
+        chunk.request.tag = self.next_tag;
+        self.next_tag += 1;
+        let checksummed = chunk.request.flags & FLAG_CHECKSUM != 0;
+        let corrupt = checksummed && chunk.request.kind == Kind::Write && self.corrupt_this_one();
+        let len = chunk.request.len as usize;
+        let (payload, payload_len, held) = match chunk.request.kind {
+            Kind::Write => {
+                if checksummed {
+                    // SAFETY: the chunk's local range holds len bytes, which nobody writes
+                    // until the batch settles (the posting contract).
+                    let bytes = unsafe { std::slice::from_raw_parts(chunk.local, len) };
+                    chunk.request.crc = crc32c(0, bytes) ^ u32::from(corrupt);
+                }
+                self.shared.batches().wire_taken(chunk.batch, 1);
+                let held = Held {
+                    batch: Some(chunk.batch),
+                    window: None,
+                };
+                (chunk.local.cast_const(), len, held)
+            }
+            Kind::Read => (std::ptr::null(), 0, Held::default()),
+        };
+        let conn = self.conns[slot].as_mut().expect("live");
+        if conn.inflight.is_empty() {
+            conn.last_progress = Instant::now();
+        }
+        conn.send
+            .add(&chunk.request.encode(), payload, payload_len, held);
+        conn.inflight.push_back(chunk);
+    }
+
     fn pump_target(&mut self, slot: usize) {
         let conn = self.conns[slot].as_mut().expect("live");
-        if !conn.send.busy
-            && let Some(reply) = conn.replies.pop_front()
-        {
-            let hdr = reply.response.encode();
-            conn.send.hdr[..hdr.len()].copy_from_slice(&hdr);
-            conn.send.hdr_len = hdr.len();
-            let (payload, len) = match &reply.window {
-                Some(w) => (w.ptr.cast_const(), w.len),
-                None => (std::ptr::null(), 0),
-            };
-            let held = Held {
-                batch: None,
-                window: reply.window,
-            };
-            self.start_send(slot, payload, len, held);
+        if !conn.send.busy && !conn.replies.is_empty() {
+            conn.send.parts = 0;
+            // header-only replies go together; a reply with a payload goes alone
+            while conn.send.parts < MAX_GATHER {
+                let alone = conn.replies.front().is_some_and(|r| r.window.is_some());
+                if alone && conn.send.parts > 0 {
+                    break;
+                }
+                let Some(reply) = conn.replies.pop_front() else {
+                    break;
+                };
+                let (payload, len) = match &reply.window {
+                    Some(w) => (w.ptr.cast_const(), w.len),
+                    None => (std::ptr::null(), 0),
+                };
+                let held = Held {
+                    batch: None,
+                    window: reply.window,
+                };
+                conn.send.add(&reply.response.encode(), payload, len, held);
+                if alone {
+                    break;
+                }
+            }
+            self.start_send(slot);
         }
         let conn = self.conns[slot].as_mut().expect("live");
         if !conn.recv.busy && conn.serving.is_none() && conn.replies.len() < MAX_REPLIES {
@@ -726,19 +779,17 @@ impl Ring {
         }
     }
 
-    /// Send the header in `conn.send.hdr` and `len` bytes at `payload`, holding `held` until
-    /// the kernel lets go of the payload.
-    fn start_send(&mut self, slot: usize, payload: *const u8, len: usize, held: Held) {
+    /// Send the parts gathered in `conn.send`, holding what they hold until the kernel lets
+    /// go of their payloads.
+    fn start_send(&mut self, slot: usize) {
         let conn = self.conns[slot].as_mut().expect("live");
         let s = &mut conn.send;
         s.busy = true;
         s.seq = conn.next_seq;
         conn.next_seq += 1;
-        s.payload = payload;
-        s.payload_len = len;
         s.done = 0;
-        s.zero_copy = conn.zero_copy && len >= ZERO_COPY_MIN_BYTES;
-        s.held = held;
+        s.total = (0..s.parts).map(|i| s.hdr_lens[i] + s.payloads[i].1).sum();
+        s.zero_copy = conn.zero_copy && s.parts == 1 && s.payloads[0].1 >= ZERO_COPY_MIN_BYTES;
         let k = &self.shared.counters;
         if s.zero_copy {
             k.zero_copy_sends.fetch_add(1, Ordering::Relaxed);
@@ -753,18 +804,18 @@ impl Ring {
         let conn = self.conns[slot].as_mut().expect("live");
         let s = &mut conn.send;
         let fd = types::Fd(conn.fd);
-        let total = s.hdr_len + s.payload_len;
-        debug_assert!(s.done < total);
+        debug_assert!(s.done < s.total);
         if s.zero_copy {
             // Header by copy, then the payload zero-copy, linked so they go in order. The
             // header buffer is not touched again until this send completes.
+            let (hdr_len, (payload, payload_len)) = (s.hdr_lens[0], s.payloads[0]);
             let mut entries = Vec::with_capacity(2);
-            let payload_done = if s.done < s.hdr_len {
+            let payload_done = if s.done < hdr_len {
                 let e = opcode::Send::new(
                     fd,
-                    // SAFETY: done < hdr_len <= hdr's length.
-                    unsafe { s.hdr.as_ptr().add(s.done) },
-                    (s.hdr_len - s.done) as u32,
+                    // SAFETY: done < hdr_len <= the header buffer's length.
+                    unsafe { s.hdrs[0].as_ptr().add(s.done) },
+                    (hdr_len - s.done) as u32,
                 )
                 .flags(libc::MSG_WAITALL)
                 .build()
@@ -773,14 +824,14 @@ impl Ring {
                 entries.push(e);
                 0
             } else {
-                s.done - s.hdr_len
+                s.done - hdr_len
             };
             let e = opcode::SendZc::new(
                 fd,
                 // SAFETY: payload_done < payload_len; the payload is valid until its
                 // notification (held until then).
-                unsafe { s.payload.add(payload_done) },
-                (s.payload_len - payload_done) as u32,
+                unsafe { payload.add(payload_done) },
+                (payload_len - payload_done) as u32,
             )
             .flags(libc::MSG_WAITALL)
             .build()
@@ -792,23 +843,32 @@ impl Ring {
             }
             return;
         }
+        // the iovecs of what is not sent yet: skip `done` bytes across the parts
+        let mut skip = s.done;
         let mut n = 0;
-        if s.done < s.hdr_len {
-            s.iov[n] = libc::iovec {
-                // SAFETY: done < hdr_len.
-                iov_base: unsafe { s.hdr.as_mut_ptr().add(s.done) }.cast(),
-                iov_len: s.hdr_len - s.done,
-            };
-            n += 1;
-        }
-        if s.payload_len > 0 {
-            let from = s.done.saturating_sub(s.hdr_len);
-            s.iov[n] = libc::iovec {
-                // SAFETY: from < payload_len.
-                iov_base: unsafe { s.payload.add(from) }.cast_mut().cast(),
-                iov_len: s.payload_len - from,
-            };
-            n += 1;
+        for i in 0..s.parts {
+            let (payload, payload_len) = s.payloads[i];
+            let pieces = [
+                (s.hdrs[i].as_mut_ptr(), s.hdr_lens[i]),
+                (payload.cast_mut(), payload_len),
+            ];
+            for (ptr, len) in pieces {
+                if len == 0 {
+                    continue;
+                }
+                if skip >= len {
+                    skip -= len;
+                    continue;
+                }
+                s.iov[n] = libc::iovec {
+                    // SAFETY: skip < len, and ptr holds len bytes (a header buffer, or a
+                    // payload held until the send completes).
+                    iov_base: unsafe { ptr.add(skip) }.cast(),
+                    iov_len: len - skip,
+                };
+                skip = 0;
+                n += 1;
+            }
         }
         s.msg.msg_iov = s.iov.as_mut_ptr();
         s.msg.msg_iovlen = n as _;
@@ -825,6 +885,13 @@ impl Ring {
         let r = &mut conn.recv;
         r.busy = true;
         let left = (r.want - r.filled) as u32;
+        // payloads: wait for all of it; headers: take what has come (several answers may be
+        // wanted, and fewer may be due yet)
+        let flags = if r.stage == Stage::Header {
+            0
+        } else {
+            libc::MSG_WAITALL
+        };
         let e = opcode::Recv::new(
             types::Fd(conn.fd),
             // SAFETY: filled < want, and ptr holds want bytes (the header buffer, a granted
@@ -832,7 +899,7 @@ impl Ring {
             unsafe { r.ptr.add(r.filled) },
             left,
         )
-        .flags(libc::MSG_WAITALL)
+        .flags(flags)
         .build()
         .user_data(user_data(slot, SQE_RECV, 0));
         conn.outstanding += 1;
@@ -952,7 +1019,7 @@ impl Ring {
         let s = &mut conn.send;
         s.done += res as usize;
         conn.last_progress = Instant::now();
-        if s.done < s.hdr_len + s.payload_len {
+        if s.done < s.total {
             if res == 0 {
                 self.finish_send(slot);
                 self.fail_conn(slot, OpFailure::PeerClosed);
@@ -974,17 +1041,23 @@ impl Ring {
             return;
         }
         conn.send.busy = false;
-        let held = std::mem::take(&mut conn.send.held);
+        let mut held = conn.send.take_held();
         let seq = conn.send.seq;
         if let Some(i) = conn.zc.iter().position(|z| z.seq == seq) {
             if conn.zc[i].notifs > 0 {
+                // a zero-copy send has one part
                 conn.zc[i].finished = true;
-                conn.zc[i].held = held;
+                conn.zc[i].held = held.pop().unwrap_or_default();
+                for h in held {
+                    self.release_held(h);
+                }
                 return;
             }
             conn.zc.remove(i);
         }
-        self.release_held(held);
+        for h in held {
+            self.release_held(h);
+        }
     }
 
     fn on_recv(&mut self, slot: usize, res: i32) {
@@ -1017,7 +1090,12 @@ impl Ring {
         let r = &mut conn.recv;
         r.filled += res as usize;
         conn.last_progress = Instant::now();
-        if r.filled < r.want {
+        // an initiator's answers are taken as soon as one whole answer is in
+        let enough = match (&conn.role, r.stage) {
+            (Role::Initiator { .. }, Stage::Header) => r.filled >= Response::WIRE_BYTES,
+            _ => r.filled >= r.want,
+        };
+        if !enough {
             self.post_recv(slot);
             return;
         }
@@ -1035,57 +1113,13 @@ impl Ring {
     fn initiator_received(&mut self, slot: usize) -> std::result::Result<(), OpFailure> {
         let conn = self.conn_mut(slot).expect("live");
         match conn.recv.stage {
-            Stage::Header => {
-                let hdr: [u8; Response::WIRE_BYTES] = conn.recv.hdr[..Response::WIRE_BYTES]
-                    .try_into()
-                    .expect("32 bytes");
-                let resp = Response::decode(&hdr).map_err(|_| OpFailure::Protocol)?;
-                let front = conn.inflight.front().ok_or(OpFailure::Protocol)?;
-                if resp.tag != front.request.tag {
-                    return Err(OpFailure::Protocol);
-                }
-                let kind = front.request.kind;
-                match (resp.status, kind) {
-                    (Status::Ok, Kind::Read) => {
-                        if resp.len != front.request.len {
-                            return Err(OpFailure::Protocol);
-                        }
-                        let (ptr, batch, len) = (front.local, front.batch, resp.len as usize);
-                        conn.recv.stage = Stage::Payload;
-                        conn.recv.ptr = ptr;
-                        conn.recv.want = len;
-                        conn.recv.filled = 0;
-                        conn.recv.batch = Some(batch);
-                        // remember the response's CRC until the payload is in
-                        conn.recv.hdr[..Response::WIRE_BYTES].copy_from_slice(&hdr);
-                        self.shared.batches().wire_taken(batch, 1);
-                        self.post_recv(slot);
-                        Ok(())
-                    }
-                    (Status::Ok, Kind::Write) => {
-                        if resp.len != 0 {
-                            return Err(OpFailure::Protocol);
-                        }
-                        let c = conn.inflight.pop_front().expect("front exists");
-                        self.finish(&c, ChunkOutcome::Delivered);
-                        Ok(())
-                    }
-                    (status, _) => {
-                        let c = conn.inflight.pop_front().expect("front exists");
-                        let why = match status {
-                            Status::Refused => OpFailure::Refused(resp.refusal),
-                            // counted by the target, which found it
-                            Status::Corrupt => OpFailure::Corrupt,
-                            _ => OpFailure::Protocol,
-                        };
-                        self.finish(&c, ChunkOutcome::Failed(why));
-                        Ok(())
-                    }
-                }
-            }
+            Stage::Header => self.initiator_answers(slot),
             Stage::Payload => {
                 let c = conn.inflight.pop_front().ok_or(OpFailure::Protocol)?;
                 let batch = conn.recv.batch.take();
+                // the next receive starts a fresh header buffer
+                conn.recv.filled = 0;
+                conn.recv.stage = Stage::Header;
                 let hdr: [u8; Response::WIRE_BYTES] = conn.recv.hdr[..Response::WIRE_BYTES]
                     .try_into()
                     .expect("32 bytes");
@@ -1115,6 +1149,67 @@ impl Ring {
         }
     }
 
+    /// Handle every whole answer in the header buffer (several answers to writes, or one to a
+    /// read, which then receives its payload); keep a partial one for the next receive.
+    fn initiator_answers(&mut self, slot: usize) -> std::result::Result<(), OpFailure> {
+        let mut at = 0;
+        loop {
+            let conn = self.conn_mut(slot).expect("live");
+            if conn.recv.filled - at < Response::WIRE_BYTES {
+                break;
+            }
+            let hdr: [u8; Response::WIRE_BYTES] = conn.recv.hdr[at..at + Response::WIRE_BYTES]
+                .try_into()
+                .expect("32 bytes");
+            at += Response::WIRE_BYTES;
+            let resp = Response::decode(&hdr).map_err(|_| OpFailure::Protocol)?;
+            let front = conn.inflight.front().ok_or(OpFailure::Protocol)?;
+            if resp.tag != front.request.tag {
+                return Err(OpFailure::Protocol);
+            }
+            match (resp.status, front.request.kind) {
+                (Status::Ok, Kind::Read) => {
+                    // only ever asked for alone, so nothing follows it in the buffer
+                    if resp.len != front.request.len || conn.recv.filled != at {
+                        return Err(OpFailure::Protocol);
+                    }
+                    let (ptr, batch, len) = (front.local, front.batch, resp.len as usize);
+                    conn.recv.stage = Stage::Payload;
+                    conn.recv.ptr = ptr;
+                    conn.recv.want = len;
+                    conn.recv.filled = 0;
+                    conn.recv.batch = Some(batch);
+                    // remember the answer (its CRC) until the payload is in
+                    conn.recv.hdr[..Response::WIRE_BYTES].copy_from_slice(&hdr);
+                    self.shared.batches().wire_taken(batch, 1);
+                    self.post_recv(slot);
+                    return Ok(());
+                }
+                (Status::Ok, Kind::Write) => {
+                    if resp.len != 0 {
+                        return Err(OpFailure::Protocol);
+                    }
+                    let c = conn.inflight.pop_front().expect("front exists");
+                    self.finish(&c, ChunkOutcome::Delivered);
+                }
+                (status, _) => {
+                    let c = conn.inflight.pop_front().expect("front exists");
+                    let why = match status {
+                        Status::Refused => OpFailure::Refused(resp.refusal),
+                        // counted by the target, which found it
+                        Status::Corrupt => OpFailure::Corrupt,
+                        _ => OpFailure::Protocol,
+                    };
+                    self.finish(&c, ChunkOutcome::Failed(why));
+                }
+            }
+        }
+        let r = &mut self.conn_mut(slot).expect("live").recv;
+        r.hdr.copy_within(at..r.filled, 0);
+        r.filled -= at;
+        Ok(())
+    }
+
     /// A full unit arrived on a target connection (a request header, a write's payload, or a
     /// piece of a refused write's payload being drained).
     fn target_received(&mut self, slot: usize) -> std::result::Result<(), OpFailure> {
@@ -1122,7 +1217,10 @@ impl Ring {
         let conn = self.conn_mut(slot).expect("live");
         match conn.recv.stage {
             Stage::Header => {
-                let req = Request::decode(&conn.recv.hdr).map_err(|_| OpFailure::Protocol)?;
+                let hdr: &[u8; Request::WIRE_BYTES] = conn.recv.hdr[..Request::WIRE_BYTES]
+                    .try_into()
+                    .expect("64 bytes");
+                let req = Request::decode(hdr).map_err(|_| OpFailure::Protocol)?;
                 if req.len > chunk_bytes {
                     return Err(OpFailure::Protocol);
                 }
