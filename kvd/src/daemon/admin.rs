@@ -106,6 +106,9 @@ pub struct StatusReport {
     /// The bounds in force (absent from the reports of older daemons).
     #[serde(default)]
     pub limits: LimitsReport,
+    /// The data port, when on (absent from the reports of older daemons).
+    #[serde(default)]
+    pub data_port: Option<super::data_port::DataPortReport>,
 }
 
 /// The bounds in force, as `/status` reports them: the file-descriptor budget and what it
@@ -572,6 +575,7 @@ pub fn report(d: &Daemon, budget: &FdBudget) -> StatusReport {
             admin_idle_timeout_ms: c.admin_idle_timeout_ms,
             admin_connections_open: m.admin_connections_open.get().max(0) as u64,
         },
+        data_port: d.data_port.as_ref().map(|dp| dp.report(d.config.node_id)),
     }
 }
 

@@ -112,6 +112,22 @@ pub struct ServeArgs {
     /// Runtime worker threads [default: 2].
     #[arg(long)]
     pub threads: Option<usize>,
+    /// This node's id among its peers (unique in the cluster) [default: 1].
+    #[arg(long)]
+    pub node_id: Option<u64>,
+    /// The cluster secret file (32 to 4096 bytes, readable by its owner only), the same on
+    /// every node: turns the data port on. Make one with `head -c 32 /dev/urandom > FILE &&
+    /// chmod 600 FILE`.
+    #[arg(long)]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Where the data port (peers' transfer connections) listens; needs
+    /// --cluster-secret-file [default: 127.0.0.1:7461].
+    #[arg(long)]
+    pub data_listen: Option<SocketAddr>,
+    /// A peer's data port, as NODE_ID=ADDR (repeat for each peer); needs
+    /// --cluster-secret-file. Cluster mode will fill the same table from etcd.
+    #[arg(long = "peer", value_name = "NODE_ID=ADDR")]
+    pub peer: Vec<String>,
 }
 
 /// The same keys as a TOML file.
@@ -146,6 +162,21 @@ pub struct FileConfig {
     pub verify_supplied_checksums: Option<bool>,
     pub event_log_capacity: Option<u32>,
     pub threads: Option<usize>,
+    pub node_id: Option<u64>,
+    pub cluster_secret_file: Option<PathBuf>,
+    pub data_listen: Option<SocketAddr>,
+    pub peer: Option<Vec<String>>,
+}
+
+/// The data port's settings (present only with a cluster secret).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DataPortConfig {
+    /// Where it listens.
+    pub listen: SocketAddr,
+    /// The cluster secret file (read at start; its bytes are not kept here).
+    pub cluster_secret_file: PathBuf,
+    /// The static peer table: node id → data address.
+    pub peers: std::collections::BTreeMap<u64, SocketAddr>,
 }
 
 /// The resolved configuration.
@@ -203,6 +234,41 @@ pub struct DaemonConfig {
     pub event_log_capacity: u32,
     /// Runtime threads.
     pub threads: usize,
+    /// This node's id among its peers.
+    pub node_id: u64,
+    /// The data port, when a cluster secret is configured.
+    pub data_port: Option<DataPortConfig>,
+}
+
+/// Where the data port listens by default (beside the admin port's 7460).
+pub const DEFAULT_DATA_LISTEN: &str = "127.0.0.1:7461";
+
+/// Parse `--peer NODE_ID=ADDR` entries into a table; `me` may not appear in it.
+fn parse_peers(entries: &[String], me: u64) -> Result<std::collections::BTreeMap<u64, SocketAddr>> {
+    let mut peers = std::collections::BTreeMap::new();
+    for e in entries {
+        let bad = |why: &str| {
+            Error::InvalidArgument(format!(
+                "--peer {e:?}: {why}; write it as NODE_ID=ADDR, for example 2=10.0.0.2:7461"
+            ))
+        };
+        let (id, addr) = e.split_once('=').ok_or_else(|| bad("no '='"))?;
+        let id: u64 = id
+            .trim()
+            .parse()
+            .map_err(|_| bad("the node id is not a number"))?;
+        let addr: SocketAddr = addr
+            .trim()
+            .parse()
+            .map_err(|_| bad("the address is not IP:PORT"))?;
+        if id == me {
+            return Err(bad("that is this node's own id (--node-id)"));
+        }
+        if peers.insert(id, addr).is_some() {
+            return Err(bad("node id given twice"));
+        }
+    }
+    Ok(peers)
 }
 
 /// Block events kept for routers: at a few hundred events a second, minutes of history for a
@@ -303,6 +369,33 @@ impl DaemonConfig {
                 .or(file.max_sessions_per_uid)
                 .unwrap_or(three_quarters(max_sessions)),
         };
+        let node_id = args.node_id.or(file.node_id).unwrap_or(1);
+        let secret = args
+            .cluster_secret_file
+            .clone()
+            .or(file.cluster_secret_file);
+        let data_listen = args.data_listen.or(file.data_listen);
+        let peer_entries = if args.peer.is_empty() {
+            file.peer.unwrap_or_default()
+        } else {
+            args.peer.clone()
+        };
+        let data_port = match secret {
+            Some(cluster_secret_file) => Some(DataPortConfig {
+                listen: data_listen
+                    .unwrap_or_else(|| DEFAULT_DATA_LISTEN.parse().expect("a valid literal")),
+                cluster_secret_file,
+                peers: parse_peers(&peer_entries, node_id)?,
+            }),
+            None if data_listen.is_some() || !peer_entries.is_empty() => {
+                return Err(Error::InvalidArgument(
+                    "--data-listen and --peer need --cluster-secret-file (the data port only \
+                     runs authenticated)"
+                        .into(),
+                ));
+            }
+            None => None,
+        };
         let c = DaemonConfig {
             data_dir,
             socket,
@@ -355,6 +448,8 @@ impl DaemonConfig {
                 .or(file.event_log_capacity)
                 .unwrap_or(DEFAULT_EVENT_LOG_CAPACITY),
             threads: args.threads.or(file.threads).unwrap_or(2),
+            node_id,
+            data_port,
         };
         c.check()?;
         Ok(c)

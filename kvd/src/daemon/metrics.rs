@@ -256,6 +256,13 @@ impl Metrics {
         Metrics { registry: r, ..m }
     }
 
+    /// Add the data port's counters (read from its engine at each scrape).
+    pub fn with_data_port(mut self, port: Arc<super::data_port::DataPort>) -> Metrics {
+        self.registry
+            .register_collector(Box::new(DataPortCollector { port }));
+        self
+    }
+
     fn index(name: &str) -> usize {
         Op::NAMES
             .iter()
@@ -290,6 +297,58 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
         out
+    }
+}
+
+/// Reads the transfer engine's counters at each scrape.
+#[derive(Debug)]
+struct DataPortCollector {
+    port: Arc<super::data_port::DataPort>,
+}
+
+impl Collector for DataPortCollector {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let c = self.port.counters();
+        for (name, help, v) in [
+            (
+                "kvd_transfer_chunks",
+                "Chunks this node moved as initiator, answered ok",
+                c.chunks_done,
+            ),
+            (
+                "kvd_transfer_bytes",
+                "Payload bytes this node moved as initiator",
+                c.bytes_done,
+            ),
+            (
+                "kvd_transfer_chunks_served",
+                "Chunks served to peers (into or out of this pool)",
+                c.chunks_served,
+            ),
+            (
+                "kvd_transfer_checksum_failures",
+                "Chunks whose CRC-32C this node found wrong",
+                c.checksum_failures,
+            ),
+            (
+                "kvd_transfer_refused",
+                "Peer accesses refused: no live grant covers them, or a stale generation",
+                c.refused,
+            ),
+            (
+                "kvd_transfer_connections_failed",
+                "Data connections failed (error, close, stall, protocol)",
+                c.connections_failed,
+            ),
+            (
+                "kvd_transfer_handshakes_refused",
+                "Data connections refused at the handshake (no secret, malformed, too many)",
+                c.handshakes_refused,
+            ),
+        ] {
+            counter(&mut e, name, help, v)?;
+        }
+        Ok(())
     }
 }
 

@@ -11,6 +11,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod data_port;
 pub mod datadir;
 pub mod drain;
 pub mod limits;
@@ -97,6 +98,16 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     ) {
         tracing::warn!(error = %e, "could not seal the pool memfd against resizing");
     }
+    // The data port before the socket: a bad secret file is a start-up error that leaves
+    // nothing bound behind.
+    let data_port = match &config.data_port {
+        Some(dp) => Some(Arc::new(data_port::DataPort::start(
+            dp,
+            config.node_id,
+            &store,
+        )?)),
+        None => None,
+    };
     let listener = server::bind_socket(&config.socket, config.socket_group.as_deref())?;
     let listener = tokio::net::UnixListener::from_std(listener)
         .map_err(|e| Error::Io(format!("registering the socket: {e}")))?;
@@ -111,8 +122,14 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     let admin_addr = admin.local_addr().map_err(|e| Error::Io(e.to_string()))?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
     let config_peers = config.peers;
+    let mut daemon_metrics = metrics::Metrics::new(store.clone());
+    if let Some(dp) = &data_port {
+        daemon_metrics = daemon_metrics.with_data_port(dp.clone());
+    }
+    let data_addr = data_port.as_ref().map(|dp| dp.local_addr());
     let d = Arc::new(server::Daemon {
-        metrics: metrics::Metrics::new(store.clone()),
+        metrics: daemon_metrics,
+        data_port,
         store,
         clock,
         config,
@@ -133,14 +150,17 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         page_bytes = d.store.page_size(),
         backing = ?d.store.backing(),
         data_dir = %datadir.path().display(),
+        node_id = d.config.node_id,
+        data_port = %data_addr.map_or_else(|| "off (no --cluster-secret-file)".to_string(), |a| a.to_string()),
         "kvd serving"
     );
     // One machine-readable line on stdout for scripts and tests (the admin port may be 0).
     {
         let mut out = std::io::stdout().lock();
+        let data = data_addr.map_or_else(String::new, |a| format!(" data={a}"));
         let _ = writeln!(
             out,
-            "kvd ready generation={generation} socket={} admin={admin_addr}",
+            "kvd ready generation={generation} socket={} admin={admin_addr}{data}",
             d.config.socket.display()
         );
         let _ = out.flush();

@@ -71,6 +71,8 @@ pub struct Daemon {
     pub admin_addr: std::net::SocketAddr,
     /// Per-process and per-uid connection counts.
     pub peers: Arc<Peers>,
+    /// The data port (the transfer engine), when a cluster secret is configured.
+    pub data_port: Option<Arc<super::data_port::DataPort>>,
 }
 
 /// Bind the Unix socket: owner and group may connect (0660), others not. A stale socket file

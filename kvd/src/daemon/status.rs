@@ -133,6 +133,33 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
         r.backing,
         r.socket
     );
+    match &r.data_port {
+        Some(dp) => {
+            let peers: Vec<String> = dp.peers.iter().map(|(id, a)| format!("{id}={a}")).collect();
+            let e = &dp.engine;
+            let _ = writeln!(
+                o,
+                "data port {} (node {}): {} ops / {} bytes in flight, {} grants live, peers [{}]; \
+                 chunks {} done / {} served, {} refused, {} checksum failures, {} connections \
+                 failed, {} handshakes refused",
+                dp.listen,
+                dp.node_id,
+                dp.ops_in_flight,
+                dp.bytes_in_flight,
+                dp.live_grants,
+                peers.join(", "),
+                e.chunks_done,
+                e.chunks_served,
+                e.refused,
+                e.checksum_failures,
+                e.connections_failed,
+                e.handshakes_refused
+            );
+        }
+        None => {
+            let _ = writeln!(o, "data port: off (no --cluster-secret-file)");
+        }
+    }
     let _ = writeln!(
         o,
         "  {:<12} {:>8} {:>10} {:>6}",

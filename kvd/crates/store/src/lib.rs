@@ -154,6 +154,12 @@ impl Store {
         &self.region
     }
 
+    /// The pool's shared region, for the transfer engine to register (peers reach it only
+    /// through grants).
+    pub fn pool_region(&self) -> Arc<SharedRegion> {
+        Arc::clone(&self.region)
+    }
+
     /// This node incarnation's generation.
     pub fn node_generation(&self) -> u64 {
         self.node_generation

@@ -1,0 +1,148 @@
+//! The data port: this daemon's transfer engine (`transport::tcp`), on which peers' transfer
+//! connections are accepted and from which this daemon opens its own. It is on only with a
+//! cluster secret (`--cluster-secret-file`): a single node needs nothing but itself.
+//!
+//! The whole pool is registered as one segment ([`POOL_SEGMENT`]); nothing of it is granted
+//! until a transfer asks (the next issue, "Blocks between daemons", adds push and fetch), so
+//! until then every access a peer tries is refused and counted. Peers are named by a static
+//! table (`--peer NODE_ID=ADDR`) until cluster mode feeds the same table from etcd.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use transport::auth::ClusterSecret;
+use transport::engine::{Memory, Registration, Transport};
+use transport::grant::SegmentId;
+use transport::segment::SegmentDescriptor;
+use transport::tcp::{TcpConfig, TcpStats, TcpTransport};
+
+use super::config::DataPortConfig;
+use crate::store::Store;
+use crate::{Error, Result};
+
+/// The segment id the pool is registered under.
+pub const POOL_SEGMENT: SegmentId = SegmentId(1);
+
+/// The running data port.
+#[derive(Debug)]
+pub struct DataPort {
+    engine: TcpTransport,
+    pool: SegmentDescriptor,
+    peers: BTreeMap<u64, SocketAddr>,
+}
+
+/// What `/status` shows of the data port.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DataPortReport {
+    /// The address peers connect to.
+    pub listen: String,
+    /// This node's id.
+    pub node_id: u64,
+    /// The pool's segment descriptor as peers name it (hex of its 32-byte wire form).
+    pub pool_segment: String,
+    /// The static peer table (node id → data address).
+    pub peers: BTreeMap<u64, String>,
+    /// Ops and bytes in flight as initiator.
+    pub ops_in_flight: u64,
+    /// Bytes in flight as initiator.
+    pub bytes_in_flight: u64,
+    /// Grants live on this node's pool.
+    pub live_grants: u64,
+    /// The engine's counters.
+    pub engine: EngineCounters,
+}
+
+/// The engine's counters, as `/status` and `/metrics` show them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EngineCounters {
+    /// Chunks moved as initiator.
+    pub chunks_done: u64,
+    /// Payload bytes moved as initiator.
+    pub bytes_done: u64,
+    /// Chunks served to peers.
+    pub chunks_served: u64,
+    /// Chunks whose CRC-32C this node found wrong.
+    pub checksum_failures: u64,
+    /// Peer accesses refused (no live grant, stale generation).
+    pub refused: u64,
+    /// Connections failed (error, close, stall, protocol).
+    pub connections_failed: u64,
+    /// Connections refused at the handshake (no secret, malformed, too many).
+    pub handshakes_refused: u64,
+}
+
+impl From<TcpStats> for EngineCounters {
+    fn from(s: TcpStats) -> EngineCounters {
+        EngineCounters {
+            chunks_done: s.chunks_done,
+            bytes_done: s.bytes_done,
+            chunks_served: s.chunks_served,
+            checksum_failures: s.checksum_failures,
+            refused: s.refused,
+            connections_failed: s.connections_failed,
+            handshakes_refused: s.handshakes_refused,
+        }
+    }
+}
+
+impl DataPort {
+    /// Read the secret, start the engine on `config.listen`, register the pool.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a missing, unreadable, group- or world-readable secret
+    /// file or one of the wrong size; [`Error::Io`] when the address cannot be bound.
+    pub fn start(config: &DataPortConfig, node_id: u64, store: &Store) -> Result<DataPort> {
+        let secret = ClusterSecret::from_file(&config.cluster_secret_file)?;
+        let tcp = TcpConfig::new(node_id, store.node_generation(), config.listen, secret);
+        let engine = TcpTransport::start(tcp)
+            .map_err(|e| Error::Io(format!("the data port {}: {e}", config.listen)))?;
+        let region = store.pool_region();
+        let len = region.len() as u64;
+        let pool = engine
+            .register(POOL_SEGMENT, region as Arc<dyn Memory>, 0, len)?
+            .descriptor();
+        Ok(DataPort {
+            engine,
+            pool,
+            peers: config.peers.clone(),
+        })
+    }
+
+    /// The address peers connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.engine.local_addr()
+    }
+
+    /// The engine's counters.
+    pub fn counters(&self) -> EngineCounters {
+        self.engine.stats().into()
+    }
+
+    /// What `/status` shows.
+    pub fn report(&self, node_id: u64) -> DataPortReport {
+        let (ops, bytes) = self.engine.in_flight();
+        DataPortReport {
+            listen: self.local_addr().to_string(),
+            node_id,
+            pool_segment: self
+                .pool
+                .encode()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect(),
+            peers: self
+                .peers
+                .iter()
+                .map(|(id, a)| (*id, a.to_string()))
+                .collect(),
+            ops_in_flight: ops as u64,
+            bytes_in_flight: bytes,
+            live_grants: self.engine.target().live_grants() as u64,
+            engine: self.counters(),
+        }
+    }
+}
