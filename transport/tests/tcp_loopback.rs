@@ -328,3 +328,61 @@ fn cancel_drops_what_has_not_been_sent_and_the_batch_settles() {
     p.a.release(b).unwrap();
     assert_eq!(p.a.in_flight(), (0, 0));
 }
+
+#[test]
+fn a_descriptor_of_an_earlier_incarnation_is_refused_as_stale() {
+    let p = pair(4 * MIB, |_| {});
+    grant(&p.b, 1, 0, 4 * MIB, Direction::RemoteWrite);
+    let ep = p.a.open(&peer(&p.b, 2)).unwrap();
+    let old = SegmentDescriptor {
+        node_generation: p.remote.node_generation - 1,
+        ..p.remote
+    };
+    // SAFETY: left alone until settled.
+    let b = unsafe { p.a.submit(ep, &ops(OpKind::Write, old, 1, 1, MIB)).unwrap() };
+    let s = p.a.wait(b, Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        s.first_failure,
+        Some(OpFailure::Refused(
+            transport::engine::target::REFUSED_STALE_GENERATION
+        ))
+    );
+    assert_eq!(
+        p.b.target().refusals()[7],
+        4,
+        "each of its four chunks counted as stale"
+    );
+}
+
+#[test]
+fn control_connections_reach_the_handler_authenticated_and_only_with_the_secret() {
+    use std::io::{Read, Write};
+    let b = engine(2, |_| {});
+    let a = engine(1, |_| {});
+    // without a handler a control connection is closed after the handshake
+    let (mut s, bind) = a.open_control(&peer(&b, 2)).unwrap();
+    assert_eq!(bind.node_id, 2);
+    let mut byte = [0u8; 1];
+    assert!(matches!(s.read(&mut byte), Ok(0) | Err(_)));
+    // with one, the handler gets the stream and who is on the other end
+    b.set_control_handler(Arc::new(|mut s: std::net::TcpStream, who| {
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 5];
+            s.read_exact(&mut buf).unwrap();
+            s.write_all(
+                format!("{}:{}", who.node_id, std::str::from_utf8(&buf).unwrap()).as_bytes(),
+            )
+            .unwrap();
+        });
+    }));
+    let (mut s, _) = a.open_control(&peer(&b, 2)).unwrap();
+    s.write_all(b"hello").unwrap();
+    let mut answer = [0u8; 7];
+    s.read_exact(&mut answer).unwrap();
+    assert_eq!(&answer, b"1:hello");
+    // a peer without the secret gets no control connection either
+    let mut c = TcpConfig::new(3, 1, "127.0.0.1:0".parse().unwrap(), secret(9));
+    c.connect_timeout = Duration::from_secs(2);
+    let stranger = TcpTransport::start(c).unwrap();
+    assert!(stranger.open_control(&peer(&b, 2)).is_err());
+}

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::wire::Bind;
+use super::wire::{Bind, Purpose};
 use super::{Command, Shared, TcpConfig, TcpPeer};
 use crate::auth::{Challenge, Hello, Initiator, Proof, Responder};
 use crate::error::{Error, Result};
@@ -35,15 +35,21 @@ fn tune(s: &TcpStream, config: &TcpConfig) -> std::io::Result<()> {
     Ok(())
 }
 
-fn bind_of(config: &TcpConfig) -> Bind {
+fn bind_of(config: &TcpConfig, purpose: Purpose) -> Bind {
     Bind {
         node_id: config.node_id,
         node_generation: config.node_generation,
+        purpose,
     }
 }
 
-/// Connect one data connection to `peer` and authenticate it (the initiator's side).
-pub(super) fn connect(config: &TcpConfig, peer: &TcpPeer) -> Result<TcpStream> {
+/// Connect one connection for `purpose` to `peer` and authenticate it (the initiator's
+/// side); the peer's introduction with it.
+pub(super) fn connect(
+    config: &TcpConfig,
+    peer: &TcpPeer,
+    purpose: Purpose,
+) -> Result<(TcpStream, Bind)> {
     let shown = peer.addr;
     let mut s = TcpStream::connect_timeout(&peer.addr, config.connect_timeout)
         .map_err(|e| io(&format!("connect to {shown}"), e))?;
@@ -63,7 +69,7 @@ pub(super) fn connect(config: &TcpConfig, peer: &TcpPeer) -> Result<TcpStream> {
         .map_err(|e| Error::PeerUnavailable(format!("{shown}: {e}")))?;
     s.write_all(&proof.0)
         .map_err(|e| io(&format!("handshake with {shown}"), e))?;
-    s.write_all(&bind_of(config).encode())
+    s.write_all(&bind_of(config, purpose).encode())
         .map_err(|e| io(&format!("bind with {shown}"), e))?;
     let mut b = [0u8; Bind::WIRE_BYTES];
     s.read_exact(&mut b).map_err(|e| {
@@ -79,11 +85,16 @@ pub(super) fn connect(config: &TcpConfig, peer: &TcpPeer) -> Result<TcpStream> {
             theirs.node_id, peer.node_id
         )));
     }
-    Ok(s)
+    if theirs.purpose != purpose {
+        return Err(Error::PeerUnavailable(format!(
+            "{shown} took the connection for another purpose"
+        )));
+    }
+    Ok((s, theirs))
 }
 
-/// The responder's side of one connection.
-fn accept_one(config: &TcpConfig, mut s: TcpStream) -> Result<TcpStream> {
+/// The responder's side of one connection; the initiator's introduction with it.
+fn accept_one(config: &TcpConfig, mut s: TcpStream) -> Result<(TcpStream, Bind)> {
     tune(&s, config).map_err(|e| io("socket options", e))?;
     let mut h = [0u8; Hello::WIRE_BYTES];
     s.read_exact(&mut h).map_err(|e| io("handshake", e))?;
@@ -95,10 +106,10 @@ fn accept_one(config: &TcpConfig, mut s: TcpStream) -> Result<TcpStream> {
     me.verify(&Proof(p))?;
     let mut b = [0u8; Bind::WIRE_BYTES];
     s.read_exact(&mut b).map_err(|e| io("bind", e))?;
-    Bind::decode(&b)?;
-    s.write_all(&bind_of(config).encode())
+    let theirs = Bind::decode(&b)?;
+    s.write_all(&bind_of(config, theirs.purpose).encode())
         .map_err(|e| io("bind", e))?;
-    Ok(s)
+    Ok((s, theirs))
 }
 
 /// Accept peers until the engine stops. Each connection gets a handshake thread, at most
@@ -135,9 +146,21 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
             .name("kvd-tcp-handshake".into())
             .spawn(move || {
                 match accept_one(&s.config, stream) {
-                    Ok(stream) => {
+                    Ok((stream, bind)) if bind.purpose == Purpose::Data => {
                         s.target_connections.fetch_add(1, Ordering::AcqRel);
                         s.send(Command::Serve { stream });
+                    }
+                    Ok((stream, bind)) => {
+                        let handler = s.control.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                        match handler {
+                            Some(h) => h(stream, bind),
+                            // nobody takes control connections here: close it
+                            None => {
+                                s.counters
+                                    .handshakes_refused
+                                    .fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
                     }
                     Err(_) => {
                         s.counters

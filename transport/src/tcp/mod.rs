@@ -228,6 +228,26 @@ struct EndpointInfo {
     failed: Option<String>,
 }
 
+/// What takes the control connections peers open to this engine (already authenticated;
+/// the [`wire::Bind`] says who the peer is). It runs on the connection's handshake thread and
+/// should hand the stream on quickly.
+pub type ControlHandler = Arc<dyn Fn(TcpStream, wire::Bind) + Send + Sync>;
+
+struct ControlSlot(Mutex<Option<ControlHandler>>);
+
+impl std::fmt::Debug for ControlSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ControlSlot(..)")
+    }
+}
+
+impl std::ops::Deref for ControlSlot {
+    type Target = Mutex<Option<ControlHandler>>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
 /// State shared by caller threads, the ring thread and the listener.
 #[derive(Debug)]
 struct Shared {
@@ -242,6 +262,7 @@ struct Shared {
     counters: Counters,
     target_connections: AtomicUsize,
     stop: AtomicBool,
+    control: ControlSlot,
 }
 
 impl Shared {
@@ -318,6 +339,7 @@ impl TcpTransport {
             counters: Counters::default(),
             target_connections: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
+            control: ControlSlot(Mutex::new(None)),
             config,
         });
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
@@ -379,6 +401,27 @@ impl TcpTransport {
             connections_failed: r(&c.connections_failed),
             handshakes_refused: r(&c.handshakes_refused),
         }
+    }
+
+    /// Take the control connections peers open to this engine (see [`ControlHandler`]);
+    /// without a handler they are closed after the handshake.
+    pub fn set_control_handler(&self, handler: ControlHandler) {
+        *self
+            .shared
+            .control
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(handler);
+    }
+
+    /// Open an authenticated control connection to `peer` (blocking, with the connect
+    /// timeout), for the owner's own messages; the peer's introduction (its node generation)
+    /// with it. The stream has read and write timeouts of the connect timeout; set others as
+    /// needed.
+    ///
+    /// # Errors
+    /// [`Error::PeerUnavailable`] as for [`Transport::open`].
+    pub fn open_control(&self, peer: &TcpPeer) -> Result<(TcpStream, wire::Bind)> {
+        handshake::connect(&self.shared.config, peer, wire::Purpose::Control)
     }
 
     /// Ops and bytes in flight.
@@ -454,7 +497,7 @@ impl Transport for TcpTransport {
         }
         let mut streams = Vec::with_capacity(s.config.connections);
         for _ in 0..s.config.connections {
-            streams.push(handshake::connect(&s.config, peer)?);
+            streams.push(handshake::connect(&s.config, peer, wire::Purpose::Data)?.0);
         }
         let endpoint = EndpointId(s.next_endpoint.fetch_add(1, Ordering::Relaxed));
         s.endpoints().insert(

@@ -6,7 +6,8 @@
 //! Bind (24 bytes)          Request (64 bytes)                 Response (32 bytes)
 //! 0  2 "KB"                0  2 "KQ"                          0  2 "KR"
 //! 2  1 version             2  1 version                       2  1 version
-//! 3  1 reserved            3  1 kind (1 write, 2 read)        3  1 status (0 ok, 1 refused,
+//! 3  1 purpose (0 data,    3  1 kind (1 write, 2 read)        3  1 status (0 ok, 1 refused,
+//!        1 control)
 //! 4  4 reserved            4  4 flags (bit 0: checksummed)          2 corrupt, 3 bad request)
 //! 8  8 node id             8  8 tag (the initiator's)         4  4 payload bytes that follow
 //! 16 8 node generation     16 8 transfer                      8  8 tag
@@ -32,6 +33,17 @@ pub const WIRE_VERSION: u8 = 1;
 /// Flag: the payload carries a CRC-32C (request: of the write's payload; read: wanted back).
 pub const FLAG_CHECKSUM: u32 = 1;
 
+/// What a connection is for, as its initiator's [`Bind`] says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub enum Purpose {
+    /// Chunks, for the ring.
+    #[default]
+    Data = 0,
+    /// The owner's own messages (handed to its control handler, authenticated).
+    Control = 1,
+}
+
 /// A connection's introduction, after authentication.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bind {
@@ -39,6 +51,8 @@ pub struct Bind {
     pub node_id: u64,
     /// The sender's incarnation.
     pub node_generation: u64,
+    /// What the connection is for (the responder answers with the same).
+    pub purpose: Purpose,
 }
 
 /// Request kinds.
@@ -142,6 +156,7 @@ impl Bind {
         let mut b = [0u8; Self::WIRE_BYTES];
         b[0..2].copy_from_slice(b"KB");
         b[2] = WIRE_VERSION;
+        b[3] = self.purpose as u8;
         b[8..16].copy_from_slice(&self.node_id.to_le_bytes());
         b[16..24].copy_from_slice(&self.node_generation.to_le_bytes());
         b
@@ -153,9 +168,15 @@ impl Bind {
     /// [`Error::InvalidArgument`] for another magic or version.
     pub fn decode(b: &[u8; Self::WIRE_BYTES]) -> Result<Bind> {
         check_head(b, b"KB")?;
+        let purpose = match b[3] {
+            0 => Purpose::Data,
+            1 => Purpose::Control,
+            p => return Err(protocol(format!("unknown connection purpose {p}"))),
+        };
         Ok(Bind {
             node_id: u64_at(b, 8),
             node_generation: u64_at(b, 16),
+            purpose,
         })
     }
 }
@@ -293,7 +314,7 @@ mod tests {
             let status = [Status::Ok, Status::Refused, Status::Corrupt, Status::BadRequest][status as usize];
             let r = Response { status, len: if status == Status::Ok { len } else { 0 }, tag, crc, refusal };
             prop_assert_eq!(Response::decode(&r.encode()).unwrap(), r);
-            let b = Bind { node_id: node, node_generation: generation };
+            let b = Bind { node_id: node, node_generation: generation, purpose: if node % 2 == 0 { Purpose::Data } else { Purpose::Control } };
             prop_assert_eq!(Bind::decode(&b.encode()).unwrap(), b);
         }
 
