@@ -150,7 +150,7 @@ fn transfer_target_helper() {
                 grant(&e, n(1), d, n(3), n(4));
                 println!("@granted");
             }
-            "revoke" => println!("@revoked {}", e.revoke(TransferId(n(1)))),
+            "revoke" => println!("@revoked {}", e.revoke(TransferId(n(1))).grants),
             "crc" => println!("@crc {:08x}", crc_of(&mem, n(1), n(2))),
             "corrupt" => {
                 e.inject_corrupt_chunk(n(1));

@@ -363,6 +363,11 @@ impl Grants {
         })
     }
 
+    /// Whether `transfer` has live grants.
+    pub fn has_transfer(&self, transfer: TransferId) -> bool {
+        self.by_transfer.contains_key(&transfer)
+    }
+
     /// Live grants.
     pub fn live(&self) -> usize {
         self.live

@@ -185,6 +185,16 @@ fn a_corrupted_chunk_fails_its_op_and_only_its_op() {
     assert_eq!(s.done, 7);
     assert_eq!(s.first_failure, Some(OpFailure::Corrupt), "{st:?}");
     assert_eq!(p.b.stats().checksum_failures, 1);
+    let r = p.b.revoke(TransferId(1));
+    assert_eq!(
+        r.corrupt_chunks, 1,
+        "the receiver remembers the transfer took a bad chunk"
+    );
+    assert_eq!(
+        p.b.revoke(TransferId(1)).corrupt_chunks,
+        0,
+        "until it is revoked"
+    );
 }
 
 #[test]

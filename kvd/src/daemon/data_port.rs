@@ -3,13 +3,16 @@
 //! cluster secret (`--cluster-secret-file`): a single node needs nothing but itself.
 //!
 //! The whole pool is registered as one segment ([`POOL_SEGMENT`]); nothing of it is granted
-//! until a transfer asks (the next issue, "Blocks between daemons", adds push and fetch), so
-//! until then every access a peer tries is refused and counted. Peers are named by a static
-//! table (`--peer NODE_ID=ADDR`) until cluster mode feeds the same table from etcd.
+//! but the pages of a transfer in progress (`super::transfer`), so every other access a peer
+//! tries is refused and counted. Control connections (authenticated the same way) carry the
+//! daemons' own messages ([`super::transfer::wire`]). Peers are named by a static table
+//! (`--peer NODE_ID=ADDR`) until cluster mode feeds the same table from etcd.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use transport::auth::ClusterSecret;
@@ -19,6 +22,11 @@ use transport::segment::SegmentDescriptor;
 use transport::tcp::{TcpConfig, TcpStats, TcpTransport};
 
 use super::config::DataPortConfig;
+use super::transfer::incoming::{Incoming, IncomingLimits};
+use super::transfer::outgoing::{Outgoing, OutgoingLimits};
+use super::transfer::{Counters, TransferCounters};
+use crate::keys::BlockKey;
+use crate::protocol::TransferInfo;
 use crate::store::Store;
 use crate::{Error, Result};
 
@@ -31,6 +39,16 @@ pub struct DataPort {
     engine: TcpTransport,
     pool: SegmentDescriptor,
     peers: BTreeMap<u64, SocketAddr>,
+    incoming: Arc<Incoming>,
+    outgoing: Arc<Outgoing>,
+    counters: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for DataPort {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
 }
 
 /// What `/status` shows of the data port.
@@ -53,6 +71,12 @@ pub struct DataPortReport {
     pub live_grants: u64,
     /// The engine's counters.
     pub engine: EngineCounters,
+    /// Pushes from here in flight.
+    pub pushes_in_flight: u64,
+    /// Transfers into here in flight.
+    pub incoming_in_flight: u64,
+    /// The transfers' counters.
+    pub transfers: TransferCounters,
 }
 
 /// The engine's counters, as `/status` and `/metrics` show them.
@@ -95,7 +119,11 @@ impl DataPort {
     /// # Errors
     /// [`Error::InvalidArgument`] for a missing, unreadable, group- or world-readable secret
     /// file or one of the wrong size; [`Error::Io`] when the address cannot be bound.
-    pub fn start(config: &DataPortConfig, node_id: u64, store: &Store) -> Result<DataPort> {
+    pub fn start(
+        config: &DataPortConfig,
+        node_id: u64,
+        store: &Arc<Store>,
+    ) -> Result<Arc<DataPort>> {
         let secret = ClusterSecret::from_file(&config.cluster_secret_file)?;
         let tcp = TcpConfig::new(node_id, store.node_generation(), config.listen, secret);
         let engine = TcpTransport::start(tcp)
@@ -105,11 +133,83 @@ impl DataPort {
         let pool = engine
             .register(POOL_SEGMENT, region as Arc<dyn Memory>, 0, len)?
             .descriptor();
-        Ok(DataPort {
+        let counters = Arc::new(Counters::default());
+        let port = Arc::new(DataPort {
             engine,
             pool,
             peers: config.peers.clone(),
-        })
+            incoming: Arc::new(Incoming::new(
+                store.clone(),
+                node_id,
+                IncomingLimits::default(),
+                counters.clone(),
+            )),
+            outgoing: Arc::new(Outgoing::new(
+                store.clone(),
+                node_id,
+                config.peers.clone(),
+                OutgoingLimits::default(),
+                counters.clone(),
+            )),
+            counters,
+            stop: Arc::new(AtomicBool::new(false)),
+        });
+        // peers' control connections: one thread each (Incoming bounds how many)
+        let weak: Weak<DataPort> = Arc::downgrade(&port);
+        port.engine
+            .set_control_handler(Arc::new(move |stream, bind| {
+                let Some(port) = weak.upgrade() else { return };
+                let spawned = std::thread::Builder::new()
+                    .name("kvd-peer-control".into())
+                    .spawn(move || port.incoming.serve(&port.engine, stream, bind));
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "could not start a control connection's thread");
+                }
+            }));
+        // incoming transfers past their deadline are aborted (their pages freed)
+        let weak = Arc::downgrade(&port);
+        let stop = port.stop.clone();
+        std::thread::Builder::new()
+            .name("kvd-transfer-reaper".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(100));
+                    match weak.upgrade() {
+                        Some(p) => {
+                            p.incoming.reap(&p.engine, 64);
+                        }
+                        None => break,
+                    }
+                }
+            })
+            .map_err(|e| Error::Io(e.to_string()))?;
+        Ok(port)
+    }
+
+    /// Start a push of `keys` to `peer` in the background; its id.
+    ///
+    /// # Errors
+    /// As [`Outgoing::admit`].
+    pub fn push(self: &Arc<Self>, peer: u64, keys: Vec<BlockKey>) -> Result<u64> {
+        let id = self.outgoing.admit(peer)?;
+        let port = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("kvd-push".into())
+            .spawn(move || port.outgoing.run(&port.engine, id, peer, &keys));
+        if let Err(e) = spawned {
+            return Err(Error::Io(format!("could not start the push's thread: {e}")));
+        }
+        Ok(id)
+    }
+
+    /// The states of pushes started here.
+    pub fn transfers(&self, ids: &[u64]) -> Vec<TransferInfo> {
+        self.outgoing.status(ids)
+    }
+
+    /// The transfers' counters.
+    pub fn transfer_counters(&self) -> TransferCounters {
+        self.counters.snapshot()
     }
 
     /// The address peers connect to.
@@ -143,6 +243,9 @@ impl DataPort {
             bytes_in_flight: bytes,
             live_grants: self.engine.target().live_grants() as u64,
             engine: self.counters(),
+            pushes_in_flight: self.outgoing.in_flight() as u64,
+            incoming_in_flight: self.incoming.in_flight() as u64,
+            transfers: self.counters.snapshot(),
         }
     }
 }

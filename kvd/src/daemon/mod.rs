@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod peers;
 pub mod server;
 pub mod status;
+pub mod transfer;
 
 use std::io::Write as _;
 use std::sync::Arc;
@@ -101,11 +102,7 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     // The data port before the socket: a bad secret file is a start-up error that leaves
     // nothing bound behind.
     let data_port = match &config.data_port {
-        Some(dp) => Some(Arc::new(data_port::DataPort::start(
-            dp,
-            config.node_id,
-            &store,
-        )?)),
+        Some(dp) => Some(data_port::DataPort::start(dp, config.node_id, &store)?),
         None => None,
     };
     let listener = server::bind_socket(&config.socket, config.socket_group.as_deref())?;

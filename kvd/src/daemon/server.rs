@@ -661,6 +661,15 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
                 .inc_by(confirmed.count() as u64);
             each(r)
         }
+        Op::Push { peer, keys } => {
+            refuse_new_work(d, "pushes")?;
+            let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;
+            Reply::Transfer(dp.push(peer, keys)?)
+        }
+        Op::Transfers { ids } => {
+            let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;
+            Reply::Transfers(dp.transfers(&ids))
+        }
         // Checks every block's checksum: a pass over each, so off the runtime's hot path.
         Op::RestorePrefix { request, tokens } => {
             Reply::Restore(tokio::task::block_in_place(|| {
@@ -668,6 +677,12 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
             })?)
         }
     })
+}
+
+fn no_data_port() -> Error {
+    Error::Unavailable(
+        "this daemon has no data port: start it with --cluster-secret-file (and --peer)".into(),
+    )
 }
 
 /// While draining, new work (allocations, reservations, checkpoints) is refused.

@@ -39,7 +39,7 @@ use std::time::Duration;
 
 pub use batches::{BatchId, BatchStatus, OpFailure, OpStatus};
 pub use memory::{HeapMemory, Memory};
-pub use target::Target;
+pub use target::{Revoked, Target};
 
 use crate::error::Result;
 use crate::grant::{Grant, SegmentId, TransferId};
@@ -158,8 +158,10 @@ pub trait Transport: Send + Sync {
     unsafe fn grant(&self, grant: Grant) -> Result<()>;
 
     /// End a transfer's grants. Returns once none of its chunks is in flight any more (bounded
-    /// by the backend's stall timeout), with the number of grants dropped.
-    fn revoke(&self, transfer: TransferId) -> usize;
+    /// by the backend's stall timeout), with what the transfer left: the grants dropped, and
+    /// how many of its chunks arrived here failing their checksum (a receiver must not trust
+    /// the granted range's bytes then, whatever the sender says next).
+    fn revoke(&self, transfer: TransferId) -> Revoked;
 
     /// The engine's clock (ms), on which grants' `expires_at_ms` are read.
     fn now_ms(&self) -> u64;

@@ -38,6 +38,17 @@ struct State {
     active: HashMap<TransferId, u32>,
     active_segments: HashMap<SegmentId, u32>,
     stale_generation: u64,
+    /// Chunks that arrived failing their checksum, per transfer (until it is revoked).
+    tainted: HashMap<TransferId, u32>,
+}
+
+/// What [`Target::revoke`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Revoked {
+    /// Grants dropped.
+    pub grants: usize,
+    /// Chunks of the transfer that arrived here failing their checksum.
+    pub corrupt_chunks: u32,
 }
 
 /// A local range an op of ours names: where it is, and the memory that keeps it mapped.
@@ -99,6 +110,7 @@ impl Target {
                 active: HashMap::new(),
                 active_segments: HashMap::new(),
                 stale_generation: 0,
+                tainted: HashMap::new(),
             }),
             quiet: Condvar::new(),
         }
@@ -174,6 +186,20 @@ impl Target {
         })
     }
 
+    /// The descriptor of a registered segment.
+    pub fn descriptor(&self, segment: SegmentId) -> Option<SegmentDescriptor> {
+        self.lock()
+            .segments
+            .get(&segment)
+            .map(|seg| SegmentDescriptor {
+                backend: self.backend,
+                segment,
+                len: seg.len,
+                node_id: self.node_id,
+                node_generation: self.node_generation,
+            })
+    }
+
     /// Forget a segment and its grants, once no access to it is in progress.
     ///
     /// # Errors
@@ -233,14 +259,32 @@ impl Target {
         })
     }
 
-    /// End a transfer's grants; returns once none of its accesses is in progress.
-    pub fn revoke(&self, transfer: TransferId) -> usize {
+    /// End a transfer's grants; returns once none of its accesses is in progress, with the
+    /// grants dropped and the chunks of it that failed their checksum here.
+    pub fn revoke(&self, transfer: TransferId) -> Revoked {
         let mut s = self.lock();
-        let n = s.grants.revoke(transfer);
+        let grants = s.grants.revoke(transfer);
         while s.active.get(&transfer).copied().unwrap_or(0) > 0 {
             s = self.quiet.wait(s).unwrap_or_else(|p| p.into_inner());
         }
-        n
+        let corrupt_chunks = s.tainted.remove(&transfer).unwrap_or(0);
+        Revoked {
+            grants,
+            corrupt_chunks,
+        }
+    }
+
+    /// A chunk written into `w` failed its checksum: remember it against its transfer (only
+    /// while the transfer has grants, so the table stays bounded by them), then end the
+    /// access.
+    pub fn end_corrupt(&self, w: Window) {
+        {
+            let mut s = self.lock();
+            if s.grants.has_transfer(w.transfer) {
+                *s.tainted.entry(w.transfer).or_default() += 1;
+            }
+        }
+        self.end(w);
     }
 
     /// Drop expired grants (at most `budget` transfers' worth).

@@ -133,7 +133,7 @@ impl Transport for LocalTransport {
         self.target.grant(grant)
     }
 
-    fn revoke(&self, transfer: TransferId) -> usize {
+    fn revoke(&self, transfer: TransferId) -> crate::engine::Revoked {
         self.target.revoke(transfer)
     }
 

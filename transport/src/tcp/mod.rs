@@ -476,7 +476,7 @@ impl Transport for TcpTransport {
         self.shared.target.grant(grant)
     }
 
-    fn revoke(&self, transfer: TransferId) -> usize {
+    fn revoke(&self, transfer: TransferId) -> crate::engine::Revoked {
         self.shared.target.revoke(transfer)
     }
 

@@ -1254,7 +1254,11 @@ impl Ring {
                     let got = unsafe { std::slice::from_raw_parts(w.ptr, w.len) };
                     crc32c(0, got) == req.crc
                 };
-                self.shared.target.end(w);
+                if intact {
+                    self.shared.target.end(w);
+                } else {
+                    self.shared.target.end_corrupt(w);
+                }
                 let status = if intact {
                     self.shared
                         .counters

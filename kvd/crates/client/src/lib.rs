@@ -56,7 +56,9 @@ use std::time::{Duration, Instant};
 
 use kvd_core::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
 use kvd_core::protocol::frame::{self, FRAME_HEADER_BYTES, MAX_FRAME_BYTES};
-use kvd_core::protocol::{Hello, HelloReply, Op, Reply, Request, Response, SealItem, Welcome, bit};
+use kvd_core::protocol::{
+    Hello, HelloReply, Op, Reply, Request, Response, SealItem, TransferInfo, Welcome, bit,
+};
 use kvd_core::types::{
     Allocation, BlockClass, BlockInfo, BlockVersion, EventBatch, Handle, ManifestInfo, PrefixHit,
     RequestId, ReservationId, RestorePrefix, StoreStats,
@@ -549,6 +551,35 @@ impl Client {
         self.check_batch(max as usize)?;
         match self.call(Op::Events { since, max })? {
             Reply::Events(b) => Ok(b),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Ask the daemon to push PUBLISHED blocks (of one namespace) to peer node `peer` over its
+    /// data port; returns at once with the transfer's id (poll it with
+    /// [`Client::transfers`]). The blocks stay pinned on this node until the push ends; the
+    /// peer publishes them as one group only when every byte arrived intact.
+    ///
+    /// # Errors
+    /// `Unavailable` without a data port; `Overloaded` (retryable, with a hint) past the
+    /// daemon's bound on pushes in flight; `InvalidArgument` for an empty or oversized batch.
+    pub fn push(&mut self, peer: u64, keys: &[BlockKey]) -> Result<u64> {
+        self.check_batch(keys.len())?;
+        match self.call(Op::Push {
+            peer,
+            keys: keys.to_vec(),
+        })? {
+            Reply::Transfer(id) => Ok(id),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// The states of transfers this daemon started (any session's); unknown or forgotten ids
+    /// are left out.
+    pub fn transfers(&mut self, ids: &[u64]) -> Result<Vec<TransferInfo>> {
+        self.check_batch(ids.len())?;
+        match self.call(Op::Transfers { ids: ids.to_vec() })? {
+            Reply::Transfers(v) => Ok(v),
             r => Err(unexpected(&r)),
         }
     }

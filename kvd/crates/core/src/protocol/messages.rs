@@ -259,6 +259,49 @@ pub enum Op {
         /// Events at most.
         max: u32,
     },
+    /// Push PUBLISHED blocks (one namespace) to a peer daemon over the data port → [`Reply::Transfer`]
+    /// at once (the push runs in the background; poll it with [`Op::Transfers`]). The blocks
+    /// stay pinned here until it ends; the peer publishes them as one group only when every
+    /// byte arrived intact. Needs the data port (`--cluster-secret-file`).
+    Push {
+        /// The peer's node id (in the daemon's peer table).
+        peer: u64,
+        /// The blocks.
+        keys: Vec<BlockKey>,
+    },
+    /// The state of transfers started here → [`Reply::Transfers`] (unknown ids are left out).
+    Transfers {
+        /// Their ids.
+        ids: Vec<u64>,
+    },
+}
+
+/// Where a transfer is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TransferState {
+    /// Under way.
+    InFlight,
+    /// Every block published at the destination.
+    Done,
+    /// Failed; nothing of it was published at the destination.
+    Failed(WireError),
+}
+
+/// A transfer started here, as [`Op::Transfers`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferInfo {
+    /// Its id.
+    pub id: u64,
+    /// The peer node.
+    pub peer: u64,
+    /// Where it is.
+    pub state: TransferState,
+    /// Blocks published at the destination (those it held already are not counted).
+    pub blocks: u32,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Milliseconds from the request to its end (0 while in flight).
+    pub elapsed_ms: u64,
 }
 
 impl Op {
@@ -289,6 +332,8 @@ impl Op {
             Op::RestorePrefix { .. } => "restore_prefix",
             Op::ReportCorrupt { .. } => "report_corrupt",
             Op::Events { .. } => "events",
+            Op::Push { .. } => "push",
+            Op::Transfers { .. } => "transfers",
         }
     }
 
@@ -318,11 +363,13 @@ impl Op {
             | Op::ManifestEnd { .. }
             | Op::ManifestGet { .. }
             | Op::RestorePrefix { .. } => 1,
+            Op::Push { keys, .. } => keys.len(),
+            Op::Transfers { ids } => ids.len(),
         }
     }
 
     /// Every operation names in [`Op`], for metrics.
-    pub const NAMES: [&'static str; 24] = [
+    pub const NAMES: [&'static str; 26] = [
         "register_namespace",
         "lookup_prefix",
         "exists",
@@ -347,6 +394,8 @@ impl Op {
         "restore_prefix",
         "report_corrupt",
         "events",
+        "push",
+        "transfers",
     ];
 }
 
@@ -393,6 +442,10 @@ pub enum Reply {
     Restore(RestorePrefix),
     /// A batch of block events.
     Events(EventBatch),
+    /// A transfer was started; its id.
+    Transfer(u64),
+    /// Transfers' states.
+    Transfers(Vec<TransferInfo>),
 }
 
 /// [`Error`] as it travels: the same variants and fields, with owned strings (so that a reply

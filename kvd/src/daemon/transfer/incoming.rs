@@ -1,0 +1,470 @@
+//! The destination's side of a push: what peers offered, the pages allocated and granted for
+//! it, and how each ends (committed: verified and published as one group; aborted, its
+//! connection gone, or past its deadline: freed, nothing published).
+
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use transport::engine::Transport;
+use transport::grant::{Direction, Grant, TransferId};
+use transport::tcp::TcpTransport;
+use transport::tcp::wire::Bind;
+
+use super::Counters;
+use super::wire::{Binding, Offered, PeerReply, PeerRequest};
+use crate::daemon::data_port::POOL_SEGMENT;
+use crate::keys::NamespaceDescriptor;
+use crate::protocol::WireError;
+use crate::store::{BlockClass, Handle, SessionId, Store};
+use crate::{Error, Result};
+
+/// Bounds on what peers may have under way here.
+#[derive(Debug, Clone, Copy)]
+pub struct IncomingLimits {
+    /// Transfers in flight from one peer.
+    pub per_peer: usize,
+    /// Transfers in flight in all.
+    pub total: usize,
+    /// How long a transfer may take from offer to commit before it is aborted.
+    pub deadline: Duration,
+    /// Control connections peers may hold open.
+    pub connections: usize,
+}
+
+impl Default for IncomingLimits {
+    fn default() -> IncomingLimits {
+        IncomingLimits {
+            per_peer: 8,
+            total: 32,
+            deadline: Duration::from_secs(30),
+            connections: 64,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct InFlight {
+    source_node: u64,
+    connection: u64,
+    session: SessionId,
+    handles: Vec<Handle>,
+    lens: Vec<u64>,
+    checksums: Vec<u32>,
+    deadline: Instant,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    transfers: HashMap<u64, InFlight>,
+    /// The newest epoch seen per (source node, request).
+    epochs: HashMap<(u64, u64), u64>,
+}
+
+/// The destination side of every push into this node.
+#[derive(Debug)]
+pub struct Incoming {
+    store: Arc<Store>,
+    limits: IncomingLimits,
+    node_id: u64,
+    state: Mutex<State>,
+    next_transfer: AtomicU64,
+    next_connection: AtomicU64,
+    connections: AtomicU64,
+    counters: Arc<Counters>,
+}
+
+impl Incoming {
+    /// Nothing under way yet.
+    pub fn new(
+        store: Arc<Store>,
+        node_id: u64,
+        limits: IncomingLimits,
+        counters: Arc<Counters>,
+    ) -> Incoming {
+        Incoming {
+            store,
+            limits,
+            node_id,
+            state: Mutex::new(State::default()),
+            next_transfer: AtomicU64::new(1),
+            next_connection: AtomicU64::new(1),
+            connections: AtomicU64::new(0),
+            counters,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Transfers in flight into this node.
+    pub fn in_flight(&self) -> usize {
+        self.lock().transfers.len()
+    }
+
+    /// Serve one peer's control connection until it closes; whatever it left unfinished is
+    /// aborted then. Runs on its own thread.
+    pub fn serve(self: &Arc<Self>, engine: &TcpTransport, mut s: TcpStream, peer: Bind) {
+        if self.connections.fetch_add(1, Ordering::AcqRel) >= self.limits.connections as u64 {
+            self.connections.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(
+                peer = peer.node_id,
+                "too many control connections; closed one"
+            );
+            return;
+        }
+        let connection = self.next_connection.fetch_add(1, Ordering::Relaxed);
+        // an idle control connection may stay; a half-sent frame may not stall a thread long
+        let _ = s.set_read_timeout(None);
+        let _ = s.set_write_timeout(Some(Duration::from_secs(10)));
+        while let Ok(req) = crate::protocol::frame::read_frame::<_, PeerRequest>(&mut s) {
+            let reply = match self.handle(engine, connection, &peer, req) {
+                Ok(r) => r,
+                Err(e) => PeerReply::Refused(WireError::from(e)),
+            };
+            if crate::protocol::frame::write_frame(&mut s, &reply).is_err() {
+                break;
+            }
+        }
+        let left: Vec<u64> = self
+            .lock()
+            .transfers
+            .iter()
+            .filter(|(_, t)| t.connection == connection)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in left {
+            self.counters
+                .aborted_incoming
+                .fetch_add(1, Ordering::Relaxed);
+            self.abort(engine, id);
+        }
+        self.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn handle(
+        &self,
+        engine: &TcpTransport,
+        connection: u64,
+        peer: &Bind,
+        req: PeerRequest,
+    ) -> Result<PeerReply> {
+        match req {
+            PeerRequest::Offer {
+                binding,
+                namespace,
+                blocks,
+            } => self.offer(engine, connection, peer, binding, &namespace, &blocks),
+            PeerRequest::Commit { transfer } => self.commit(engine, peer, transfer),
+            PeerRequest::Abort { transfer } => {
+                self.owned_by(peer, transfer)?;
+                self.abort(engine, transfer);
+                Ok(PeerReply::Aborted)
+            }
+        }
+    }
+
+    fn owned_by(&self, peer: &Bind, transfer: u64) -> Result<()> {
+        match self.lock().transfers.get(&transfer) {
+            Some(t) if t.source_node == peer.node_id => Ok(()),
+            _ => {
+                self.counters
+                    .binding_mismatches
+                    .fetch_add(1, Ordering::Relaxed);
+                Err(Error::NotFound(format!(
+                    "transfer {transfer} from node {} (an earlier incarnation's, or another's)",
+                    peer.node_id
+                )))
+            }
+        }
+    }
+
+    /// Check what the offer is bound to against what this node knows.
+    fn check_binding(&self, peer: &Bind, b: &Binding) -> Result<()> {
+        let mine = self.store.node_generation();
+        let refused = if b.destination_generation != mine {
+            // an earlier incarnation's transfer (this node restarted since)
+            Some(Error::StaleGeneration {
+                handle_node: b.destination_generation,
+                handle_slot: 0,
+                current_node: mine,
+                current_slot: 0,
+            })
+        } else if b.destination_node != self.node_id {
+            Some(Error::InvalidArgument(format!(
+                "the transfer is for node {}, this is node {}",
+                b.destination_node, self.node_id
+            )))
+        } else if (b.source_node, b.source_generation) != (peer.node_id, peer.node_generation) {
+            Some(Error::StaleGeneration {
+                handle_node: b.source_generation,
+                handle_slot: 0,
+                current_node: peer.node_generation,
+                current_slot: 0,
+            })
+        } else {
+            None
+        };
+        match refused {
+            Some(e) => {
+                self.counters
+                    .binding_mismatches
+                    .fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn offer(
+        &self,
+        engine: &TcpTransport,
+        connection: u64,
+        peer: &Bind,
+        binding: Binding,
+        namespace: &NamespaceDescriptor,
+        blocks: &[Offered],
+    ) -> Result<PeerReply> {
+        self.check_binding(peer, &binding)?;
+        if blocks.is_empty() || blocks.len() > self.store.config().max_batch as usize {
+            return Err(Error::InvalidArgument(format!(
+                "an offer holds 1 to {} blocks, not {}",
+                self.store.config().max_batch,
+                blocks.len()
+            )));
+        }
+        let page = self.store.page_size();
+        if let Some(b) = blocks.iter().find(|b| b.len == 0 || b.len > page) {
+            return Err(Error::InvalidArgument(format!(
+                "a block of {} bytes does not fit this node's {page}-byte pages",
+                b.len
+            )));
+        }
+        if blocks.iter().any(|b| b.key.namespace != binding.namespace) {
+            return Err(Error::InvalidArgument(
+                "every offered block must be of the binding's namespace".into(),
+            ));
+        }
+        {
+            let mut st = self.lock();
+            let key = (binding.source_node, binding.request);
+            let newest = st.epochs.get(&key).copied().unwrap_or(0);
+            if binding.epoch < newest {
+                self.counters
+                    .binding_mismatches
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(Error::StaleEpoch {
+                    current: newest,
+                    got: binding.epoch,
+                });
+            }
+            let from_peer = st
+                .transfers
+                .values()
+                .filter(|t| t.source_node == peer.node_id)
+                .count();
+            if from_peer >= self.limits.per_peer || st.transfers.len() >= self.limits.total {
+                self.counters.overloaded.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::Overloaded {
+                    what: format!(
+                        "{from_peer} transfers from node {} and {} in all are in flight here \
+                         (limits {} / {})",
+                        peer.node_id,
+                        st.transfers.len(),
+                        self.limits.per_peer,
+                        self.limits.total
+                    ),
+                    retry_after_ms: 100,
+                });
+            }
+            st.epochs.insert(key, binding.epoch);
+        }
+        let ns = self.store.register_namespace(namespace)?;
+        if ns != binding.namespace {
+            return Err(Error::InvalidArgument(
+                "the offered layout does not hash to the binding's namespace".into(),
+            ));
+        }
+        let transfer = self.next_transfer.fetch_add(1, Ordering::Relaxed);
+        let lease_ms = self.limits.deadline.as_millis() as u64 + 5_000;
+        let sid = self.store.open_session(
+            &format!("transfer {transfer} from node {}", peer.node_id),
+            lease_ms,
+        )?;
+        let undo = |handles: &[Handle]| {
+            let _ = self.store.abort(sid, handles);
+            self.store.close_session(sid);
+        };
+        let keys: Vec<_> = blocks.iter().map(|b| b.key).collect();
+        let allocs = match self.store.alloc(sid, &keys, BlockClass::Cache, None) {
+            Ok(a) => a,
+            Err(e) => {
+                undo(&[]);
+                return Err(e);
+            }
+        };
+        let mut offsets = Vec::with_capacity(blocks.len());
+        let (mut handles, mut lens, mut checksums) = (vec![], vec![], vec![]);
+        for (a, b) in allocs.into_iter().zip(blocks) {
+            match a {
+                Ok(a) => {
+                    offsets.push(Some(a.offset));
+                    handles.push(a.handle);
+                    lens.push(b.len);
+                    checksums.push(b.checksum);
+                }
+                Err(Error::AlreadyExists(_)) => offsets.push(None),
+                Err(e) => {
+                    undo(&handles);
+                    return Err(e);
+                }
+            }
+        }
+        if let Err(e) = self.store.begin_write(sid, &handles) {
+            undo(&handles);
+            return Err(e);
+        }
+        let expires_at_ms = engine.now_ms() + self.limits.deadline.as_millis() as u64;
+        for (off, len) in offsets.iter().flatten().zip(&lens) {
+            let g = Grant {
+                transfer: TransferId(transfer),
+                epoch: binding.epoch,
+                segment: POOL_SEGMENT,
+                offset: *off,
+                len: *len,
+                direction: Direction::RemoteWrite,
+                expires_at_ms,
+            };
+            // SAFETY: the page belongs to a WRITING block of this transfer's own session:
+            // no client writes or reads it, and it is not reused before the transfer ends,
+            // which revokes the grant (waiting for chunks in flight) before it frees or
+            // publishes the page.
+            if let Err(e) = unsafe { engine.grant(g) } {
+                engine.revoke(TransferId(transfer));
+                undo(&handles);
+                return Err(e.into());
+            }
+        }
+        let segment = engine_segment(engine);
+        self.lock().transfers.insert(
+            transfer,
+            InFlight {
+                source_node: peer.node_id,
+                connection,
+                session: sid,
+                handles,
+                lens,
+                checksums,
+                deadline: Instant::now() + self.limits.deadline,
+            },
+        );
+        Ok(PeerReply::Accepted {
+            transfer,
+            segment,
+            offsets,
+        })
+    }
+
+    fn commit(&self, engine: &TcpTransport, peer: &Bind, transfer: u64) -> Result<PeerReply> {
+        self.owned_by(peer, transfer)?;
+        let Some(t) = self.lock().transfers.remove(&transfer) else {
+            return Err(Error::NotFound(format!("transfer {transfer}")));
+        };
+        // no peer may touch the pages from here on
+        let revoked = engine.revoke(TransferId(transfer));
+        let verdict = (|| {
+            if revoked.corrupt_chunks > 0 {
+                // the engine refused those chunks already; whatever the source says now, the
+                // pages' bytes are not what it sent
+                self.counters
+                    .checksum_failures
+                    .fetch_add(u64::from(revoked.corrupt_chunks), Ordering::Relaxed);
+                return Err(Error::Corrupt {
+                    expected: 0,
+                    found: 0,
+                    outcome: crate::error::Corruption::AtSeal,
+                });
+            }
+            for (i, h) in t.handles.iter().enumerate() {
+                let found = self.store.seal(t.session, h, t.lens[i], None)?;
+                if found != t.checksums[i] {
+                    self.counters
+                        .checksum_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Err(Error::Corrupt {
+                        expected: t.checksums[i],
+                        found,
+                        outcome: crate::error::Corruption::AtSeal,
+                    });
+                }
+            }
+            if !t.handles.is_empty() {
+                self.store.publish(t.session, &t.handles)?;
+            }
+            Ok(())
+        })();
+        match verdict {
+            Ok(()) => {
+                self.store.close_session(t.session);
+                self.counters
+                    .blocks_received
+                    .fetch_add(t.handles.len() as u64, Ordering::Relaxed);
+                self.counters
+                    .bytes_received
+                    .fetch_add(t.lens.iter().sum::<u64>(), Ordering::Relaxed);
+                Ok(PeerReply::Committed {
+                    blocks: t.handles.len() as u32,
+                })
+            }
+            Err(e) => {
+                let _ = self.store.abort(t.session, &t.handles);
+                self.store.close_session(t.session);
+                self.counters
+                    .aborted_incoming
+                    .fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    /// Abort a transfer: revoke its grants (waiting for chunks in flight), free its pages.
+    pub fn abort(&self, engine: &TcpTransport, transfer: u64) {
+        let Some(t) = self.lock().transfers.remove(&transfer) else {
+            return;
+        };
+        engine.revoke(TransferId(transfer));
+        let _ = self.store.abort(t.session, &t.handles);
+        self.store.close_session(t.session);
+    }
+
+    /// Abort transfers past their deadline (at most `budget`); how many.
+    pub fn reap(&self, engine: &TcpTransport, budget: usize) -> usize {
+        let now = Instant::now();
+        let late: Vec<u64> = self
+            .lock()
+            .transfers
+            .iter()
+            .filter(|(_, t)| t.deadline <= now)
+            .map(|(id, _)| *id)
+            .take(budget)
+            .collect();
+        for id in &late {
+            self.counters
+                .aborted_incoming
+                .fetch_add(1, Ordering::Relaxed);
+            self.abort(engine, *id);
+        }
+        late.len()
+    }
+}
+
+fn engine_segment(engine: &TcpTransport) -> Vec<u8> {
+    engine
+        .target()
+        .descriptor(POOL_SEGMENT)
+        .map(|d| d.encode().to_vec())
+        .unwrap_or_default()
+}

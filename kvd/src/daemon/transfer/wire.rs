@@ -1,0 +1,104 @@
+//! Daemon-to-daemon messages, on a control connection of the data port (authenticated by the
+//! transfer engine's handshake, which also told each side the other's node id and generation).
+//! Framed as the local protocol frames its messages (`kvd_core::protocol::frame`, postcard
+//! bodies, at most [`crate::protocol::MAX_FRAME_BYTES`]); one request, one reply, in order.
+//!
+//! A push from A to B:
+//!
+//! ```text
+//! A                                                   B
+//! Offer { binding, namespaces, blocks } ────────────▶ check the binding, allocate WRITING
+//!                                                     pages (NoSpace before any byte moves),
+//!                                                     grant each page for this transfer
+//!   ◀──────────── Accepted { transfer, segment, offsets }  (None: B has that block already)
+//! one batch of writes over the transfer engine ─────▶ every chunk's CRC-32C checked
+//! Commit { transfer } ──────────────────────────────▶ revoke the grants, seal each block
+//!                                                     (its CRC-32C computed and compared with
+//!                                                     the offered one), publish the group
+//!   ◀──────────────────────────── Committed { blocks }
+//! (Abort { transfer }, a closed connection, or B's deadline: B aborts and frees the pages)
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use crate::keys::{BlockKey, NamespaceDescriptor, NamespaceId};
+use crate::protocol::WireError;
+
+/// What a transfer is bound to (DESIGN invariant 6). The receiver checks every field it can
+/// against what it knows and drops the transfer, counted, on a mismatch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Binding {
+    /// The request the blocks belong to (0: none, plain cache blocks).
+    pub request: u64,
+    /// The blocks' namespace.
+    pub namespace: NamespaceId,
+    /// The source node and its incarnation.
+    pub source_node: u64,
+    /// The source's node generation.
+    pub source_generation: u64,
+    /// The destination node.
+    pub destination_node: u64,
+    /// The destination's node generation, as the source learnt it at the handshake.
+    pub destination_generation: u64,
+    /// The transfer epoch: a newer one for the same (source, request) supersedes older ones.
+    pub epoch: u64,
+}
+
+/// One block offered in a push.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Offered {
+    /// Its key.
+    pub key: BlockKey,
+    /// Valid bytes.
+    pub len: u64,
+    /// Its CRC-32C, as sealed on the source.
+    pub checksum: u32,
+}
+
+/// A request from one daemon to another.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum PeerRequest {
+    /// Please receive these blocks → [`PeerReply::Accepted`].
+    Offer {
+        /// What the transfer is bound to.
+        binding: Binding,
+        /// The layout of the blocks' namespace (registered on the destination if new).
+        namespace: Box<NamespaceDescriptor>,
+        /// The blocks (at most the destination's batch bound).
+        blocks: Vec<Offered>,
+    },
+    /// Every byte was written: verify and publish → [`PeerReply::Committed`].
+    Commit {
+        /// The destination's transfer number.
+        transfer: u64,
+    },
+    /// Give up: free the pages → [`PeerReply::Aborted`].
+    Abort {
+        /// The destination's transfer number.
+        transfer: u64,
+    },
+}
+
+/// A reply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum PeerReply {
+    /// Pages allocated and granted.
+    Accepted {
+        /// The destination's transfer number (the grants' transfer id).
+        transfer: u64,
+        /// The destination pool's segment descriptor (its 32-byte wire form).
+        segment: Vec<u8>,
+        /// Per offered block: the page offset to write it to, or `None` when the destination
+        /// holds that key already (nothing to send).
+        offsets: Vec<Option<u64>>,
+    },
+    /// Verified and published as one group.
+    Committed {
+        /// Blocks published.
+        blocks: u32,
+    },
+    /// Aborted; nothing of it was published.
+    Aborted,
+    /// Refused; nothing changed (or everything was undone).
+    Refused(WireError),
+}

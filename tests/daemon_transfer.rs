@@ -1,0 +1,308 @@
+//! Blocks between two real daemons over their data ports: a push of many blocks lands
+//! byte-exact and published as one group; and the destination refuses what is not bound to it
+//! (another incarnation, an older epoch), publishes nothing of a transfer that took a corrupted
+//! chunk, and frees its pages.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvd::daemon::transfer::wire::{Binding, Offered, PeerReply, PeerRequest};
+use kvd::keys::BlockKey;
+use kvd::protocol::{TransferState, WireError};
+use support::Daemon;
+use transport::auth::ClusterSecret;
+use transport::engine::{HeapMemory, Memory, Op, OpFailure, OpKind, Transport};
+use transport::grant::{SegmentId, TransferId};
+use transport::segment::SegmentDescriptor;
+use transport::tcp::{TcpConfig, TcpPeer, TcpTransport};
+
+const BLOCK: usize = 256 << 10;
+
+fn secret_file(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join("secret");
+    std::fs::write(&p, [42u8; 32]).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p
+}
+
+fn data_args<'a>(secret: &'a Path, node: &'a str) -> Vec<&'a str> {
+    vec![
+        "--cluster-secret-file",
+        secret.to_str().unwrap(),
+        "--data-listen",
+        "127.0.0.1:0",
+        "--node-id",
+        node,
+    ]
+}
+
+fn data_addr(d: &Daemon) -> String {
+    d.status().data_port.expect("the data port is on").listen
+}
+
+fn wait_done(c: &mut kvd::client::Client, id: u64) -> kvd::protocol::TransferInfo {
+    let mut last = None;
+    support::wait_until(Duration::from_secs(60), "the push ends", || {
+        let t = c.transfers(&[id]).unwrap().remove(0);
+        let done = t.state != TransferState::InFlight;
+        last = Some(t);
+        done
+    });
+    last.unwrap()
+}
+
+#[test]
+fn a_push_of_many_blocks_lands_byte_exact_and_published_on_the_peer() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path());
+    let b = Daemon::start(&data_args(&secret, "2"));
+    let peer = format!("2={}", data_addr(&b));
+    let mut args = data_args(&secret, "1");
+    args.extend(["--peer", &peer]);
+    let a = Daemon::start(&args);
+
+    let mut ca = a.client("engine-a", 30_000);
+    let ns = ca.register_namespace(&support::namespace()).unwrap();
+    let keys = support::keys(ns, 7, 48);
+    for (i, k) in keys.iter().enumerate() {
+        support::put_one(&mut ca, *k, &support::pattern(BLOCK - i, i as u8));
+    }
+    let id = ca.push(2, &keys).unwrap();
+    let t = wait_done(&mut ca, id);
+    assert_eq!(t.state, TransferState::Done, "{t:?}");
+    assert_eq!(t.blocks, 48);
+    println!("push of 48 blocks: {} ms", t.elapsed_ms);
+
+    let mut cb = b.client("engine-b", 30_000);
+    for (i, got) in cb.acquire(&keys, None).unwrap().into_iter().enumerate() {
+        let info = got.expect("published on the peer");
+        let mut buf = vec![0u8; BLOCK - i];
+        assert_eq!(info.len as usize, buf.len());
+        cb.read_verified(&info.handle, &mut buf).unwrap();
+        assert!(
+            buf == support::pattern(BLOCK - i, i as u8),
+            "block {i} byte-exact"
+        );
+        cb.release(&[info.handle]).unwrap();
+    }
+    let sb = b.status();
+    let tb = sb.data_port.unwrap().transfers;
+    assert_eq!(tb.blocks_received, 48, "{tb:?}");
+    let sa = a.status();
+    assert_eq!(sa.stats.pins, 0, "the source's pins were released");
+    assert_eq!(sa.data_port.unwrap().transfers.pushes_done, 1);
+    // a second push of the same keys moves nothing: the peer has them
+    let id = ca.push(2, &keys).unwrap();
+    let t = wait_done(&mut ca, id);
+    assert_eq!(
+        (t.state.clone(), t.blocks, t.bytes),
+        (TransferState::Done, 0, 0),
+        "{t:?}"
+    );
+    // a push to a node not in the table is refused at once
+    let e = ca.push(9, &keys[..1]).unwrap_err();
+    assert!(e.to_string().contains("peer table"), "{e}");
+}
+
+/// This test as a source of its own: an engine with the cluster secret and a control
+/// connection to `d`, speaking the daemons' messages directly.
+struct RawSource {
+    engine: TcpTransport,
+    mem: Arc<HeapMemory>,
+    peer: TcpPeer,
+}
+
+impl RawSource {
+    fn new(secret: &Path, d: &Daemon, node: u64) -> RawSource {
+        let s = ClusterSecret::from_file(secret).unwrap();
+        let engine =
+            TcpTransport::start(TcpConfig::new(1, 1, "127.0.0.1:0".parse().unwrap(), s)).unwrap();
+        let mem = Arc::new(HeapMemory::zeroed(4 * BLOCK));
+        // SAFETY: no transfer runs yet.
+        unsafe { mem.bytes_mut() }.copy_from_slice(&support::pattern(4 * BLOCK, 5));
+        engine
+            .register(
+                SegmentId(1),
+                mem.clone() as Arc<dyn Memory>,
+                0,
+                4 * BLOCK as u64,
+            )
+            .unwrap();
+        RawSource {
+            engine,
+            mem,
+            peer: TcpPeer {
+                addr: data_addr(d).parse().unwrap(),
+                node_id: node,
+            },
+        }
+    }
+
+    fn control(&self) -> (std::net::TcpStream, u64) {
+        let (s, bind) = self.engine.open_control(&self.peer).unwrap();
+        (s, bind.node_generation)
+    }
+
+    fn offer(
+        &self,
+        keys: &[BlockKey],
+        dest_generation: u64,
+        request: u64,
+        epoch: u64,
+    ) -> PeerRequest {
+        // SAFETY: no transfer writes this memory (it is only ever sent from).
+        let bytes = unsafe { self.mem.bytes() };
+        PeerRequest::Offer {
+            binding: Binding {
+                request,
+                namespace: keys[0].namespace,
+                source_node: 1,
+                source_generation: 1,
+                destination_node: self.peer.node_id,
+                destination_generation: dest_generation,
+                epoch,
+            },
+            namespace: Box::new(support::namespace()),
+            blocks: keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| Offered {
+                    key: *k,
+                    len: BLOCK as u64,
+                    checksum: transport::local::crc32c(0, &bytes[i * BLOCK..(i + 1) * BLOCK]),
+                })
+                .collect(),
+        }
+    }
+}
+
+fn ask(s: &mut std::net::TcpStream, r: &PeerRequest) -> PeerReply {
+    kvd::protocol::frame::write_frame(s, r).unwrap();
+    kvd::protocol::frame::read_frame(s).unwrap()
+}
+
+#[test]
+fn the_destination_refuses_other_incarnations_and_older_epochs_and_publishes_nothing_corrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path());
+    let mut b = Daemon::start(&data_args(&secret, "2"));
+    let ns = support::namespace().id();
+    let keys = support::keys(ns, 3, 2);
+    let src = RawSource::new(&secret, &b, 2);
+    let free_pages = |d: &Daemon| d.status().stats.accounting.free;
+    let free_before = free_pages(&b);
+
+    // bound to another incarnation of the destination: refused, counted, nothing allocated
+    let (mut s, generation) = src.control();
+    let r = ask(&mut s, &src.offer(&keys, generation - 1, 0, 1));
+    assert!(
+        matches!(r, PeerReply::Refused(WireError::StaleGeneration { .. })),
+        "{r:?}"
+    );
+    assert_eq!(free_pages(&b), free_before);
+
+    // an older epoch of the same (source, request) after a newer one: refused
+    let r = ask(&mut s, &src.offer(&keys[..1], generation, 9, 5));
+    let PeerReply::Accepted { transfer, .. } = r else {
+        panic!("{r:?}")
+    };
+    let r = ask(&mut s, &src.offer(&keys[1..], generation, 9, 4));
+    assert!(
+        matches!(r, PeerReply::Refused(WireError::StaleEpoch { .. })),
+        "{r:?}"
+    );
+    assert_eq!(
+        ask(&mut s, &PeerRequest::Abort { transfer }),
+        PeerReply::Aborted
+    );
+    assert_eq!(
+        free_pages(&b),
+        free_before,
+        "the aborted transfer's page is back"
+    );
+
+    // a transfer that took a corrupted chunk is not published, even when committed
+    let r = ask(&mut s, &src.offer(&keys, generation, 0, 1));
+    let PeerReply::Accepted {
+        transfer,
+        segment,
+        offsets,
+    } = r
+    else {
+        panic!("{r:?}")
+    };
+    let remote = SegmentDescriptor::decode(&segment).unwrap();
+    let ep = src.engine.open(&src.peer).unwrap();
+    let ops: Vec<Op> = offsets
+        .iter()
+        .enumerate()
+        .map(|(i, off)| Op {
+            kind: OpKind::Write,
+            local: SegmentId(1),
+            local_offset: (i * BLOCK) as u64,
+            remote,
+            remote_offset: off.unwrap(),
+            len: BLOCK as u64,
+            transfer: TransferId(transfer),
+            epoch: 1,
+        })
+        .collect();
+    src.engine.inject_corrupt_chunk(1);
+    // SAFETY: the source memory is only read.
+    let batch = unsafe { src.engine.submit(ep, &ops).unwrap() };
+    let st = src.engine.wait(batch, Duration::from_secs(20)).unwrap();
+    assert_eq!(st.first_failure, Some(OpFailure::Corrupt), "{st:?}");
+    let r = ask(&mut s, &PeerRequest::Commit { transfer });
+    assert!(
+        matches!(r, PeerReply::Refused(WireError::Corrupt { .. })),
+        "{r:?}"
+    );
+    let mut cb = b.client("reader", 30_000);
+    assert_eq!(
+        cb.exists(&keys).unwrap(),
+        vec![false, false],
+        "nothing of it is visible"
+    );
+    assert_eq!(free_pages(&b), free_before, "its pages are back");
+    let t = b.status().data_port.unwrap().transfers;
+    assert!(
+        t.binding_mismatches >= 2 && t.checksum_failures >= 1,
+        "{t:?}"
+    );
+
+    // after a restart the destination is a new incarnation: an offer bound to the old one is
+    // refused; one bound to the new one goes through
+    drop(cb);
+    drop(s);
+    b.stop();
+    let b2 = Daemon::start_in(&b.dir, &data_args(&secret, "2"));
+    assert!(b2.generation > generation);
+    let src = RawSource::new(&secret, &b2, 2);
+    let (mut s, new_generation) = src.control();
+    assert_eq!(new_generation, b2.generation);
+    let r = ask(&mut s, &src.offer(&keys, generation, 0, 1));
+    assert!(
+        matches!(r, PeerReply::Refused(WireError::StaleGeneration { .. })),
+        "{r:?}"
+    );
+    let r = ask(&mut s, &src.offer(&keys, new_generation, 0, 1));
+    let PeerReply::Accepted { transfer, .. } = r else {
+        panic!("{r:?}")
+    };
+    // the source goes away without a word: the destination aborts and frees the pages
+    drop(s);
+    support::wait_until(
+        Duration::from_secs(10),
+        "the orphaned transfer is aborted",
+        || b2.status().data_port.unwrap().incoming_in_flight == 0,
+    );
+    let _ = transfer;
+    assert_eq!(
+        b2.status().stats.accounting.free,
+        b2.status().stats.accounting.total
+    );
+}
