@@ -106,6 +106,40 @@ fn a_push_of_many_blocks_lands_byte_exact_and_published_on_the_peer() {
     // a push to a node not in the table is refused at once
     let e = ca.push(9, &keys[..1]).unwrap_err();
     assert!(e.to_string().contains("peer table"), "{e}");
+
+    // a third node fetches them from A (one key A lacks is skipped)
+    let peer_a = format!("1={}", data_addr(&a));
+    let mut args = data_args(&secret, "3");
+    args.extend(["--peer", &peer_a]);
+    let c = Daemon::start(&args);
+    let mut cc = c.client("engine-c", 30_000);
+    let mut wanted = keys.clone();
+    wanted.push(support::keys(ns, 99, 1)[0]);
+    let id = cc.fetch(1, &wanted).unwrap();
+    let t = wait_done(&mut cc, id);
+    assert_eq!(
+        (t.state.clone(), t.blocks),
+        (TransferState::Done, 48),
+        "{t:?}"
+    );
+    println!("fetch of 48 blocks: {} ms", t.elapsed_ms);
+    for (i, got) in cc.acquire(&keys, None).unwrap().into_iter().enumerate() {
+        let info = got.expect("published on the fetching node");
+        let mut buf = vec![0u8; BLOCK - i];
+        cc.read_verified(&info.handle, &mut buf).unwrap();
+        assert!(
+            buf == support::pattern(BLOCK - i, i as u8),
+            "fetched block {i} byte-exact"
+        );
+        cc.release(&[info.handle]).unwrap();
+    }
+    assert_eq!(cc.exists(&wanted[48..]).unwrap(), vec![false]);
+    support::wait_until(
+        Duration::from_secs(10),
+        "the source's pins are released",
+        || a.status().stats.pins == 0,
+    );
+    assert_eq!(a.status().data_port.unwrap().incoming_in_flight, 0);
 }
 
 /// This test as a source of its own: an engine with the cluster secret and a control

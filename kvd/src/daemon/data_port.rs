@@ -23,7 +23,7 @@ use transport::tcp::{TcpConfig, TcpStats, TcpTransport};
 
 use super::config::DataPortConfig;
 use super::transfer::incoming::{Incoming, IncomingLimits};
-use super::transfer::outgoing::{Outgoing, OutgoingLimits};
+use super::transfer::outgoing::{Kind, Outgoing, OutgoingLimits};
 use super::transfer::{Counters, TransferCounters};
 use crate::keys::BlockKey;
 use crate::protocol::TransferInfo;
@@ -186,18 +186,26 @@ impl DataPort {
         Ok(port)
     }
 
-    /// Start a push of `keys` to `peer` in the background; its id.
+    /// Start a push of `keys` to `peer`, or a fetch of them from it, in the background; its
+    /// id.
     ///
     /// # Errors
     /// As [`Outgoing::admit`].
-    pub fn push(self: &Arc<Self>, peer: u64, keys: Vec<BlockKey>) -> Result<u64> {
+    pub fn start_transfer(
+        self: &Arc<Self>,
+        kind: Kind,
+        peer: u64,
+        keys: Vec<BlockKey>,
+    ) -> Result<u64> {
         let id = self.outgoing.admit(peer)?;
         let port = Arc::clone(self);
         let spawned = std::thread::Builder::new()
-            .name("kvd-push".into())
-            .spawn(move || port.outgoing.run(&port.engine, id, peer, &keys));
+            .name("kvd-transfer".into())
+            .spawn(move || port.outgoing.run(&port.engine, id, kind, peer, &keys));
         if let Err(e) = spawned {
-            return Err(Error::Io(format!("could not start the push's thread: {e}")));
+            return Err(Error::Io(format!(
+                "could not start the transfer's thread: {e}"
+            )));
         }
         Ok(id)
     }

@@ -49,6 +49,7 @@ use super::config::DaemonConfig;
 use super::drain::DrainState;
 use super::metrics::Metrics;
 use super::peers::{PeerSlot, Peers};
+use super::transfer::outgoing::Kind;
 
 /// Everything the daemon's tasks share.
 #[derive(Debug)]
@@ -664,7 +665,12 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
         Op::Push { peer, keys } => {
             refuse_new_work(d, "pushes")?;
             let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;
-            Reply::Transfer(dp.push(peer, keys)?)
+            Reply::Transfer(dp.start_transfer(Kind::Push, peer, keys)?)
+        }
+        Op::Fetch { peer, keys } => {
+            refuse_new_work(d, "fetches")?;
+            let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;
+            Reply::Transfer(dp.start_transfer(Kind::Fetch, peer, keys)?)
         }
         Op::Transfers { ids } => {
             let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;

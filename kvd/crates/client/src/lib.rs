@@ -574,6 +574,25 @@ impl Client {
         }
     }
 
+    /// Ask the daemon to fetch PUBLISHED blocks (of one namespace) from peer node `peer` over
+    /// its data port; returns at once with the transfer's id (poll it with
+    /// [`Client::transfers`]). The blocks are published here as one group only when every
+    /// byte arrived intact; keys the peer lacks are skipped (the transfer's `blocks` says how
+    /// many arrived).
+    ///
+    /// # Errors
+    /// As [`Client::push`].
+    pub fn fetch(&mut self, peer: u64, keys: &[BlockKey]) -> Result<u64> {
+        self.check_batch(keys.len())?;
+        match self.call(Op::Fetch {
+            peer,
+            keys: keys.to_vec(),
+        })? {
+            Reply::Transfer(id) => Ok(id),
+            r => Err(unexpected(&r)),
+        }
+    }
+
     /// The states of transfers this daemon started (any session's); unknown or forgotten ids
     /// are left out.
     pub fn transfers(&mut self, ids: &[u64]) -> Result<Vec<TransferInfo>> {

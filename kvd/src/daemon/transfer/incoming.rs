@@ -1,6 +1,12 @@
-//! The destination's side of a push: what peers offered, the pages allocated and granted for
-//! it, and how each ends (committed: verified and published as one group; aborted, its
-//! connection gone, or past its deadline: freed, nothing published).
+//! What peers do to this node: pushes into it (what they offered, the pages allocated and
+//! granted for it, and how each ends: committed, i.e. verified and published as one group;
+//! or aborted, its connection gone, or past its deadline: freed, nothing published) and
+//! fetches from it (the blocks pinned and granted for reading until released, the connection
+//! closes, or the deadline passes).
+//!
+//! Either way a transfer here is an internal store session that holds its pages (WRITING
+//! blocks, or pins) and a set of grants; ending it revokes the grants (waiting for chunks in
+//! flight) and closes the session, which frees whatever it held.
 
 use std::collections::HashMap;
 use std::net::TcpStream;
@@ -14,9 +20,9 @@ use transport::tcp::TcpTransport;
 use transport::tcp::wire::Bind;
 
 use super::Counters;
-use super::wire::{Binding, Offered, PeerReply, PeerRequest};
+use super::wire::{Binding, Offered, PeerReply, PeerRequest, Served};
 use crate::daemon::data_port::POOL_SEGMENT;
-use crate::keys::NamespaceDescriptor;
+use crate::keys::{BlockKey, NamespaceDescriptor};
 use crate::protocol::WireError;
 use crate::store::{BlockClass, Handle, SessionId, Store};
 use crate::{Error, Result};
@@ -164,6 +170,14 @@ impl Incoming {
                 self.abort(engine, transfer);
                 Ok(PeerReply::Aborted)
             }
+            PeerRequest::Want { binding, keys } => {
+                self.want(engine, connection, peer, binding, &keys)
+            }
+            PeerRequest::Release { transfer } => {
+                self.owned_by(peer, transfer)?;
+                self.abort(engine, transfer);
+                Ok(PeerReply::Released)
+            }
         }
     }
 
@@ -219,6 +233,164 @@ impl Incoming {
         }
     }
 
+    /// Admit one more transfer with `peer` under `binding`'s epoch, within the bounds.
+    fn admit(&self, peer: &Bind, binding: &Binding) -> Result<()> {
+        let mut st = self.lock();
+        let key = (peer.node_id, binding.request);
+        let newest = st.epochs.get(&key).copied().unwrap_or(0);
+        if binding.epoch < newest {
+            self.counters
+                .binding_mismatches
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(Error::StaleEpoch {
+                current: newest,
+                got: binding.epoch,
+            });
+        }
+        let with_peer = st
+            .transfers
+            .values()
+            .filter(|t| t.source_node == peer.node_id)
+            .count();
+        if with_peer >= self.limits.per_peer || st.transfers.len() >= self.limits.total {
+            self.counters.overloaded.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::Overloaded {
+                what: format!(
+                    "{with_peer} transfers with node {} and {} in all are in flight here \
+                     (limits {} / {})",
+                    peer.node_id,
+                    st.transfers.len(),
+                    self.limits.per_peer,
+                    self.limits.total
+                ),
+                retry_after_ms: 100,
+            });
+        }
+        st.epochs.insert(key, binding.epoch);
+        Ok(())
+    }
+
+    /// A fetch: pin the wanted blocks and grant their pages for reading.
+    fn want(
+        &self,
+        engine: &TcpTransport,
+        connection: u64,
+        peer: &Bind,
+        binding: Binding,
+        keys: &[BlockKey],
+    ) -> Result<PeerReply> {
+        let mine = self.store.node_generation();
+        let refused = if binding.source_generation != mine {
+            Some(Error::StaleGeneration {
+                handle_node: binding.source_generation,
+                handle_slot: 0,
+                current_node: mine,
+                current_slot: 0,
+            })
+        } else if binding.source_node != self.node_id {
+            Some(Error::InvalidArgument(format!(
+                "the fetch asks node {}, this is node {}",
+                binding.source_node, self.node_id
+            )))
+        } else if (binding.destination_node, binding.destination_generation)
+            != (peer.node_id, peer.node_generation)
+        {
+            Some(Error::StaleGeneration {
+                handle_node: binding.destination_generation,
+                handle_slot: 0,
+                current_node: peer.node_generation,
+                current_slot: 0,
+            })
+        } else {
+            None
+        };
+        if let Some(e) = refused {
+            self.counters
+                .binding_mismatches
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
+        if keys.is_empty() || keys.len() > self.store.config().max_batch as usize {
+            return Err(Error::InvalidArgument(format!(
+                "a fetch asks for 1 to {} blocks, not {}",
+                self.store.config().max_batch,
+                keys.len()
+            )));
+        }
+        if keys.iter().any(|k| k.namespace != binding.namespace) {
+            return Err(Error::InvalidArgument(
+                "every wanted block must be of the binding's namespace".into(),
+            ));
+        }
+        let namespace = self
+            .store
+            .namespace(&binding.namespace)
+            .ok_or_else(|| Error::NotFound("the wanted blocks' namespace".into()))?;
+        self.admit(peer, &binding)?;
+        let transfer = self.next_transfer.fetch_add(1, Ordering::Relaxed);
+        let ttl_ms = self.limits.deadline.as_millis() as u64;
+        let sid = self.store.open_session(
+            &format!("transfer {transfer} to node {}", peer.node_id),
+            ttl_ms + 5_000,
+        )?;
+        let pins = match self.store.acquire(sid, keys, Some(ttl_ms)) {
+            Ok(p) => p,
+            Err(e) => {
+                self.store.close_session(sid);
+                return Err(e);
+            }
+        };
+        let expires_at_ms = engine.now_ms() + ttl_ms;
+        let (mut blocks, mut handles) = (Vec::with_capacity(keys.len()), Vec::new());
+        for p in pins {
+            let Ok(info) = p else {
+                blocks.push(None);
+                continue;
+            };
+            let g = Grant {
+                transfer: TransferId(transfer),
+                epoch: binding.epoch,
+                segment: POOL_SEGMENT,
+                offset: info.offset,
+                len: info.len,
+                direction: Direction::RemoteRead,
+                expires_at_ms,
+            };
+            // SAFETY: the page holds a PUBLISHED block pinned by this transfer's session:
+            // its bytes are immutable and the page is not reused until the pin goes, which
+            // happens only after the grant is revoked.
+            if let Err(e) = unsafe { engine.grant(g) } {
+                engine.revoke(TransferId(transfer));
+                self.store.close_session(sid);
+                return Err(e.into());
+            }
+            handles.push(info.handle);
+            blocks.push(Some(Served {
+                offset: info.offset,
+                len: info.len,
+                checksum: info.checksum,
+            }));
+        }
+        self.lock().transfers.insert(
+            transfer,
+            InFlight {
+                source_node: peer.node_id,
+                connection,
+                session: sid,
+                handles,
+                lens: vec![],
+                checksums: vec![],
+                deadline: Instant::now() + self.limits.deadline,
+            },
+        );
+        Ok(PeerReply::Offering {
+            transfer,
+            segment: engine_segment(engine),
+            namespace: Box::new(namespace),
+            blocks,
+        })
+    }
+
     fn offer(
         &self,
         engine: &TcpTransport,
@@ -248,40 +420,7 @@ impl Incoming {
                 "every offered block must be of the binding's namespace".into(),
             ));
         }
-        {
-            let mut st = self.lock();
-            let key = (binding.source_node, binding.request);
-            let newest = st.epochs.get(&key).copied().unwrap_or(0);
-            if binding.epoch < newest {
-                self.counters
-                    .binding_mismatches
-                    .fetch_add(1, Ordering::Relaxed);
-                return Err(Error::StaleEpoch {
-                    current: newest,
-                    got: binding.epoch,
-                });
-            }
-            let from_peer = st
-                .transfers
-                .values()
-                .filter(|t| t.source_node == peer.node_id)
-                .count();
-            if from_peer >= self.limits.per_peer || st.transfers.len() >= self.limits.total {
-                self.counters.overloaded.fetch_add(1, Ordering::Relaxed);
-                return Err(Error::Overloaded {
-                    what: format!(
-                        "{from_peer} transfers from node {} and {} in all are in flight here \
-                         (limits {} / {})",
-                        peer.node_id,
-                        st.transfers.len(),
-                        self.limits.per_peer,
-                        self.limits.total
-                    ),
-                    retry_after_ms: 100,
-                });
-            }
-            st.epochs.insert(key, binding.epoch);
-        }
+        self.admit(peer, &binding)?;
         let ns = self.store.register_namespace(namespace)?;
         if ns != binding.namespace {
             return Err(Error::InvalidArgument(

@@ -1,6 +1,8 @@
-//! The source's side of a push: pin the blocks, offer them to the peer, write them into the
-//! pages it granted (one batch over the transfer engine), commit, unpin. Each push runs on its
-//! own thread (a bounded number at once); its outcome is kept, a bounded number of them, for
+//! Transfers this node starts: a push (pin the blocks, offer them to the peer, write them into
+//! the pages it granted in one batch over the transfer engine, commit, unpin) and a fetch (ask
+//! the peer for blocks, allocate pages here, read them from the pages it granted, verify and
+//! publish them, release the peer's pins). Each runs on its own thread (a bounded number at
+//! once); its outcome is kept, a bounded number of them, for
 //! [`crate::protocol::Op::Transfers`].
 
 use std::collections::{BTreeMap, HashMap};
@@ -15,14 +17,23 @@ use transport::segment::SegmentDescriptor;
 use transport::tcp::{TcpPeer, TcpTransport};
 
 use super::Counters;
-use super::wire::{Binding, Offered, PeerReply, PeerRequest};
+use super::wire::{Binding, Offered, PeerReply, PeerRequest, Served};
 use crate::daemon::data_port::POOL_SEGMENT;
 use crate::keys::BlockKey;
 use crate::protocol::{TransferInfo, TransferState, WireError};
-use crate::store::{BlockInfo, Store};
+use crate::store::{BlockClass, BlockInfo, Store};
 use crate::{Error, Result};
 
-/// Bounds on pushes from this node.
+/// Which way a transfer this node starts goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Our blocks to the peer.
+    Push,
+    /// The peer's blocks to us.
+    Fetch,
+}
+
+/// Bounds on transfers this node starts.
 #[derive(Debug, Clone, Copy)]
 pub struct OutgoingLimits {
     /// Pushes in flight to one peer.
@@ -151,10 +162,13 @@ impl Outgoing {
         Ok(id)
     }
 
-    /// Run admitted push `id` to its end (blocking) and record the outcome.
-    pub fn run(&self, engine: &TcpTransport, id: u64, peer: u64, keys: &[BlockKey]) {
+    /// Run admitted transfer `id` to its end (blocking) and record the outcome.
+    pub fn run(&self, engine: &TcpTransport, id: u64, kind: Kind, peer: u64, keys: &[BlockKey]) {
         let started = Instant::now();
-        let outcome = self.push(engine, peer, keys);
+        let outcome = match kind {
+            Kind::Push => self.push(engine, peer, keys),
+            Kind::Fetch => self.fetch(engine, peer, keys),
+        };
         let mut t = self.table();
         if let Some(n) = t.running.get_mut(&peer) {
             *n -= 1;
@@ -300,7 +314,162 @@ impl Outgoing {
         }
     }
 
-    /// One batch of writes to `peer`, on its cached endpoint (reopened once if it failed).
+    /// The fetch itself: the peer pins and grants, we allocate, read, verify, publish; the
+    /// peer's pins go whatever happens, and so do our pages unless published.
+    fn fetch(&self, engine: &TcpTransport, peer: u64, keys: &[BlockKey]) -> Result<(u32, u64)> {
+        let Some(first) = keys.first() else {
+            return Err(Error::InvalidArgument("a fetch of no blocks".into()));
+        };
+        let ns = first.namespace;
+        if keys.iter().any(|k| k.namespace != ns) {
+            return Err(Error::InvalidArgument(
+                "a fetch holds blocks of one namespace".into(),
+            ));
+        }
+        let tcp_peer = TcpPeer {
+            addr: self.peers[&peer],
+            node_id: peer,
+        };
+        let (mut s, bind) = engine.open_control(&tcp_peer)?;
+        let _ = s.set_read_timeout(Some(self.limits.timeout));
+        let binding = Binding {
+            request: 0,
+            namespace: ns,
+            source_node: peer,
+            source_generation: bind.node_generation,
+            destination_node: self.node_id,
+            destination_generation: self.store.node_generation(),
+            epoch: 1,
+        };
+        let want = PeerRequest::Want {
+            binding,
+            keys: keys.to_vec(),
+        };
+        let (transfer, segment, namespace, served) = match ask(&mut s, &want)? {
+            PeerReply::Offering {
+                transfer,
+                segment,
+                namespace,
+                blocks,
+            } => (transfer, segment, namespace, blocks),
+            r => return Err(refusal(r)),
+        };
+        let r = self.receive(
+            engine, peer, tcp_peer, &binding, transfer, &segment, &namespace, keys, &served,
+        );
+        // the peer's pins go in any case
+        let _ = ask(&mut s, &PeerRequest::Release { transfer });
+        r
+    }
+
+    /// Receive a fetch's blocks into freshly allocated pages, verify and publish them.
+    #[allow(clippy::too_many_arguments)]
+    fn receive(
+        &self,
+        engine: &TcpTransport,
+        peer: u64,
+        tcp_peer: TcpPeer,
+        binding: &Binding,
+        transfer: u64,
+        segment: &[u8],
+        namespace: &crate::keys::NamespaceDescriptor,
+        keys: &[BlockKey],
+        served: &[Option<Served>],
+    ) -> Result<(u32, u64)> {
+        if served.len() != keys.len()
+            || self.store.register_namespace(namespace)? != binding.namespace
+        {
+            return Err(Error::Protocol("the peer answered for other blocks".into()));
+        }
+        let remote = SegmentDescriptor::decode(segment).map_err(Error::from)?;
+        let wanted: Vec<(BlockKey, Served)> = keys
+            .iter()
+            .zip(served)
+            .filter_map(|(k, s)| s.map(|s| (*k, s)))
+            .collect();
+        if wanted.is_empty() {
+            return Ok((0, 0));
+        }
+        let ttl_ms = self.limits.timeout.as_millis() as u64;
+        let sid = self
+            .store
+            .open_session(&format!("fetch from node {peer}"), ttl_ms + 5_000)?;
+        let r = (|| {
+            let ks: Vec<BlockKey> = wanted.iter().map(|(k, _)| *k).collect();
+            let mut got = Vec::new();
+            for (a, (_, s)) in self
+                .store
+                .alloc(sid, &ks, BlockClass::Cache, None)?
+                .into_iter()
+                .zip(&wanted)
+            {
+                match a {
+                    Ok(a) => got.push((a, *s)),
+                    // held here already (someone else stored it meanwhile): nothing to read
+                    Err(Error::AlreadyExists(_)) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            let handles: Vec<_> = got.iter().map(|(a, _)| a.handle).collect();
+            for r in self.store.begin_write(sid, &handles)? {
+                r?;
+            }
+            if got.iter().any(|(a, s)| s.len > a.capacity) {
+                return Err(Error::InvalidArgument(
+                    "a served block is larger than this node's pages".into(),
+                ));
+            }
+            let ops: Vec<TransferOp> = got
+                .iter()
+                .map(|(a, s)| TransferOp {
+                    kind: OpKind::Read,
+                    local: POOL_SEGMENT,
+                    local_offset: a.offset,
+                    remote,
+                    remote_offset: s.offset,
+                    len: s.len,
+                    transfer: TransferId(transfer),
+                    epoch: binding.epoch,
+                })
+                .collect();
+            if !ops.is_empty() {
+                // SAFETY (inside send): the local ranges are WRITING pages of this fetch's own
+                // session, which no client touches and which are not reused before it ends.
+                self.send(engine, peer, tcp_peer, &ops)?;
+            }
+            for (a, s) in &got {
+                let found = self.store.seal(sid, &a.handle, s.len, None)?;
+                if found != s.checksum {
+                    self.counters
+                        .checksum_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Err(Error::Corrupt {
+                        expected: s.checksum,
+                        found,
+                        outcome: crate::error::Corruption::AtSeal,
+                    });
+                }
+            }
+            if !handles.is_empty() {
+                self.store.publish(sid, &handles)?;
+            }
+            let bytes = got.iter().map(|(_, s)| s.len).sum();
+            Ok((got.len() as u32, bytes))
+        })();
+        // publishes stay; anything unfinished is freed with the session
+        self.store.close_session(sid);
+        if let Ok((blocks, bytes)) = r {
+            self.counters
+                .blocks_received
+                .fetch_add(u64::from(blocks), Ordering::Relaxed);
+            self.counters
+                .bytes_received
+                .fetch_add(bytes, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// One batch of reads or writes with `peer`, on its cached endpoint (reopened once if it failed).
     fn send(
         &self,
         engine: &TcpTransport,
@@ -321,9 +490,10 @@ impl Outgoing {
                     }
                 }
             };
-            // SAFETY: every local range is a PUBLISHED block pinned by this push's session
-            // until after the batch settles: published bytes are immutable, and a pinned page
-            // is not reused.
+            // SAFETY: every local range is either a PUBLISHED block pinned by this push's
+            // session (immutable, its page not reused while pinned), read only; or a WRITING
+            // page of this fetch's own session, which nothing else touches and which is not
+            // reused before the session ends, after the batch settles (we wait for it below).
             let submitted = unsafe { engine.submit(ep, ops) };
             let batch = match submitted {
                 Ok(b) => b,
@@ -334,11 +504,16 @@ impl Outgoing {
                 }
                 Err(e) => return Err(e.into()),
             };
-            let st = engine.wait(batch, self.limits.timeout)?;
+            let mut st = engine.wait(batch, self.limits.timeout)?;
             if !st.settled {
-                // the engine's stall timeout is far shorter; this is only a backstop
+                // The engine's stall timeout is far shorter; this is only a backstop. Closing
+                // the endpoint fails what is left, and the batch settles once the kernel lets
+                // go of its buffers: until then its pages must not be freed, so wait for it.
                 self.forget_endpoint(engine, peer, ep);
-                let _ = engine.wait(batch, self.limits.timeout);
+                while !st.settled {
+                    tracing::warn!(peer, "a transfer batch has not settled; waiting for it");
+                    st = engine.wait(batch, self.limits.timeout)?;
+                }
             }
             let _ = engine.release(batch);
             if st.succeeded() {

@@ -18,6 +18,19 @@
 //!   ◀──────────────────────────── Committed { blocks }
 //! (Abort { transfer }, a closed connection, or B's deadline: B aborts and frees the pages)
 //! ```
+//!
+//! A fetch by B from A (B asks, A serves):
+//!
+//! ```text
+//! B                                                   A
+//! Want { binding, keys } ───────────────────────────▶ check the binding, pin the blocks,
+//!                                                     grant each page for reading
+//!   ◀──────────── Offering { transfer, segment, namespace, blocks }  (None: A lacks it)
+//! allocate WRITING pages (NoSpace: Release at once), one batch of reads ◀── chunks, each
+//! CRC-32C checked here; seal each block, compare its CRC-32C with A's, publish the group
+//! Release { transfer } ─────────────────────────────▶ revoke the grants, unpin
+//!   ◀──────────────────────────── Released
+//! ```
 
 use serde::{Deserialize, Serialize};
 
@@ -55,6 +68,17 @@ pub struct Offered {
     pub checksum: u32,
 }
 
+/// One block a fetch's source serves: where it is in its pool, and what it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Served {
+    /// Its page's offset in the source's pool segment.
+    pub offset: u64,
+    /// Valid bytes.
+    pub len: u64,
+    /// Its CRC-32C, as sealed on the source.
+    pub checksum: u32,
+}
+
 /// A request from one daemon to another.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum PeerRequest {
@@ -75,6 +99,19 @@ pub enum PeerRequest {
     /// Give up: free the pages → [`PeerReply::Aborted`].
     Abort {
         /// The destination's transfer number.
+        transfer: u64,
+    },
+    /// Please let me read these blocks (a fetch) → [`PeerReply::Offering`]. The binding names
+    /// the asker as destination and the asked as source.
+    Want {
+        /// What the transfer is bound to.
+        binding: Binding,
+        /// The blocks (one namespace, at most the source's batch bound).
+        keys: Vec<BlockKey>,
+    },
+    /// The fetch is over (done or not): unpin → [`PeerReply::Released`].
+    Release {
+        /// The source's transfer number.
         transfer: u64,
     },
 }
@@ -99,6 +136,19 @@ pub enum PeerReply {
     },
     /// Aborted; nothing of it was published.
     Aborted,
+    /// The wanted blocks, pinned and granted for reading.
+    Offering {
+        /// The source's transfer number (the grants' transfer id).
+        transfer: u64,
+        /// The source pool's segment descriptor (its 32-byte wire form).
+        segment: Vec<u8>,
+        /// The blocks' layout.
+        namespace: Box<NamespaceDescriptor>,
+        /// Per wanted key: where it is, or `None` when the source does not hold it.
+        blocks: Vec<Option<Served>>,
+    },
+    /// Unpinned.
+    Released,
     /// Refused; nothing changed (or everything was undone).
     Refused(WireError),
 }

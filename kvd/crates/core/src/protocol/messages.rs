@@ -269,6 +269,16 @@ pub enum Op {
         /// The blocks.
         keys: Vec<BlockKey>,
     },
+    /// Fetch PUBLISHED blocks (one namespace) from a peer daemon over the data port →
+    /// [`Reply::Transfer`] at once (poll it with [`Op::Transfers`]). The peer pins them while
+    /// they are read; this node publishes them as one group only when every byte arrived
+    /// intact (keys the peer lacks, or this node holds already, are skipped).
+    Fetch {
+        /// The peer's node id (in the daemon's peer table).
+        peer: u64,
+        /// The blocks.
+        keys: Vec<BlockKey>,
+    },
     /// The state of transfers started here → [`Reply::Transfers`] (unknown ids are left out).
     Transfers {
         /// Their ids.
@@ -333,6 +343,7 @@ impl Op {
             Op::ReportCorrupt { .. } => "report_corrupt",
             Op::Events { .. } => "events",
             Op::Push { .. } => "push",
+            Op::Fetch { .. } => "fetch",
             Op::Transfers { .. } => "transfers",
         }
     }
@@ -363,13 +374,13 @@ impl Op {
             | Op::ManifestEnd { .. }
             | Op::ManifestGet { .. }
             | Op::RestorePrefix { .. } => 1,
-            Op::Push { keys, .. } => keys.len(),
+            Op::Push { keys, .. } | Op::Fetch { keys, .. } => keys.len(),
             Op::Transfers { ids } => ids.len(),
         }
     }
 
     /// Every operation names in [`Op`], for metrics.
-    pub const NAMES: [&'static str; 26] = [
+    pub const NAMES: [&'static str; 27] = [
         "register_namespace",
         "lookup_prefix",
         "exists",
@@ -395,6 +406,7 @@ impl Op {
         "report_corrupt",
         "events",
         "push",
+        "fetch",
         "transfers",
     ];
 }
