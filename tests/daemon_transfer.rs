@@ -340,3 +340,110 @@ fn the_destination_refuses_other_incarnations_and_older_epochs_and_publishes_not
         b2.status().stats.accounting.total
     );
 }
+
+#[test]
+fn a_push_whose_link_is_cut_publishes_nothing_frees_the_destinations_pages_and_unpins_the_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path());
+    let hosts = support::TwoHosts::new();
+    let secret_s = secret.to_str().unwrap();
+    let b = Daemon::start_in_netns(
+        &hosts.b,
+        &[
+            "--cluster-secret-file",
+            secret_s,
+            "--node-id",
+            "2",
+            "--data-listen",
+            "10.77.0.2:7461",
+        ],
+    );
+    let a = Daemon::start_in_netns(
+        &hosts.a,
+        &[
+            "--cluster-secret-file",
+            secret_s,
+            "--node-id",
+            "1",
+            "--data-listen",
+            "10.77.0.1:7461",
+            "--peer",
+            "2=10.77.0.2:7461",
+        ],
+    );
+    let mut ca = a.client("engine-a", 60_000);
+    let mut cb = b.client("engine-b", 60_000);
+    let ns = ca.register_namespace(&support::namespace()).unwrap();
+
+    // across the link first: a push arrives whole
+    let keys = support::keys(ns, 11, 8);
+    for (i, k) in keys.iter().enumerate() {
+        support::put_one(&mut ca, *k, &support::pattern(BLOCK, i as u8));
+    }
+    let id = ca.push(2, &keys).unwrap();
+    assert_eq!(wait_done(&mut ca, id).state, TransferState::Done);
+    assert_eq!(cb.exists(&keys).unwrap(), vec![true; 8]);
+
+    // then slow the link so that the next push is surely in the middle, and cut it
+    let dev = hosts.dev_a();
+    let tc = std::process::Command::new("ip")
+        .args([
+            "netns", "exec", &hosts.a, "tc", "qdisc", "add", "dev", &dev, "root",
+        ])
+        .args(["tbf", "rate", "40mbit", "burst", "32kb", "latency", "100ms"])
+        .status()
+        .unwrap();
+    assert!(tc.success(), "tc tbf on the veth");
+    let keys = support::keys(ns, 12, 40);
+    for (i, k) in keys.iter().enumerate() {
+        support::put_one(&mut ca, *k, &support::pattern(BLOCK, i as u8));
+    }
+    let free_on_b = cb.stats().unwrap().accounting.free;
+    let id = ca.push(2, &keys).unwrap();
+    support::wait_until(
+        Duration::from_secs(20),
+        "the push has pages on the destination",
+        || cb.stats().unwrap().accounting.free < free_on_b,
+    );
+    assert_eq!(
+        ca.transfers(&[id]).unwrap()[0].state,
+        TransferState::InFlight
+    );
+    let cut = std::time::Instant::now();
+    support::ip(&["-n", &hosts.a, "link", "set", &dev, "down"]);
+
+    let t = wait_done(&mut ca, id);
+    let failed_after = cut.elapsed();
+    println!(
+        "link cut mid-push: the source reported {:?} after {failed_after:?}",
+        t.state
+    );
+    assert!(matches!(t.state, TransferState::Failed(_)), "{t:?}");
+    assert!(
+        failed_after < Duration::from_secs(5 + 10),
+        "within the stall timeout + margin"
+    );
+    assert_eq!(
+        ca.stats().unwrap().pins,
+        0,
+        "the source's pins are released"
+    );
+
+    support::wait_until(
+        Duration::from_secs(30),
+        "the destination frees the pages",
+        || {
+            let a = cb.stats().unwrap().accounting;
+            a.free == free_on_b && a.writing == 0 && a.allocated == 0
+        },
+    );
+    println!(
+        "link cut mid-push: the destination freed its pages {:?} after the cut",
+        cut.elapsed()
+    );
+    assert_eq!(
+        cb.exists(&keys).unwrap(),
+        vec![false; 40],
+        "nothing of the group is visible"
+    );
+}

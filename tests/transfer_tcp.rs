@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::Helper;
+use support::{Helper, TwoHosts, ip};
 use transport::auth::ClusterSecret;
 use transport::engine::{
     EndpointId, HeapMemory, Memory, Op, OpFailure, OpKind, OpStatus, Registration, Transport,
@@ -525,88 +525,6 @@ fn a_stalled_peer_fails_the_batch_with_a_timeout_within_the_stall_timeout() {
         "within the stall timeout + margin"
     );
     assert_eq!(e.in_flight(), (0, 0), "nothing left in flight");
-}
-
-/// Two network namespaces joined by a veth pair, deleted on drop.
-struct TwoHosts {
-    a: String,
-    b: String,
-}
-
-fn ip(args: &[&str]) {
-    let out = std::process::Command::new("ip")
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "ip {}: {} (the netns test needs root and iproute2)",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Delete namespaces an earlier run of this test left behind when it was killed (their name
-/// carries the pid of a process that no longer exists).
-fn remove_stale_namespaces() {
-    let Ok(out) = std::process::Command::new("ip")
-        .args(["netns", "list"])
-        .output()
-    else {
-        return;
-    };
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let name = line.split_whitespace().next().unwrap_or("");
-        let Some(pid) = name
-            .strip_prefix("kvdt")
-            .and_then(|r| r.strip_suffix(['a', 'b']))
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "del", name])
-                .status();
-        }
-    }
-}
-
-impl TwoHosts {
-    fn new() -> TwoHosts {
-        remove_stale_namespaces();
-        let tag = std::process::id();
-        let h = TwoHosts {
-            a: format!("kvdt{tag}a"),
-            b: format!("kvdt{tag}b"),
-        };
-        ip(&["netns", "add", &h.a]);
-        ip(&["netns", "add", &h.b]);
-        let (va, vb) = (format!("kv{tag}a"), format!("kv{tag}b"));
-        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb]);
-        ip(&["link", "set", &va, "netns", &h.a]);
-        ip(&["link", "set", &vb, "netns", &h.b]);
-        for (ns, dev, addr) in [(&h.a, &va, "10.77.0.1/30"), (&h.b, &vb, "10.77.0.2/30")] {
-            ip(&["-n", ns, "addr", "add", addr, "dev", dev]);
-            ip(&["-n", ns, "link", "set", dev, "up"]);
-            ip(&["-n", ns, "link", "set", "lo", "up"]);
-        }
-        h
-    }
-
-    fn dev_a(&self) -> String {
-        format!("kv{}a", std::process::id())
-    }
-}
-
-impl Drop for TwoHosts {
-    fn drop(&mut self) {
-        for ns in [&self.a, &self.b] {
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "del", ns])
-                .status();
-        }
-    }
 }
 
 #[test]

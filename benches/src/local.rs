@@ -155,8 +155,13 @@ pub fn run(args: &LocalArgs) -> Result<(), String> {
 
 /// The `kvd` binary to start: `--kvd`, or the one beside this binary.
 fn kvd_binary(args: &LocalArgs) -> Result<PathBuf, String> {
-    let kvd = match &args.kvd {
-        Some(p) => p.clone(),
+    kvd_beside(args.kvd.as_deref())
+}
+
+/// The `kvd` binary to start: `given`, or the one beside this binary.
+pub(crate) fn kvd_beside(given: Option<&Path>) -> Result<PathBuf, String> {
+    let kvd = match given {
+        Some(p) => p.to_path_buf(),
         None => std::env::current_exe()
             .map_err(|e| e.to_string())?
             .with_file_name("kvd"),
@@ -622,6 +627,16 @@ pub(crate) struct ChildDaemon {
 
 impl ChildDaemon {
     pub(crate) fn start(kvd: &Path, page: usize, pages: usize) -> Result<ChildDaemon, String> {
+        ChildDaemon::start_with(kvd, page, pages, &[])
+    }
+
+    /// As [`ChildDaemon::start`], with more flags for `kvd serve`.
+    pub(crate) fn start_with(
+        kvd: &Path,
+        page: usize,
+        pages: usize,
+        extra: &[String],
+    ) -> Result<ChildDaemon, String> {
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
         let socket = dir.path().join("kvd.sock");
         let pool_mib = (page * pages).div_ceil(1 << 20);
@@ -637,6 +652,7 @@ impl ChildDaemon {
             .args(["--admin-listen", "127.0.0.1:0", "--huge-pages", "try"])
             .args(["--pool-mib", &pool_mib.to_string()])
             .args(["--page-kib", &(page >> 10).to_string()])
+            .args(extra)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -5,6 +5,8 @@
 //!
 //! - `local`: engine ↔ daemon on one node, through the Unix socket and the mapped pool.
 //! - `bindings`: the Rust client's half of the C / Python bindings' overhead measurement.
+//! - `remote`: blocks between two daemons (push and fetch through their clients), beside raw
+//!   loopback TCP and memcpy measured in the same run.
 //! - `transfer`: the TCP transfer backend between two processes on loopback, beside raw
 //!   single-stream loopback TCP and memcpy measured in the same run.
 //!
@@ -14,6 +16,7 @@
 mod bindings;
 mod clients;
 mod local;
+mod remote;
 mod transfer;
 
 use clap::{Parser, Subcommand};
@@ -54,6 +57,13 @@ enum Command {
     /// Build with `cargo build --release -p kvd-bench` and run
     /// `target/release/kvd-bench transfer`; about a minute with the defaults.
     Transfer(transfer::TransferArgs),
+    /// Blocks between two `kvd serve` on loopback, end to end through their clients: an engine
+    /// on node 1 writes blocks and pushes them to node 2; an engine on node 2 fetches blocks
+    /// from node 1. 256 KiB, 2 MiB and 2.5 MiB blocks in batches, at least 1 GiB per run and
+    /// direction; GB/s, blocks/s, and the ratio to raw loopback TCP measured in the same run.
+    ///
+    /// Build both binaries first: `cargo build --release -p kvd -p kvd-bench`.
+    Remote(remote::RemoteArgs),
     /// The target process of `transfer` (started by it).
     #[command(hide = true)]
     TransferTarget(transfer::TargetArgs),
@@ -86,6 +96,13 @@ fn main() -> std::process::ExitCode {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kvd-bench transfer: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Command::Remote(args) => match remote::run(&args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvd-bench remote: {e}");
                 std::process::ExitCode::FAILURE
             }
         },

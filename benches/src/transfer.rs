@@ -122,6 +122,11 @@ fn big_limits() -> Limits {
     }
 }
 
+/// Touch every page of `mem` (so that no case pays its first faults).
+pub(crate) fn fill(mem: &HeapMemory) {
+    touch(mem);
+}
+
 fn touch(mem: &HeapMemory) {
     // SAFETY: no transfer runs yet.
     let b = unsafe { mem.bytes_mut() };
@@ -287,58 +292,18 @@ pub fn run(args: &TransferArgs) -> Result<(), String> {
     // two halves, each one batch of the largest block
     let segment = 2 * args.batch as u64 * largest;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let secret_path = dir.path().join("secret");
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .create_new(true)
-            .write(true)
-            .mode(0o600)
-            .open(&secret_path)
-            .map_err(|e| e.to_string())?;
-        let mut bytes = [0u8; 32];
-        rustix::rand::getrandom(&mut bytes, rustix::rand::GetRandomFlags::empty())
-            .map_err(|e| e.to_string())?;
-        f.write_all(&bytes).map_err(|e| e.to_string())?;
-    }
+    let secret_path = write_secret(dir.path())?;
     let secret = ClusterSecret::from_file(&secret_path).map_err(|e| e.to_string())?;
     eprintln!(
         "kvd-bench transfer: starting the target process ({} MiB segment on each side)",
         segment >> 20
     );
-    let me = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut child = Command::new(me)
-        .args(["transfer-target", "--secret-file"])
-        .arg(&secret_path)
-        .args(["--segment-bytes", &segment.to_string()])
-        .args(["--chunk-kib", &args.chunk_kib.to_string()])
-        .args(["--zero-copy", &args.zero_copy])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("start the target process: {e}"))?;
-    let mut child = Child_ {
-        stdin: child.stdin.take().expect("piped"),
-        stdout: BufReader::new(child.stdout.take().expect("piped")),
-        child,
-    };
-    let mut ready = String::new();
-    child
-        .stdout
-        .read_line(&mut ready)
-        .map_err(|e| e.to_string())?;
-    let w: Vec<&str> = ready.split_whitespace().collect();
-    let [_, data_port, raw_port, hex] = w[..] else {
-        return Err(format!("the target process did not start: {ready:?}"));
-    };
-    let bytes: Vec<u8> = (0..hex.len() / 2)
-        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
-        .collect();
-    let remote = SegmentDescriptor::decode(&bytes).map_err(|e| e.to_string())?;
-    let data_addr = format!("127.0.0.1:{data_port}")
-        .parse()
-        .map_err(|e| format!("{e}"))?;
-    let raw_addr = format!("127.0.0.1:{raw_port}");
+    let Target {
+        mut child,
+        data_addr,
+        raw_addr,
+        remote,
+    } = Target::spawn(&secret_path, segment, args.chunk_kib, &args.zero_copy)?;
 
     let mem = Arc::new(HeapMemory::zeroed(segment as usize));
     touch(&mem);
@@ -469,6 +434,89 @@ pub fn run(args: &TransferArgs) -> Result<(), String> {
         raw.samples.len()
     );
     Ok(())
+}
+
+/// A fresh 32-byte cluster secret file (mode 0600) in `dir`.
+pub(crate) fn write_secret(dir: &std::path::Path) -> Result<PathBuf, String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join("secret");
+    let mut f = std::fs::OpenOptions::new()
+        .create_new(true)
+        .write(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| e.to_string())?;
+    let mut bytes = [0u8; 32];
+    rustix::rand::getrandom(&mut bytes, rustix::rand::GetRandomFlags::empty())
+        .map_err(|e| e.to_string())?;
+    f.write_all(&bytes).map_err(|e| e.to_string())?;
+    Ok(path)
+}
+
+/// The target process (`kvd-bench transfer-target`), its data and raw TCP addresses and its
+/// segment.
+pub(crate) struct Target {
+    child: Child_,
+    data_addr: std::net::SocketAddr,
+    raw_addr: String,
+    remote: SegmentDescriptor,
+}
+
+impl Target {
+    pub(crate) fn spawn(
+        secret_path: &std::path::Path,
+        segment: u64,
+        chunk_kib: u32,
+        zero_copy: &str,
+    ) -> Result<Target, String> {
+        let me = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut child = Command::new(me)
+            .args(["transfer-target", "--secret-file"])
+            .arg(secret_path)
+            .args(["--segment-bytes", &segment.to_string()])
+            .args(["--chunk-kib", &chunk_kib.to_string()])
+            .args(["--zero-copy", zero_copy])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("start the target process: {e}"))?;
+        let mut child = Child_ {
+            stdin: child.stdin.take().expect("piped"),
+            stdout: BufReader::new(child.stdout.take().expect("piped")),
+            child,
+        };
+        let mut ready = String::new();
+        child
+            .stdout
+            .read_line(&mut ready)
+            .map_err(|e| e.to_string())?;
+        let w: Vec<&str> = ready.split_whitespace().collect();
+        let [_, data_port, raw_port, hex] = w[..] else {
+            return Err(format!("the target process did not start: {ready:?}"));
+        };
+        let bytes: Vec<u8> = (0..hex.len() / 2)
+            .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0))
+            .collect();
+        Ok(Target {
+            child,
+            data_addr: format!("127.0.0.1:{data_port}")
+                .parse()
+                .map_err(|e| format!("{e}"))?,
+            raw_addr: format!("127.0.0.1:{raw_port}"),
+            remote: SegmentDescriptor::decode(&bytes).map_err(|e| e.to_string())?,
+        })
+    }
+
+    /// One raw single-stream loopback TCP sample of `total` bytes from `mem`: (GB/s, CPU
+    /// seconds per GB of both processes).
+    pub(crate) fn raw_sample(
+        &mut self,
+        mem: &HeapMemory,
+        total: u64,
+    ) -> Result<(f64, f64), String> {
+        let s = raw_tcp(&mut self.child, &self.raw_addr, mem, total)?;
+        Ok((s.gbps, s.cpu_per_gb))
+    }
 }
 
 fn raw_tcp(child: &mut Child_, addr: &str, mem: &HeapMemory, total: u64) -> Result<Sample, String> {

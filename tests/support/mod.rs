@@ -74,6 +74,19 @@ impl Daemon {
         Daemon::spawn(dir, command(dir, extra))
     }
 
+    /// Start a daemon on a fresh temporary data dir inside network namespace `ns` (its Unix
+    /// socket stays reachable from here: sockets on the file system are not namespaced; its
+    /// admin HTTP is not).
+    pub fn start_in_netns(ns: &str, extra: &[&str]) -> Daemon {
+        let tmp = tempfile::tempdir().expect("a temp dir");
+        let mut d = Daemon::spawn(
+            tmp.path(),
+            command_in(&["ip", "netns", "exec", ns], tmp.path(), extra),
+        );
+        d._tmp = Some(tmp);
+        d
+    }
+
     /// Start a daemon on a fresh temporary data dir whose open-file limit (RLIMIT_NOFILE) is
     /// `soft` and `hard` from its first instruction, as `ulimit -n` or systemd's `LimitNOFILE=`
     /// would set it.
@@ -191,6 +204,11 @@ impl Daemon {
 /// `kvd serve` on `dir` with [`base_args`] and `extra`, its stdout piped (for the ready line)
 /// and its stderr appended to `dir/daemon.log`.
 pub fn command(dir: &Path, extra: &[&str]) -> Command {
+    command_in(&[], dir, extra)
+}
+
+/// As [`command`], behind the command `prefix` (for example `ip netns exec NS`).
+pub fn command_in(prefix: &[&str], dir: &Path, extra: &[&str]) -> Command {
     let mut args = base_args(dir);
     args.extend(extra.iter().map(|s| s.to_string()));
     let stderr = std::fs::OpenOptions::new()
@@ -198,7 +216,14 @@ pub fn command(dir: &Path, extra: &[&str]) -> Command {
         .append(true)
         .open(dir.join("daemon.log"))
         .expect("a log file");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvd"));
+    let mut cmd = match prefix.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(env!("CARGO_BIN_EXE_kvd"));
+            c
+        }
+        None => Command::new(env!("CARGO_BIN_EXE_kvd")),
+    };
     cmd.args(&args)
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
@@ -481,4 +506,92 @@ pub fn scribble_on_the_pool(daemon_pid: u32, offset: u64) {
         }
     }
     panic!("no kvd-pool memfd among {dir}");
+}
+
+/// Two network namespaces joined by a veth pair, deleted on drop (tests across hosts).
+pub struct TwoHosts {
+    /// The first host's namespace (10.77.0.1).
+    pub a: String,
+    /// The second host's namespace (10.77.0.2).
+    pub b: String,
+}
+
+/// Run `ip` with `args`; panic with its error when it fails.
+pub fn ip(args: &[&str]) {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "ip {}: {} (the netns test needs root and iproute2)",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Delete namespaces an earlier run of this test left behind when it was killed (their name
+/// carries the pid of a process that no longer exists).
+fn remove_stale_namespaces() {
+    let Ok(out) = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+    else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        let Some(pid) = name
+            .strip_prefix("kvdt")
+            .and_then(|r| r.strip_suffix(['a', 'b']))
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", name])
+                .status();
+        }
+    }
+}
+
+impl TwoHosts {
+    /// Two fresh namespaces, a veth pair between them (10.77.0.1/30 in `a`, 10.77.0.2/30 in
+    /// `b`), loopback up in both.
+    pub fn new() -> TwoHosts {
+        remove_stale_namespaces();
+        let tag = std::process::id();
+        let h = TwoHosts {
+            a: format!("kvdt{tag}a"),
+            b: format!("kvdt{tag}b"),
+        };
+        ip(&["netns", "add", &h.a]);
+        ip(&["netns", "add", &h.b]);
+        let (va, vb) = (format!("kv{tag}a"), format!("kv{tag}b"));
+        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb]);
+        ip(&["link", "set", &va, "netns", &h.a]);
+        ip(&["link", "set", &vb, "netns", &h.b]);
+        for (ns, dev, addr) in [(&h.a, &va, "10.77.0.1/30"), (&h.b, &vb, "10.77.0.2/30")] {
+            ip(&["-n", ns, "addr", "add", addr, "dev", dev]);
+            ip(&["-n", ns, "link", "set", dev, "up"]);
+            ip(&["-n", ns, "link", "set", "lo", "up"]);
+        }
+        h
+    }
+
+    /// The veth device in `a`.
+    pub fn dev_a(&self) -> String {
+        format!("kv{}a", std::process::id())
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for ns in [&self.a, &self.b] {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", ns])
+                .status();
+        }
+    }
 }

@@ -141,15 +141,35 @@ fn byte_exact(tune: impl Fn(&mut TcpConfig)) -> TcpStats {
         .collect();
     // SAFETY: as above.
     let br = unsafe { p.a.submit(ep, &r).unwrap() };
+    let mut read_crcs = vec![None; r.len()];
     for b in [bw, br] {
         let s = p.a.wait(b, Duration::from_secs(20)).unwrap();
         assert!(s.succeeded(), "{s:?}");
+        if b == br {
+            p.a.checksums(b, &mut read_crcs).unwrap();
+        }
         p.a.release(b).unwrap();
     }
-    p.b.revoke(TransferId(1));
+    let ledger = p.b.revoke(TransferId(1)).ledger;
     p.b.revoke(TransferId(2));
     // SAFETY: settled and revoked: nothing touches the memory any more.
     let (a, b) = unsafe { (p.ma.bytes(), p.mb.bytes()) };
+    // the receiver knows each op's CRC-32C from the chunks it verified, without a pass
+    for o in &w {
+        let range = o.remote_offset as usize..(o.remote_offset + o.len) as usize;
+        let want = transport::local::crc32c(0, &b[range]);
+        assert_eq!(ledger.crc_of(SEG, o.remote_offset, o.len), Some(want));
+    }
+    assert_eq!(
+        ledger.crc_of(SEG, 3, 4096),
+        None,
+        "not a range the chunks tile"
+    );
+    // and the reader knows each read's CRC-32C from the chunks it verified
+    for (o, crc) in r.iter().zip(&read_crcs) {
+        let range = o.local_offset as usize..(o.local_offset + o.len) as usize;
+        assert_eq!(*crc, Some(transport::local::crc32c(0, &a[range])));
+    }
     assert!(
         a[..32 * MIB as usize] == b[..32 * MIB as usize],
         "writes landed byte-exact"

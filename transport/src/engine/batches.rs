@@ -114,6 +114,9 @@ struct OpState {
     status: OpStatus,
     failure: Option<OpFailure>,
     cancelled: bool,
+    /// (offset, len, CRC-32C) of the chunks verified on arrival, when the backend reports
+    /// them (reads with checksums on).
+    crcs: Vec<(u64, u32, u32)>,
 }
 
 #[derive(Debug)]
@@ -232,6 +235,7 @@ impl Batches {
                 status: OpStatus::Pending,
                 failure: None,
                 cancelled: false,
+                crcs: Vec::new(),
             })
             .collect();
         self.batches.insert(
@@ -296,6 +300,58 @@ impl Batches {
         self.total.ops -= 1;
         self.total.bytes -= len;
         settled
+    }
+
+    /// A chunk of op `op` of `batch`, `len` bytes at `offset` (any base, the same for all of
+    /// the op's chunks), arrived and matched CRC-32C `crc`.
+    pub fn record_crc(&mut self, batch: BatchId, op: u32, offset: u64, len: u32, crc: u32) {
+        if let Some(o) = self
+            .batches
+            .get_mut(&batch)
+            .and_then(|b| b.ops.get_mut(op as usize))
+        {
+            o.crcs.push((offset, len, crc));
+        }
+    }
+
+    /// Each done op's CRC-32C, from the chunks verified on arrival, into `out` (as many as
+    /// fit); `None` where they were not reported or do not cover the op exactly.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`].
+    pub fn checksums(&self, batch: BatchId, out: &mut [Option<u32>]) -> Result<()> {
+        let b = self
+            .batches
+            .get(&batch)
+            .ok_or_else(|| Error::NotFound(format!("batch {}", batch.0)))?;
+        for (o, slot) in b.ops.iter().zip(out.iter_mut()) {
+            *slot = None;
+            if o.status != OpStatus::Done || o.crcs.is_empty() {
+                continue;
+            }
+            let mut chunks = o.crcs.clone();
+            chunks.sort_unstable();
+            let mut at = chunks[0].0;
+            let mut crc: Option<u32> = None;
+            let mut covered = 0u64;
+            let mut tiles = true;
+            for (off, len, c) in chunks {
+                if off != at {
+                    tiles = false;
+                    break;
+                }
+                crc = Some(match crc {
+                    None => c,
+                    Some(acc) => crate::local::crc32c_combine(acc, c, len as usize),
+                });
+                at += u64::from(len);
+                covered += u64::from(len);
+            }
+            if tiles && covered == o.len {
+                *slot = crc;
+            }
+        }
+        Ok(())
     }
 
     /// The backend now references `n` more chunks' memory of `batch` (sends or receives

@@ -39,7 +39,7 @@ use std::time::Duration;
 
 pub use batches::{BatchId, BatchStatus, OpFailure, OpStatus};
 pub use memory::{HeapMemory, Memory};
-pub use target::{Revoked, Target};
+pub use target::{Ledger, Revoked, Target};
 
 use crate::error::Result;
 use crate::grant::{Grant, SegmentId, TransferId};
@@ -194,6 +194,18 @@ pub trait Transport: Send + Sync {
     /// # Errors
     /// [`crate::Error::NotFound`].
     fn poll(&self, batch: BatchId, ops: &mut [OpStatus]) -> Result<BatchStatus>;
+
+    /// Each done op's CRC-32C, as known from the chunks this side verified on arrival (reads
+    /// with checksums on), into `ops`; `None` where it is not known. Lets a reader check a
+    /// block's recorded checksum without another pass over its bytes. The default knows none.
+    ///
+    /// # Errors
+    /// [`crate::Error::NotFound`].
+    fn checksums(&self, batch: BatchId, ops: &mut [Option<u32>]) -> Result<()> {
+        self.poll(batch, &mut [])?;
+        ops.fill(None);
+        Ok(())
+    }
 
     /// Wait until the batch is settled or `timeout` passes; its status then.
     ///

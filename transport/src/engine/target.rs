@@ -40,15 +40,58 @@ struct State {
     stale_generation: u64,
     /// Chunks that arrived failing their checksum, per transfer (until it is revoked).
     tainted: HashMap<TransferId, u32>,
+    /// Checksummed chunks that arrived intact, per transfer (until it is revoked; at most
+    /// [`MAX_LEDGER_CHUNKS`] each).
+    ledgers: HashMap<TransferId, Ledger>,
+}
+
+/// Chunks a transfer's ledger records at most; past it the ledger is marked incomplete (its
+/// owner then checks the bytes itself).
+pub const MAX_LEDGER_CHUNKS: usize = 65_536;
+
+/// The checksummed chunks a transfer wrote here, each verified on arrival: enough to know a
+/// range's CRC-32C without reading it again ([`Ledger::crc_of`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ledger {
+    /// (segment, offset) → (len, CRC-32C), verified.
+    chunks: std::collections::BTreeMap<(SegmentId, u64), (u32, u32)>,
+    /// Chunks were left out (past the bound).
+    incomplete: bool,
+}
+
+impl Ledger {
+    /// The CRC-32C of `segment`'s `[offset, offset + len)`, when verified chunks tile it
+    /// exactly; `None` otherwise (a gap, an overlap, a chunk left out).
+    pub fn crc_of(&self, segment: SegmentId, offset: u64, len: u64) -> Option<u32> {
+        if self.incomplete || len == 0 {
+            return None;
+        }
+        let end = offset.checked_add(len)?;
+        let mut at = offset;
+        let mut crc = None;
+        for (&(seg, off), &(clen, ccrc)) in self.chunks.range((segment, offset)..(segment, end)) {
+            if seg != segment || off != at {
+                return None;
+            }
+            crc = Some(match crc {
+                None => ccrc,
+                Some(c) => crate::local::crc32c_combine(c, ccrc, clen as usize),
+            });
+            at += u64::from(clen);
+        }
+        (at == end).then_some(crc).flatten()
+    }
 }
 
 /// What [`Target::revoke`] found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Revoked {
     /// Grants dropped.
     pub grants: usize,
     /// Chunks of the transfer that arrived here failing their checksum.
     pub corrupt_chunks: u32,
+    /// The checksummed chunks of it that arrived intact.
+    pub ledger: Ledger,
 }
 
 /// A local range an op of ours names: where it is, and the memory that keeps it mapped.
@@ -111,6 +154,7 @@ impl Target {
                 active_segments: HashMap::new(),
                 stale_generation: 0,
                 tainted: HashMap::new(),
+                ledgers: HashMap::new(),
             }),
             quiet: Condvar::new(),
         }
@@ -268,10 +312,29 @@ impl Target {
             s = self.quiet.wait(s).unwrap_or_else(|p| p.into_inner());
         }
         let corrupt_chunks = s.tainted.remove(&transfer).unwrap_or(0);
+        let ledger = s.ledgers.remove(&transfer).unwrap_or_default();
         Revoked {
             grants,
             corrupt_chunks,
+            ledger,
         }
+    }
+
+    /// A checksummed chunk written into `w` arrived intact with CRC-32C `crc`: record it in
+    /// its transfer's ledger (only while the transfer has grants), then end the access.
+    pub fn end_verified(&self, w: Window, offset: u64, crc: u32) {
+        {
+            let mut s = self.lock();
+            if s.grants.has_transfer(w.transfer) {
+                let l = s.ledgers.entry(w.transfer).or_default();
+                if l.chunks.len() < MAX_LEDGER_CHUNKS {
+                    l.chunks.insert((w.segment, offset), (w.len as u32, crc));
+                } else {
+                    l.incomplete = true;
+                }
+            }
+        }
+        self.end(w);
     }
 
     /// A chunk written into `w` failed its checksum: remember it against its transfer (only

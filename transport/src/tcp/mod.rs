@@ -597,6 +597,10 @@ impl Transport for TcpTransport {
         self.shared.batches().status(batch, ops)
     }
 
+    fn checksums(&self, batch: BatchId, ops: &mut [Option<u32>]) -> Result<()> {
+        self.shared.batches().checksums(batch, ops)
+    }
+
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<BatchStatus> {
         let deadline = Instant::now() + timeout;
         let mut b = self.shared.batches();

@@ -1135,6 +1135,15 @@ impl Ring {
                     self.let_go(b);
                 }
                 if intact {
+                    if c.request.flags & FLAG_CHECKSUM != 0 {
+                        self.shared.batches().record_crc(
+                            c.batch,
+                            c.op,
+                            c.request.offset,
+                            c.request.len,
+                            resp.crc,
+                        );
+                    }
                     self.finish(&c, ChunkOutcome::Delivered);
                 } else {
                     self.shared
@@ -1254,10 +1263,12 @@ impl Ring {
                     let got = unsafe { std::slice::from_raw_parts(w.ptr, w.len) };
                     crc32c(0, got) == req.crc
                 };
-                if intact {
-                    self.shared.target.end(w);
-                } else {
+                if !intact {
                     self.shared.target.end_corrupt(w);
+                } else if req.flags & FLAG_CHECKSUM != 0 {
+                    self.shared.target.end_verified(w, req.offset, req.crc);
+                } else {
+                    self.shared.target.end(w);
                 }
                 let status = if intact {
                     self.shared

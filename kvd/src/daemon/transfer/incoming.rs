@@ -57,6 +57,8 @@ struct InFlight {
     connection: u64,
     session: SessionId,
     handles: Vec<Handle>,
+    /// Page offsets, lengths and offered CRC-32Cs of a push's blocks (empty for a fetch).
+    offsets: Vec<u64>,
     lens: Vec<u64>,
     checksums: Vec<u32>,
     deadline: Instant,
@@ -378,6 +380,7 @@ impl Incoming {
                 connection,
                 session: sid,
                 handles,
+                offsets: vec![],
                 lens: vec![],
                 checksums: vec![],
                 deadline: Instant::now() + self.limits.deadline,
@@ -446,11 +449,12 @@ impl Incoming {
             }
         };
         let mut offsets = Vec::with_capacity(blocks.len());
-        let (mut handles, mut lens, mut checksums) = (vec![], vec![], vec![]);
+        let (mut handles, mut pages, mut lens, mut checksums) = (vec![], vec![], vec![], vec![]);
         for (a, b) in allocs.into_iter().zip(blocks) {
             match a {
                 Ok(a) => {
                     offsets.push(Some(a.offset));
+                    pages.push(a.offset);
                     handles.push(a.handle);
                     lens.push(b.len);
                     checksums.push(b.checksum);
@@ -495,6 +499,7 @@ impl Incoming {
                 connection,
                 session: sid,
                 handles,
+                offsets: pages,
                 lens,
                 checksums,
                 deadline: Instant::now() + self.limits.deadline,
@@ -528,7 +533,15 @@ impl Incoming {
                 });
             }
             for (i, h) in t.handles.iter().enumerate() {
-                let found = self.store.seal(t.session, h, t.lens[i], None)?;
+                // The block's CRC-32C from the chunks the engine verified on arrival (no pass
+                // over the page), or, where they do not tile it, from the page itself.
+                let found = match revoked.ledger.crc_of(POOL_SEGMENT, t.offsets[i], t.lens[i]) {
+                    Some(crc) if crc == t.checksums[i] => {
+                        self.store.seal(t.session, h, t.lens[i], Some(crc))?
+                    }
+                    Some(crc) => crc,
+                    None => self.store.seal(t.session, h, t.lens[i], None)?,
+                };
                 if found != t.checksums[i] {
                     self.counters
                         .checksum_failures

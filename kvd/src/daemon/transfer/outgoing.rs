@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use transport::engine::{EndpointId, Op as TransferOp, OpKind, Transport};
 use transport::grant::TransferId;
 use transport::segment::SegmentDescriptor;
+use transport::tcp::wire::Bind;
 use transport::tcp::{TcpPeer, TcpTransport};
 
 use super::Counters;
@@ -73,8 +74,16 @@ pub struct Outgoing {
     limits: OutgoingLimits,
     table: Mutex<Table>,
     endpoints: Mutex<HashMap<u64, EndpointId>>,
+    /// Control connections whose transfer ended cleanly, per peer, for the next transfer.
+    idle: Mutex<HashMap<u64, Vec<(std::net::TcpStream, Bind)>>>,
     counters: Arc<Counters>,
 }
+
+/// Idle control connections kept per peer.
+const IDLE_CONTROL_PER_PEER: usize = 4;
+
+/// How long a failed transfer waits for the peer to acknowledge its abort or release.
+const ABORT_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl Outgoing {
     /// No push yet.
@@ -95,6 +104,7 @@ impl Outgoing {
                 ..Table::default()
             }),
             endpoints: Mutex::new(HashMap::new()),
+            idle: Mutex::new(HashMap::new()),
             counters,
         }
     }
@@ -250,9 +260,7 @@ impl Outgoing {
             addr,
             node_id: peer,
         };
-        let (mut s, bind) = engine.open_control(&tcp_peer)?;
-        let _ = s.set_read_timeout(Some(self.limits.timeout));
-        let binding = Binding {
+        let binding_for = |bind: &Bind| Binding {
             request: 0,
             namespace: ns,
             source_node: self.node_id,
@@ -261,9 +269,9 @@ impl Outgoing {
             destination_generation: bind.node_generation,
             epoch: 1,
         };
-        let offer = PeerRequest::Offer {
-            binding,
-            namespace: Box::new(namespace),
+        let offer = |bind: &Bind| PeerRequest::Offer {
+            binding: binding_for(bind),
+            namespace: Box::new(namespace.clone()),
             blocks: blocks
                 .iter()
                 .map(|b| Offered {
@@ -273,7 +281,9 @@ impl Outgoing {
                 })
                 .collect(),
         };
-        let (transfer, segment, offsets) = match ask(&mut s, &offer)? {
+        let (mut s, bind, first) = self.first_ask(engine, &tcp_peer, offer)?;
+        let binding = binding_for(&bind);
+        let (transfer, segment, offsets) = match first {
             PeerReply::Accepted {
                 transfer,
                 segment,
@@ -305,12 +315,57 @@ impl Outgoing {
         if !ops.is_empty()
             && let Err(e) = self.send(engine, peer, tcp_peer, &ops)
         {
+            // Tell the peer, briefly: if the link is gone it aborts anyway when the
+            // connection dies (or at its deadline), and the caller should hear of the failure
+            // now, not after another timeout.
+            let _ = s.set_read_timeout(Some(ABORT_TIMEOUT));
+            let _ = s.set_write_timeout(Some(ABORT_TIMEOUT));
             let _ = ask(&mut s, &PeerRequest::Abort { transfer });
             return Err(e);
         }
         match ask(&mut s, &PeerRequest::Commit { transfer })? {
-            PeerReply::Committed { blocks } => Ok((blocks, bytes)),
+            PeerReply::Committed { blocks } => {
+                self.park(peer, s, bind);
+                Ok((blocks, bytes))
+            }
             r => Err(refusal(r)),
+        }
+    }
+
+    /// Send the first request of a transfer on a control connection to `peer`: an idle one
+    /// kept from an earlier transfer if there is one (and, should that one turn out dead, a
+    /// fresh one, once), else a fresh one. `request` is built from the peer's introduction
+    /// (its node generation). The connection, the introduction and the answer.
+    fn first_ask(
+        &self,
+        engine: &TcpTransport,
+        peer: &TcpPeer,
+        request: impl Fn(&Bind) -> PeerRequest,
+    ) -> Result<(std::net::TcpStream, Bind, PeerReply)> {
+        let idle = self
+            .idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&peer.node_id)
+            .and_then(Vec::pop);
+        if let Some((mut s, bind)) = idle
+            && let Ok(answer) = ask(&mut s, &request(&bind))
+        {
+            return Ok((s, bind, answer));
+        }
+        let (mut s, bind) = engine.open_control(peer)?;
+        let _ = s.set_read_timeout(Some(self.limits.timeout));
+        let answer = ask(&mut s, &request(&bind))?;
+        Ok((s, bind, answer))
+    }
+
+    /// Keep a control connection whose transfer ended cleanly for the next one (at most
+    /// [`IDLE_CONTROL_PER_PEER`] per peer; more are closed).
+    fn park(&self, peer: u64, s: std::net::TcpStream, bind: Bind) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let v = idle.entry(peer).or_default();
+        if v.len() < IDLE_CONTROL_PER_PEER {
+            v.push((s, bind));
         }
     }
 
@@ -330,9 +385,7 @@ impl Outgoing {
             addr: self.peers[&peer],
             node_id: peer,
         };
-        let (mut s, bind) = engine.open_control(&tcp_peer)?;
-        let _ = s.set_read_timeout(Some(self.limits.timeout));
-        let binding = Binding {
+        let binding_for = |bind: &Bind| Binding {
             request: 0,
             namespace: ns,
             source_node: peer,
@@ -341,11 +394,13 @@ impl Outgoing {
             destination_generation: self.store.node_generation(),
             epoch: 1,
         };
-        let want = PeerRequest::Want {
-            binding,
+        let want = |bind: &Bind| PeerRequest::Want {
+            binding: binding_for(bind),
             keys: keys.to_vec(),
         };
-        let (transfer, segment, namespace, served) = match ask(&mut s, &want)? {
+        let (mut s, bind, first) = self.first_ask(engine, &tcp_peer, want)?;
+        let binding = binding_for(&bind);
+        let (transfer, segment, namespace, served) = match first {
             PeerReply::Offering {
                 transfer,
                 segment,
@@ -357,8 +412,17 @@ impl Outgoing {
         let r = self.receive(
             engine, peer, tcp_peer, &binding, transfer, &segment, &namespace, keys, &served,
         );
-        // the peer's pins go in any case
-        let _ = ask(&mut s, &PeerRequest::Release { transfer });
+        // the peer's pins go in any case (it also releases them when the connection dies or
+        // at its deadline, so after a failure the answer is not waited for long)
+        if r.is_err() {
+            let _ = s.set_read_timeout(Some(ABORT_TIMEOUT));
+            let _ = s.set_write_timeout(Some(ABORT_TIMEOUT));
+        }
+        if let Ok(PeerReply::Released) = ask(&mut s, &PeerRequest::Release { transfer })
+            && r.is_ok()
+        {
+            self.park(peer, s, bind);
+        }
         r
     }
 
@@ -432,13 +496,23 @@ impl Outgoing {
                     epoch: binding.epoch,
                 })
                 .collect();
-            if !ops.is_empty() {
+            let crcs = if ops.is_empty() {
+                vec![]
+            } else {
                 // SAFETY (inside send): the local ranges are WRITING pages of this fetch's own
                 // session, which no client touches and which are not reused before it ends.
-                self.send(engine, peer, tcp_peer, &ops)?;
-            }
-            for (a, s) in &got {
-                let found = self.store.seal(sid, &a.handle, s.len, None)?;
+                self.send(engine, peer, tcp_peer, &ops)?
+            };
+            for (i, (a, s)) in got.iter().enumerate() {
+                // the block's CRC-32C from the chunks verified on arrival (no pass over the
+                // page), or, where they are not known, from the page itself
+                let found = match crcs.get(i).copied().flatten() {
+                    Some(crc) if crc == s.checksum => {
+                        self.store.seal(sid, &a.handle, s.len, Some(crc))?
+                    }
+                    Some(crc) => crc,
+                    None => self.store.seal(sid, &a.handle, s.len, None)?,
+                };
                 if found != s.checksum {
                     self.counters
                         .checksum_failures
@@ -476,7 +550,7 @@ impl Outgoing {
         peer: u64,
         tcp_peer: TcpPeer,
         ops: &[TransferOp],
-    ) -> Result<()> {
+    ) -> Result<Vec<Option<u32>>> {
         let mut reopened = false;
         loop {
             let ep = {
@@ -515,9 +589,11 @@ impl Outgoing {
                     st = engine.wait(batch, self.limits.timeout)?;
                 }
             }
+            let mut crcs = vec![None; ops.len()];
+            let _ = engine.checksums(batch, &mut crcs);
             let _ = engine.release(batch);
             if st.succeeded() {
-                return Ok(());
+                return Ok(crcs);
             }
             if st.first_failure.is_some_and(|f| {
                 matches!(

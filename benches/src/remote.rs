@@ -1,0 +1,257 @@
+//! `kvd-bench remote`: blocks between two real daemons on loopback, end to end through their
+//! clients, against the bounds measured in the same run.
+//!
+//! For each block size it starts two `kvd serve` (nodes 1 and 2, pages of that size, data
+//! ports on loopback, each the other's peer) and, per run:
+//!
+//! - **push**: an engine on node 1 writes a fresh set of blocks (at least `--gib-per-case`
+//!   GiB, untimed) into node 1's pool, then pushes them to node 2 in batches, two pushes in
+//!   flight; timed from the first push request to the last push's end (every block verified
+//!   and published on node 2).
+//! - **fetch**: the engine writes another fresh set into node 1 (untimed); an engine on node 2
+//!   fetches it from node 1 in batches, two in flight; timed likewise (every block verified
+//!   and published on node 2).
+//!
+//! Bounds in the same run: raw single-stream loopback TCP (`kvd-bench transfer`'s, sampled
+//! before every size) and one 1 GiB memcpy. GB/s counts block bytes moved. Every loop is
+//! bounded in count and time.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use kvd::client::Client;
+use kvd::keys::BlockKey;
+use kvd::protocol::TransferState;
+use transport::engine::HeapMemory;
+
+use crate::local::{ChildDaemon, Crc, Keys, buffers, connect, descriptor, kvd_beside, put_batch};
+use crate::transfer::{Target, write_secret};
+
+/// `kvd-bench remote` arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RemoteArgs {
+    /// Block sizes in KiB, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![256u64, 2048, 2560])]
+    pub block_kib: Vec<u64>,
+    /// Blocks per push or fetch (two are kept in flight).
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// GiB moved per run and direction (at least).
+    #[arg(long, default_value_t = 1.0)]
+    pub gib_per_case: f64,
+    /// Runs per size (median and spread reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// The `kvd` binary to start (default: the one beside this binary).
+    #[arg(long)]
+    pub kvd: Option<PathBuf>,
+}
+
+/// No single transfer may take longer than this.
+const TRANSFER_CAP: Duration = Duration::from_secs(120);
+
+#[derive(Debug, Default)]
+struct Samples {
+    push: Vec<f64>,
+    fetch: Vec<f64>,
+    raw: Vec<f64>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn spread(v: &[f64]) -> (f64, f64) {
+    (
+        v.iter().copied().fold(f64::MAX, f64::min),
+        v.iter().copied().fold(0.0, f64::max),
+    )
+}
+
+fn free_port() -> Result<u16, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    Ok(l.local_addr().map_err(|e| e.to_string())?.port())
+}
+
+/// Run the benchmark.
+pub fn run(args: &RemoteArgs) -> Result<(), String> {
+    if args.batch == 0 || args.repeat == 0 || args.block_kib.is_empty() {
+        return Err("--batch, --repeat and --block-kib need at least one".into());
+    }
+    let kvd = kvd_beside(args.kvd.as_deref())?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let secret = write_secret(dir.path())?;
+    let total = (args.gib_per_case * (1u64 << 30) as f64) as u64;
+    eprintln!("kvd-bench remote: memcpy bound (1 GiB, best of 3)");
+    let memcpy = crate::local::memcpy_bound(1 << 30);
+    let raw_mem = HeapMemory::zeroed(64 << 20);
+    crate::transfer::fill(&raw_mem);
+    let mut raw = Target::spawn(&secret, 64 << 20, 1024, "auto")?;
+    let mut rows = Vec::new();
+    for &kib in &args.block_kib {
+        let block = (kib << 10) as usize;
+        let n = (total as usize).div_ceil(block);
+        let mut s = Samples::default();
+        let (port1, port2) = (free_port()?, free_port()?);
+        let node = |id: u32, port: u16, peer: u32, peer_port: u16| -> Vec<String> {
+            vec![
+                "--cluster-secret-file".into(),
+                secret.to_string_lossy().into_owned(),
+                "--node-id".into(),
+                id.to_string(),
+                "--data-listen".into(),
+                format!("127.0.0.1:{port}"),
+                "--peer".into(),
+                format!("{peer}=127.0.0.1:{peer_port}"),
+                "--max-batch".into(),
+                "1024".into(),
+            ]
+        };
+        // room for one set plus the batches in flight
+        let pages = n + 4 * args.batch;
+        let a = ChildDaemon::start_with(&kvd, block, pages, &node(1, port1, 2, port2))?;
+        let b = ChildDaemon::start_with(&kvd, block, pages, &node(2, port2, 1, port1))?;
+        let mut ca = connect(&a.socket)?;
+        let mut cb = connect(&b.socket)?;
+        let ns = ca
+            .register_namespace(&descriptor(block))
+            .map_err(|e| e.to_string())?;
+        cb.register_namespace(&descriptor(block))
+            .map_err(|e| e.to_string())?;
+        let src = buffers(block, 8, 1, 64 << 20);
+        let crcs: Vec<u32> = src.iter().map(|b| crc32c::crc32c(b)).collect();
+        let mut keys = Keys::new(ns);
+        for r in 0..args.repeat {
+            s.raw.push(raw.raw_sample(&raw_mem, 1 << 30)?.0);
+            eprintln!(
+                "kvd-bench remote: {} KiB blocks, run {} of {}: writing {n} blocks into node 1",
+                kib,
+                r + 1,
+                args.repeat
+            );
+            let set = write_set(&mut ca, &mut keys, n, args.batch, &src, &crcs)?;
+            eprintln!("kvd-bench remote:   pushing them to node 2");
+            s.push.push(moved(&mut ca, &set, args.batch, block, |c, k| {
+                c.push(2, k)
+            })?);
+            let set = write_set(&mut ca, &mut keys, n, args.batch, &src, &crcs)?;
+            eprintln!("kvd-bench remote:   node 2 fetching another {n} from node 1");
+            s.fetch
+                .push(moved(&mut cb, &set, args.batch, block, |c, k| {
+                    c.fetch(1, k)
+                })?);
+        }
+        drop((ca, cb));
+        a.stop();
+        b.stop();
+        rows.push((kib, s));
+    }
+
+    println!();
+    println!(
+        "{:<12} {:>9} {:>13} {:>6} {:>9} {:>9} {:>13} {:>6} {:>9} {:>9}",
+        "block",
+        "push GB/s",
+        "spread",
+        "xTCP",
+        "blocks/s",
+        "fetch",
+        "spread",
+        "xTCP",
+        "blocks/s",
+        "raw TCP"
+    );
+    for (kib, s) in &rows {
+        let r = median(&s.raw);
+        let (p, f) = (median(&s.push), median(&s.fetch));
+        let (plo, phi) = spread(&s.push);
+        let (flo, fhi) = spread(&s.fetch);
+        let per_s = |gbps: f64| gbps * 1e9 / (*kib as f64 * 1024.0);
+        println!(
+            "{:<12} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2}",
+            format!("{kib} KiB"),
+            p,
+            plo,
+            phi,
+            p / r,
+            per_s(p),
+            f,
+            flo,
+            fhi,
+            f / r,
+            per_s(f),
+            r
+        );
+    }
+    println!(
+        "\nmemcpy (1 GiB, best of 3): {memcpy:.2} GB/s. {} runs per size, >= {:.2} GiB per run and \
+         direction, batches of {}, two in flight; raw TCP: the median of the samples taken before \
+         each run (1 GiB each).",
+        args.repeat, args.gib_per_case, args.batch
+    );
+    Ok(())
+}
+
+/// Write `n` fresh blocks into the daemon behind `c` (published, untimed); their keys.
+fn write_set(
+    c: &mut Client,
+    keys: &mut Keys,
+    n: usize,
+    batch: usize,
+    src: &[Vec<u8>],
+    crcs: &[u32],
+) -> Result<Vec<BlockKey>, String> {
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        let k = keys.take(batch.min(n - out.len()));
+        put_batch(c, &k, src, crcs, out.len(), Crc::Off).map_err(|e| e.to_string())?;
+        out.extend(k);
+    }
+    Ok(out)
+}
+
+/// Move `set` in batches with `start` (push or fetch), two in flight; GB/s of block bytes.
+fn moved(
+    c: &mut Client,
+    set: &[BlockKey],
+    batch: usize,
+    block: usize,
+    start: impl Fn(&mut Client, &[BlockKey]) -> kvd::Result<u64>,
+) -> Result<f64, String> {
+    let t = Instant::now();
+    let mut pending = std::collections::VecDeque::new();
+    let mut batches = set.chunks(batch);
+    let mut blocks = 0u64;
+    loop {
+        while pending.len() < 2 {
+            let Some(k) = batches.next() else { break };
+            pending.push_back(start(c, k).map_err(|e| e.to_string())?);
+        }
+        let Some(id) = pending.pop_front() else { break };
+        let began = Instant::now();
+        loop {
+            let info = c
+                .transfers(&[id])
+                .map_err(|e| e.to_string())?
+                .pop()
+                .ok_or("the transfer was forgotten")?;
+            match info.state {
+                TransferState::InFlight if began.elapsed() < TRANSFER_CAP => {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                TransferState::InFlight => return Err("a transfer took over 120 s".into()),
+                TransferState::Done => {
+                    blocks += u64::from(info.blocks);
+                    break;
+                }
+                TransferState::Failed(e) => return Err(format!("a transfer failed: {e:?}")),
+            }
+        }
+    }
+    if blocks != set.len() as u64 {
+        return Err(format!("{blocks} of {} blocks moved", set.len()));
+    }
+    Ok(blocks as f64 * block as f64 / 1e9 / t.elapsed().as_secs_f64())
+}
