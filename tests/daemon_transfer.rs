@@ -210,6 +210,7 @@ impl RawSource {
                     checksum: transport::local::crc32c(0, &bytes[i * BLOCK..(i + 1) * BLOCK]),
                 })
                 .collect(),
+            checkpoint: None,
         }
     }
 }
@@ -446,4 +447,115 @@ fn a_push_whose_link_is_cut_publishes_nothing_frees_the_destinations_pages_and_u
         vec![false; 40],
         "nothing of the group is visible"
     );
+}
+
+#[test]
+fn a_checkpoint_streamed_step_by_step_to_its_holder_restores_there_and_by_a_recovery_read() {
+    use kvd::keys::block_tags;
+    use kvd::protocol::SealItem;
+    use kvd::store::{BlockClass, Handle};
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path());
+    let holder = Daemon::start(&data_args(&secret, "2"));
+    let to_holder = format!("2={}", data_addr(&holder));
+    let mut args = data_args(&secret, "1");
+    args.extend(["--peer", &to_holder]);
+    let worker = Daemon::start(&args);
+    let mut args = data_args(&secret, "3");
+    args.extend(["--peer", &to_holder]);
+    let successor = Daemon::start(&args);
+
+    let desc = support::namespace();
+    let mut w = worker.client("worker", 30_000);
+    let ns = w.register_namespace(&desc).unwrap();
+    let (req, epoch) = (4242, 3);
+    let tpb = desc.tokens_per_block;
+    let tokens: Vec<u32> = (0..6 * tpb).map(|t| t * 7 + 1).collect();
+    let keys: Vec<BlockKey> = block_tags(&ns, tpb, &tokens)
+        .unwrap()
+        .into_iter()
+        .map(|tag| BlockKey { namespace: ns, tag })
+        .collect();
+    w.manifest_begin(req, epoch, &ns, 0, 60_000).unwrap();
+    // three steps of two blocks each: written here, extended here, streamed to the holder
+    for step in 0..3 {
+        let ks = &keys[2 * step..2 * step + 2];
+        let class = BlockClass::Checkpoint {
+            request: req,
+            epoch,
+        };
+        let allocs: Vec<_> = w
+            .alloc(ks, class, None)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        let mut seals = Vec::new();
+        for (i, a) in allocs.iter().enumerate() {
+            let data = support::pattern(BLOCK, (2 * step + i) as u8);
+            let crc = w.write_with_crc(&a.handle, 0, &data, 0).unwrap();
+            seals.push(SealItem {
+                handle: a.handle,
+                len: data.len() as u64,
+                checksum: Some(crc),
+            });
+        }
+        assert!(w.seal(&seals).unwrap().iter().all(|r| r.is_ok()));
+        let handles: Vec<Handle> = allocs.iter().map(|a| a.handle).collect();
+        let committed = ((2 * step + 2) as u32 * tpb) as u64;
+        w.manifest_extend(req, epoch, &handles, committed).unwrap();
+        let id = w
+            .push_checkpoint(2, req, epoch, ks, committed, 60_000)
+            .unwrap();
+        let t = wait_done(&mut w, id);
+        assert_eq!(
+            (t.state.clone(), t.blocks),
+            (TransferState::Done, 2),
+            "step {step}: {t:?}"
+        );
+    }
+    // the holder's manifest grew step by step to all six blocks
+    let mut h = holder.client("holder", 30_000);
+    let m = h.manifest(req).unwrap();
+    assert_eq!(
+        (m.epoch, m.tags.len(), m.committed_tokens),
+        (epoch, 6, 6 * tpb as u64)
+    );
+    // restore there by token history: a history that diverges in block 4 uses blocks 0..4
+    let mut diverged = tokens.clone();
+    diverged[4 * tpb as usize + 1] = 99_999;
+    let r = h.restore_prefix(req, &diverged).unwrap();
+    assert_eq!((r.blocks.len(), r.tokens), (4, 4 * tpb as u64));
+    // a step of an older epoch is refused by the holder
+    let id = w
+        .push_checkpoint(2, req, epoch - 1, &keys[..2], 2 * tpb as u64, 60_000)
+        .unwrap();
+    let t = wait_done(&mut w, id);
+    assert!(
+        matches!(t.state, TransferState::Failed(WireError::StaleEpoch { .. })),
+        "{t:?}"
+    );
+
+    // the recovery read: a successor fetches the longest verified prefix from the holder
+    let mut s = successor.client("successor", 30_000);
+    let id = s.fetch_prefix(2, req, &diverged).unwrap();
+    let t = wait_done(&mut s, id);
+    assert_eq!(
+        (t.state.clone(), t.blocks, t.tokens),
+        (TransferState::Done, 4, 4 * tpb as u64)
+    );
+    for (i, got) in s.acquire(&keys[..4], None).unwrap().into_iter().enumerate() {
+        let info = got.expect("restored on the successor");
+        let mut buf = vec![0u8; BLOCK];
+        s.read_verified(&info.handle, &mut buf).unwrap();
+        assert!(
+            buf == support::pattern(BLOCK, i as u8),
+            "block {i} byte-exact"
+        );
+        s.release(&[info.handle]).unwrap();
+    }
+    // nothing to restore for an unknown request: done, no tokens
+    let id = s.fetch_prefix(2, 9999, &tokens).unwrap();
+    let t = wait_done(&mut s, id);
+    assert_eq!((t.state, t.blocks, t.tokens), (TransferState::Done, 0, 0));
 }

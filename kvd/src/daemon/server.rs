@@ -672,6 +672,35 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
             let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;
             Reply::Transfer(dp.start_transfer(Kind::Fetch, peer, keys)?)
         }
+        Op::PushCheckpoint {
+            peer,
+            request,
+            epoch,
+            keys,
+            committed_tokens,
+            ttl_ms,
+        } => {
+            refuse_new_work(d, "checkpoint pushes")?;
+            let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;
+            let kind = Kind::PushCheckpoint {
+                request,
+                epoch,
+                committed_tokens,
+                ttl_ms,
+            };
+            Reply::Transfer(dp.start_transfer(kind, peer, keys)?)
+        }
+        Op::FetchPrefix {
+            peer,
+            request,
+            tokens,
+        } => {
+            refuse_new_work(d, "recovery reads")?;
+            let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;
+            // (the token history is bounded by the frame size)
+            let kind = Kind::FetchPrefix { request, tokens };
+            Reply::Transfer(dp.start_transfer(kind, peer, vec![])?)
+        }
         Op::Transfers { ids } => {
             let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;
             Reply::Transfers(dp.transfers(&ids))

@@ -593,6 +593,53 @@ impl Client {
         }
     }
 
+    /// Stream one checkpoint step of `request` (its PUBLISHED checkpoint blocks `keys`, at
+    /// `epoch`) to its holder `peer`, which extends its manifest with them and
+    /// `committed_tokens` atomically; returns at once with the transfer's id.
+    ///
+    /// # Errors
+    /// As [`Client::push`].
+    pub fn push_checkpoint(
+        &mut self,
+        peer: u64,
+        request: RequestId,
+        epoch: u64,
+        keys: &[BlockKey],
+        committed_tokens: u64,
+        ttl_ms: u64,
+    ) -> Result<u64> {
+        self.check_batch(keys.len())?;
+        match self.call(Op::PushCheckpoint {
+            peer,
+            request,
+            epoch,
+            keys: keys.to_vec(),
+            committed_tokens,
+            ttl_ms,
+        })? {
+            Reply::Transfer(id) => Ok(id),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// The recovery read: fetch from holder `peer` the longest verified prefix of `request`'s
+    /// checkpoint that `tokens` continues; the blocks land here as PUBLISHED cache blocks (the
+    /// transfer's `tokens` says how many tokens they cover). Returns at once with the
+    /// transfer's id.
+    ///
+    /// # Errors
+    /// As [`Client::push`].
+    pub fn fetch_prefix(&mut self, peer: u64, request: RequestId, tokens: &[u32]) -> Result<u64> {
+        match self.call(Op::FetchPrefix {
+            peer,
+            request,
+            tokens: tokens.to_vec(),
+        })? {
+            Reply::Transfer(id) => Ok(id),
+            r => Err(unexpected(&r)),
+        }
+    }
+
     /// The states of transfers this daemon started (any session's); unknown or forgotten ids
     /// are left out.
     pub fn transfers(&mut self, ids: &[u64]) -> Result<Vec<TransferInfo>> {

@@ -20,7 +20,7 @@ use transport::tcp::TcpTransport;
 use transport::tcp::wire::Bind;
 
 use super::Counters;
-use super::wire::{Binding, Offered, PeerReply, PeerRequest, Served};
+use super::wire::{Binding, CheckpointStep, Offered, PeerReply, PeerRequest, Served};
 use crate::daemon::data_port::POOL_SEGMENT;
 use crate::keys::{BlockKey, NamespaceDescriptor};
 use crate::protocol::WireError;
@@ -61,6 +61,8 @@ struct InFlight {
     offsets: Vec<u64>,
     lens: Vec<u64>,
     checksums: Vec<u32>,
+    /// A checkpoint step's (request, epoch, step): committed into the manifest, not published.
+    checkpoint: Option<(u64, u64, CheckpointStep)>,
     deadline: Instant,
 }
 
@@ -165,7 +167,10 @@ impl Incoming {
                 binding,
                 namespace,
                 blocks,
-            } => self.offer(engine, connection, peer, binding, &namespace, &blocks),
+                checkpoint,
+            } => self.offer(
+                engine, connection, peer, binding, &namespace, &blocks, checkpoint,
+            ),
             PeerRequest::Commit { transfer } => self.commit(engine, peer, transfer),
             PeerRequest::Abort { transfer } => {
                 self.owned_by(peer, transfer)?;
@@ -174,6 +179,41 @@ impl Incoming {
             }
             PeerRequest::Want { binding, keys } => {
                 self.want(engine, connection, peer, binding, &keys)
+            }
+            PeerRequest::WantPrefix { binding, tokens } => {
+                self.check_fetch_binding(peer, &binding)?;
+                // every block of the answer had its checksum checked just now
+                let prefix = self.store.restore_prefix(binding.request, &tokens)?;
+                let keys: Vec<BlockKey> = prefix.blocks.iter().map(|b| b.key).collect();
+                let Some(first) = keys.first() else {
+                    return Err(Error::NotFound(format!(
+                        "no verified checkpoint prefix of request {} here",
+                        binding.request
+                    )));
+                };
+                // the asker cannot know the manifest's namespace; it is the blocks'
+                let binding = Binding {
+                    namespace: first.namespace,
+                    ..binding
+                };
+                let reply = self.serve_keys(engine, connection, peer, binding, &keys)?;
+                Ok(match reply {
+                    PeerReply::Offering {
+                        transfer,
+                        segment,
+                        namespace,
+                        blocks,
+                        ..
+                    } => PeerReply::Offering {
+                        transfer,
+                        segment,
+                        namespace,
+                        blocks,
+                        keys,
+                        tokens: prefix.tokens,
+                    },
+                    other => other,
+                })
             }
             PeerRequest::Release { transfer } => {
                 self.owned_by(peer, transfer)?;
@@ -281,6 +321,13 @@ impl Incoming {
         binding: Binding,
         keys: &[BlockKey],
     ) -> Result<PeerReply> {
+        self.check_fetch_binding(peer, &binding)?;
+        self.serve_keys(engine, connection, peer, binding, keys)
+    }
+
+    /// A fetch's binding names this node (this incarnation) as source and the asker as
+    /// destination.
+    fn check_fetch_binding(&self, peer: &Bind, binding: &Binding) -> Result<()> {
         let mine = self.store.node_generation();
         let refused = if binding.source_generation != mine {
             Some(Error::StaleGeneration {
@@ -312,6 +359,18 @@ impl Incoming {
                 .fetch_add(1, Ordering::Relaxed);
             return Err(e);
         }
+        Ok(())
+    }
+
+    /// Pin `keys` and grant their pages for reading by `peer`.
+    fn serve_keys(
+        &self,
+        engine: &TcpTransport,
+        connection: u64,
+        peer: &Bind,
+        binding: Binding,
+        keys: &[BlockKey],
+    ) -> Result<PeerReply> {
         if keys.is_empty() || keys.len() > self.store.config().max_batch as usize {
             return Err(Error::InvalidArgument(format!(
                 "a fetch asks for 1 to {} blocks, not {}",
@@ -383,6 +442,7 @@ impl Incoming {
                 offsets: vec![],
                 lens: vec![],
                 checksums: vec![],
+                checkpoint: None,
                 deadline: Instant::now() + self.limits.deadline,
             },
         );
@@ -391,9 +451,12 @@ impl Incoming {
             segment: engine_segment(engine),
             namespace: Box::new(namespace),
             blocks,
+            keys: vec![],
+            tokens: 0,
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn offer(
         &self,
         engine: &TcpTransport,
@@ -402,8 +465,14 @@ impl Incoming {
         binding: Binding,
         namespace: &NamespaceDescriptor,
         blocks: &[Offered],
+        checkpoint: Option<CheckpointStep>,
     ) -> Result<PeerReply> {
         self.check_binding(peer, &binding)?;
+        if checkpoint.is_some() && binding.request == 0 {
+            return Err(Error::InvalidArgument(
+                "a checkpoint step names its request (0 is none)".into(),
+            ));
+        }
         if blocks.is_empty() || blocks.len() > self.store.config().max_batch as usize {
             return Err(Error::InvalidArgument(format!(
                 "an offer holds 1 to {} blocks, not {}",
@@ -440,8 +509,35 @@ impl Incoming {
             let _ = self.store.abort(sid, handles);
             self.store.close_session(sid);
         };
+        let class = match checkpoint {
+            Some(step) => {
+                // the holder's manifest of the request, at this epoch (begun by the first
+                // step; an older epoch is refused here, a newer one supersedes)
+                if let Err(e) = self.store.manifest_begin(
+                    sid,
+                    binding.request,
+                    binding.epoch,
+                    binding.namespace,
+                    0,
+                    step.ttl_ms,
+                ) {
+                    undo(&[]);
+                    if matches!(e, Error::StaleEpoch { .. }) {
+                        self.counters
+                            .binding_mismatches
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    return Err(e);
+                }
+                BlockClass::Checkpoint {
+                    request: binding.request,
+                    epoch: binding.epoch,
+                }
+            }
+            None => BlockClass::Cache,
+        };
         let keys: Vec<_> = blocks.iter().map(|b| b.key).collect();
-        let allocs = match self.store.alloc(sid, &keys, BlockClass::Cache, None) {
+        let allocs = match self.store.alloc(sid, &keys, class, None) {
             Ok(a) => a,
             Err(e) => {
                 undo(&[]);
@@ -502,6 +598,7 @@ impl Incoming {
                 offsets: pages,
                 lens,
                 checksums,
+                checkpoint: checkpoint.map(|c| (binding.request, binding.epoch, c)),
                 deadline: Instant::now() + self.limits.deadline,
             },
         );
@@ -553,8 +650,19 @@ impl Incoming {
                     });
                 }
             }
-            if !t.handles.is_empty() {
-                self.store.publish(t.session, &t.handles)?;
+            match t.checkpoint {
+                // one atomic step of the manifest: the blocks and the committed count
+                Some((request, epoch, step)) => {
+                    self.store.manifest_extend(
+                        t.session,
+                        request,
+                        epoch,
+                        &t.handles,
+                        step.committed_tokens,
+                    )?;
+                }
+                None if !t.handles.is_empty() => self.store.publish(t.session, &t.handles)?,
+                None => {}
             }
             Ok(())
         })();

@@ -18,21 +18,42 @@ use transport::tcp::wire::Bind;
 use transport::tcp::{TcpPeer, TcpTransport};
 
 use super::Counters;
-use super::wire::{Binding, Offered, PeerReply, PeerRequest, Served};
+use super::wire::{Binding, CheckpointStep, Offered, PeerReply, PeerRequest, Served};
 use crate::daemon::data_port::POOL_SEGMENT;
 use crate::keys::BlockKey;
 use crate::protocol::{TransferInfo, TransferState, WireError};
 use crate::store::{BlockClass, BlockInfo, Store};
 use crate::{Error, Result};
 
-/// Which way a transfer this node starts goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a transfer this node starts does.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Kind {
-    /// Our blocks to the peer.
+    /// Our blocks to the peer (cache blocks there).
     Push,
-    /// The peer's blocks to us.
+    /// The peer's blocks to us, by key.
     Fetch,
+    /// One checkpoint step of a request to its holder.
+    PushCheckpoint {
+        /// The request.
+        request: u64,
+        /// Its epoch.
+        epoch: u64,
+        /// Its committed token count after the step.
+        committed_tokens: u64,
+        /// The holder's manifest TTL, ms.
+        ttl_ms: u64,
+    },
+    /// The recovery read: the longest verified checkpoint prefix of a request from its holder.
+    FetchPrefix {
+        /// The request.
+        request: u64,
+        /// Its token history.
+        tokens: Vec<u32>,
+    },
 }
+
+/// Blocks, bytes and (for a prefix) tokens a transfer moved.
+type Moved = (u32, u64, u64);
 
 /// Bounds on transfers this node starts.
 #[derive(Debug, Clone, Copy)]
@@ -153,6 +174,7 @@ impl Outgoing {
                 state: TransferState::InFlight,
                 blocks: 0,
                 bytes: 0,
+                tokens: 0,
                 elapsed_ms: 0,
             },
         );
@@ -176,8 +198,23 @@ impl Outgoing {
     pub fn run(&self, engine: &TcpTransport, id: u64, kind: Kind, peer: u64, keys: &[BlockKey]) {
         let started = Instant::now();
         let outcome = match kind {
-            Kind::Push => self.push(engine, peer, keys),
-            Kind::Fetch => self.fetch(engine, peer, keys),
+            Kind::Push => self.push(engine, peer, keys, None),
+            Kind::PushCheckpoint {
+                request,
+                epoch,
+                committed_tokens,
+                ttl_ms,
+            } => {
+                let step = CheckpointStep {
+                    committed_tokens,
+                    ttl_ms,
+                };
+                self.push(engine, peer, keys, Some((request, epoch, step)))
+            }
+            Kind::Fetch => self.fetch(engine, peer, keys, None),
+            Kind::FetchPrefix { request, tokens } => {
+                self.fetch(engine, peer, &[], Some((request, tokens)))
+            }
         };
         let mut t = self.table();
         if let Some(n) = t.running.get_mut(&peer) {
@@ -191,10 +228,11 @@ impl Outgoing {
         };
         p.elapsed_ms = started.elapsed().as_millis() as u64;
         match outcome {
-            Ok((blocks, bytes)) => {
+            Ok((blocks, bytes, tokens)) => {
                 p.state = TransferState::Done;
                 p.blocks = blocks;
                 p.bytes = bytes;
+                p.tokens = tokens;
                 self.counters.pushes_done.fetch_add(1, Ordering::Relaxed);
                 self.counters
                     .blocks_sent
@@ -218,7 +256,13 @@ impl Outgoing {
     }
 
     /// The push itself: pinned, offered, written, committed; the pins go whatever happens.
-    fn push(&self, engine: &TcpTransport, peer: u64, keys: &[BlockKey]) -> Result<(u32, u64)> {
+    fn push(
+        &self,
+        engine: &TcpTransport,
+        peer: u64,
+        keys: &[BlockKey],
+        checkpoint: Option<(u64, u64, CheckpointStep)>,
+    ) -> Result<Moved> {
         let ttl_ms = self.limits.timeout.as_millis() as u64;
         let sid = self
             .store
@@ -228,7 +272,7 @@ impl Outgoing {
             for r in self.store.acquire(sid, keys, Some(ttl_ms))? {
                 pinned.push(r?);
             }
-            self.offer_and_send(engine, peer, &pinned)
+            self.offer_and_send(engine, peer, &pinned, checkpoint)
         })();
         let handles: Vec<_> = pinned.iter().map(|b| b.handle).collect();
         let _ = self.store.release(sid, &handles);
@@ -241,7 +285,8 @@ impl Outgoing {
         engine: &TcpTransport,
         peer: u64,
         blocks: &[BlockInfo],
-    ) -> Result<(u32, u64)> {
+        checkpoint: Option<(u64, u64, CheckpointStep)>,
+    ) -> Result<Moved> {
         let Some(first) = blocks.first() else {
             return Err(Error::InvalidArgument("a push of no blocks".into()));
         };
@@ -260,14 +305,15 @@ impl Outgoing {
             addr,
             node_id: peer,
         };
+        let (request, epoch) = checkpoint.map_or((0, 1), |(r, e, _)| (r, e));
         let binding_for = |bind: &Bind| Binding {
-            request: 0,
+            request,
             namespace: ns,
             source_node: self.node_id,
             source_generation: self.store.node_generation(),
             destination_node: peer,
             destination_generation: bind.node_generation,
-            epoch: 1,
+            epoch,
         };
         let offer = |bind: &Bind| PeerRequest::Offer {
             binding: binding_for(bind),
@@ -280,6 +326,7 @@ impl Outgoing {
                     checksum: b.checksum,
                 })
                 .collect(),
+            checkpoint: checkpoint.map(|(_, _, step)| step),
         };
         let (mut s, bind, first) = self.first_ask(engine, &tcp_peer, offer)?;
         let binding = binding_for(&bind);
@@ -326,7 +373,7 @@ impl Outgoing {
         match ask(&mut s, &PeerRequest::Commit { transfer })? {
             PeerReply::Committed { blocks } => {
                 self.park(peer, s, bind);
-                Ok((blocks, bytes))
+                Ok((blocks, bytes, 0))
             }
             r => Err(refusal(r)),
         }
@@ -371,22 +418,31 @@ impl Outgoing {
 
     /// The fetch itself: the peer pins and grants, we allocate, read, verify, publish; the
     /// peer's pins go whatever happens, and so do our pages unless published.
-    fn fetch(&self, engine: &TcpTransport, peer: u64, keys: &[BlockKey]) -> Result<(u32, u64)> {
-        let Some(first) = keys.first() else {
-            return Err(Error::InvalidArgument("a fetch of no blocks".into()));
+    fn fetch(
+        &self,
+        engine: &TcpTransport,
+        peer: u64,
+        keys: &[BlockKey],
+        prefix: Option<(u64, Vec<u32>)>,
+    ) -> Result<Moved> {
+        // a prefix's namespace is the holder's manifest's; it names it in its answer
+        let ns = match (keys.first(), &prefix) {
+            (Some(first), None) => first.namespace,
+            (None, Some(_)) => crate::keys::NamespaceId([0; 32]),
+            _ => return Err(Error::InvalidArgument("a fetch of no blocks".into())),
         };
-        let ns = first.namespace;
         if keys.iter().any(|k| k.namespace != ns) {
             return Err(Error::InvalidArgument(
                 "a fetch holds blocks of one namespace".into(),
             ));
         }
+        let request = prefix.as_ref().map_or(0, |(r, _)| *r);
         let tcp_peer = TcpPeer {
             addr: self.peers[&peer],
             node_id: peer,
         };
         let binding_for = |bind: &Bind| Binding {
-            request: 0,
+            request,
             namespace: ns,
             source_node: peer,
             source_generation: bind.node_generation,
@@ -394,24 +450,52 @@ impl Outgoing {
             destination_generation: self.store.node_generation(),
             epoch: 1,
         };
-        let want = |bind: &Bind| PeerRequest::Want {
-            binding: binding_for(bind),
-            keys: keys.to_vec(),
+        let want = |bind: &Bind| match &prefix {
+            Some((_, tokens)) => PeerRequest::WantPrefix {
+                binding: binding_for(bind),
+                tokens: tokens.clone(),
+            },
+            None => PeerRequest::Want {
+                binding: binding_for(bind),
+                keys: keys.to_vec(),
+            },
         };
         let (mut s, bind, first) = self.first_ask(engine, &tcp_peer, want)?;
         let binding = binding_for(&bind);
-        let (transfer, segment, namespace, served) = match first {
+        let (transfer, segment, namespace, served, prefix_keys, tokens) = match first {
             PeerReply::Offering {
                 transfer,
                 segment,
                 namespace,
                 blocks,
-            } => (transfer, segment, namespace, blocks),
+                keys,
+                tokens,
+            } => (transfer, segment, namespace, blocks, keys, tokens),
+            // nothing of the request to restore there
+            PeerReply::Refused(WireError::NotFound(_)) if prefix.is_some() => {
+                self.park(peer, s, bind);
+                return Ok((0, 0, 0));
+            }
             r => return Err(refusal(r)),
         };
-        let r = self.receive(
-            engine, peer, tcp_peer, &binding, transfer, &segment, &namespace, keys, &served,
-        );
+        let (keys, expected_ns) = match prefix {
+            Some(_) => (&prefix_keys[..], None),
+            None => (keys, Some(binding.namespace)),
+        };
+        let r = self
+            .receive(
+                engine,
+                peer,
+                tcp_peer,
+                &binding,
+                expected_ns,
+                transfer,
+                &segment,
+                &namespace,
+                keys,
+                &served,
+            )
+            .map(|(blocks, bytes)| (blocks, bytes, tokens));
         // the peer's pins go in any case (it also releases them when the connection dies or
         // at its deadline, so after a failure the answer is not waited for long)
         if r.is_err() {
@@ -434,15 +518,18 @@ impl Outgoing {
         peer: u64,
         tcp_peer: TcpPeer,
         binding: &Binding,
+        expected_ns: Option<crate::keys::NamespaceId>,
         transfer: u64,
         segment: &[u8],
         namespace: &crate::keys::NamespaceDescriptor,
         keys: &[BlockKey],
         served: &[Option<Served>],
     ) -> Result<(u32, u64)> {
-        if served.len() != keys.len()
-            || self.store.register_namespace(namespace)? != binding.namespace
-        {
+        let ns = self.store.register_namespace(namespace)?;
+        let other_blocks = served.len() != keys.len()
+            || expected_ns.is_some_and(|e| e != ns)
+            || keys.iter().any(|k| k.namespace != ns);
+        if other_blocks {
             return Err(Error::Protocol("the peer answered for other blocks".into()));
         }
         let remote = SegmentDescriptor::decode(segment).map_err(Error::from)?;

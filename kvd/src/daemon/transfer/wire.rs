@@ -68,6 +68,17 @@ pub struct Offered {
     pub checksum: u32,
 }
 
+/// What makes a push a checkpoint step: the destination extends its manifest of the
+/// binding's request (at the binding's epoch) with the blocks instead of publishing them as
+/// cache blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointStep {
+    /// The request's committed token count after this step.
+    pub committed_tokens: u64,
+    /// The destination manifest's TTL, ms (used when the step begins it).
+    pub ttl_ms: u64,
+}
+
 /// One block a fetch's source serves: where it is in its pool, and what it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Served {
@@ -90,6 +101,8 @@ pub enum PeerRequest {
         namespace: Box<NamespaceDescriptor>,
         /// The blocks (at most the destination's batch bound).
         blocks: Vec<Offered>,
+        /// Set for a checkpoint step.
+        checkpoint: Option<CheckpointStep>,
     },
     /// Every byte was written: verify and publish → [`PeerReply::Committed`].
     Commit {
@@ -108,6 +121,14 @@ pub enum PeerRequest {
         binding: Binding,
         /// The blocks (one namespace, at most the source's batch bound).
         keys: Vec<BlockKey>,
+    },
+    /// Please let me read the longest verified prefix of the binding's request's checkpoint
+    /// that `tokens` continues (the recovery read) → [`PeerReply::Offering`].
+    WantPrefix {
+        /// What the transfer is bound to (its request is the one asked for).
+        binding: Binding,
+        /// The request's token history.
+        tokens: Vec<u32>,
     },
     /// The fetch is over (done or not): unpin → [`PeerReply::Released`].
     Release {
@@ -146,6 +167,10 @@ pub enum PeerReply {
         namespace: Box<NamespaceDescriptor>,
         /// Per wanted key: where it is, or `None` when the source does not hold it.
         blocks: Vec<Option<Served>>,
+        /// For a prefix: the keys, in order (empty for a fetch by key).
+        keys: Vec<BlockKey>,
+        /// For a prefix: the tokens its blocks cover.
+        tokens: u64,
     },
     /// Unpinned.
     Released,

@@ -279,6 +279,36 @@ pub enum Op {
         /// The blocks.
         keys: Vec<BlockKey>,
     },
+    /// Stream one step of a request's checkpoint to its holder: push these PUBLISHED
+    /// checkpoint blocks of `request` (at `epoch`) to `peer`, which extends its own manifest of
+    /// the request with them and `committed_tokens`, atomically (beginning it at `epoch` if it
+    /// has none; an older epoch is refused) → [`Reply::Transfer`].
+    PushCheckpoint {
+        /// The holder's node id.
+        peer: u64,
+        /// The request.
+        request: RequestId,
+        /// Its epoch (the holder refuses steps of an older one).
+        epoch: u64,
+        /// The step's blocks, in token order.
+        keys: Vec<BlockKey>,
+        /// The request's committed token count after this step.
+        committed_tokens: u64,
+        /// The holder's manifest TTL, ms.
+        ttl_ms: u64,
+    },
+    /// The recovery read: fetch from `peer` (the request's checkpoint holder) the longest
+    /// verified prefix of `request`'s checkpoint that `tokens` continues → [`Reply::Transfer`];
+    /// the blocks land here as PUBLISHED cache blocks, and the transfer's `tokens` says how
+    /// many tokens they cover.
+    FetchPrefix {
+        /// The holder's node id.
+        peer: u64,
+        /// The request.
+        request: RequestId,
+        /// Its token history.
+        tokens: Vec<u32>,
+    },
     /// The state of transfers started here → [`Reply::Transfers`] (unknown ids are left out).
     Transfers {
         /// Their ids.
@@ -310,6 +340,8 @@ pub struct TransferInfo {
     pub blocks: u32,
     /// Their bytes.
     pub bytes: u64,
+    /// A prefix fetch's tokens covered by the blocks it brought (0 otherwise).
+    pub tokens: u64,
     /// Milliseconds from the request to its end (0 while in flight).
     pub elapsed_ms: u64,
 }
@@ -344,6 +376,8 @@ impl Op {
             Op::Events { .. } => "events",
             Op::Push { .. } => "push",
             Op::Fetch { .. } => "fetch",
+            Op::PushCheckpoint { .. } => "push_checkpoint",
+            Op::FetchPrefix { .. } => "fetch_prefix",
             Op::Transfers { .. } => "transfers",
         }
     }
@@ -374,13 +408,16 @@ impl Op {
             | Op::ManifestEnd { .. }
             | Op::ManifestGet { .. }
             | Op::RestorePrefix { .. } => 1,
-            Op::Push { keys, .. } | Op::Fetch { keys, .. } => keys.len(),
+            Op::Push { keys, .. } | Op::Fetch { keys, .. } | Op::PushCheckpoint { keys, .. } => {
+                keys.len()
+            }
+            Op::FetchPrefix { .. } => 1,
             Op::Transfers { ids } => ids.len(),
         }
     }
 
     /// Every operation names in [`Op`], for metrics.
-    pub const NAMES: [&'static str; 27] = [
+    pub const NAMES: [&'static str; 29] = [
         "register_namespace",
         "lookup_prefix",
         "exists",
@@ -407,6 +444,8 @@ impl Op {
         "events",
         "push",
         "fetch",
+        "push_checkpoint",
+        "fetch_prefix",
         "transfers",
     ];
 }
