@@ -94,7 +94,15 @@ fn a_push_of_many_blocks_lands_byte_exact_and_published_on_the_peer() {
     assert_eq!(tb.blocks_received, 48, "{tb:?}");
     let sa = a.status();
     assert_eq!(sa.stats.pins, 0, "the source's pins were released");
-    assert_eq!(sa.data_port.unwrap().transfers.pushes_done, 1);
+    let (_, ma) = a.get("/metrics");
+    assert!(ma.contains("kvd_transfer_blocks_pushed_total 48"), "{ma}");
+    assert!(
+        ma.contains("kvd_transfer_duration_seconds_count{kind=\"push\"} 1"),
+        "{ma}"
+    );
+    let (_, mb) = b.get("/metrics");
+    assert!(mb.contains("kvd_transfer_blocks_received_total 48"), "{mb}");
+    assert_eq!(sa.data_port.unwrap().transfers.transfers_done, 1);
     // a second push of the same keys moves nothing: the peer has them
     let id = ca.push(2, &keys).unwrap();
     let t = wait_done(&mut ca, id);
@@ -535,6 +543,13 @@ fn a_checkpoint_streamed_step_by_step_to_its_holder_restores_there_and_by_a_reco
         matches!(t.state, TransferState::Failed(WireError::StaleEpoch { .. })),
         "{t:?}"
     );
+    let (_, m) = worker.get("/metrics");
+    assert!(
+        m.contains("kvd_transfers_failed_total{reason=\"binding\"} 1"),
+        "{m}"
+    );
+    let (_, m) = holder.get("/metrics");
+    assert!(m.contains("kvd_transfer_binding_mismatches_total 1"), "{m}");
 
     // the recovery read: a successor fetches the longest verified prefix from the holder
     let mut s = successor.client("successor", 30_000);

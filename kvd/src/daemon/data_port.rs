@@ -220,6 +220,30 @@ impl DataPort {
         self.counters.snapshot()
     }
 
+    /// Transfers started here still under way.
+    pub fn transfers_in_flight(&self) -> usize {
+        self.outgoing.in_flight()
+    }
+
+    /// Failed transfers started here, by reason.
+    pub fn transfer_failures(&self) -> BTreeMap<&'static str, u64> {
+        self.counters
+            .failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Latencies of pushes started here.
+    pub fn push_seconds(&self) -> &prometheus_client::metrics::histogram::Histogram {
+        &self.counters.push_seconds
+    }
+
+    /// Latencies of fetches started here.
+    pub fn fetch_seconds(&self) -> &prometheus_client::metrics::histogram::Histogram {
+        &self.counters.fetch_seconds
+    }
+
     /// The address peers connect to.
     pub fn local_addr(&self) -> SocketAddr {
         self.engine.local_addr()

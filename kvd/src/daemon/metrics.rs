@@ -308,6 +308,98 @@ struct DataPortCollector {
 
 impl Collector for DataPortCollector {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> std::fmt::Result {
+        let t = self.port.transfer_counters();
+        for (name, help, v) in [
+            (
+                "kvd_transfers_started",
+                "Pushes and fetches started from this node",
+                t.transfers_started,
+            ),
+            (
+                "kvd_transfers_done",
+                "Transfers started here that published everything at their destination",
+                t.transfers_done,
+            ),
+            (
+                "kvd_transfer_blocks_pushed",
+                "Blocks pushed from here and published at the peer",
+                t.blocks_sent,
+            ),
+            (
+                "kvd_transfer_bytes_pushed",
+                "Bytes of those blocks",
+                t.bytes_sent,
+            ),
+            (
+                "kvd_transfer_blocks_received",
+                "Blocks that arrived here (pushed to or fetched by this node) and were published",
+                t.blocks_received,
+            ),
+            (
+                "kvd_transfer_bytes_received",
+                "Bytes of those blocks",
+                t.bytes_received,
+            ),
+            (
+                "kvd_transfer_binding_mismatches",
+                "Transfers refused because their binding did not match (another incarnation, an older epoch)",
+                t.binding_mismatches,
+            ),
+            (
+                "kvd_transfer_block_checksum_failures",
+                "Received blocks whose checksum did not match the source's (nothing published)",
+                t.checksum_failures,
+            ),
+            (
+                "kvd_transfer_incoming_aborted",
+                "Transfers into or served by this node that ended without completing (abort, lost connection, deadline)",
+                t.aborted_incoming,
+            ),
+        ] {
+            counter(&mut e, name, help, v)?;
+        }
+        {
+            let failures = self.port.transfer_failures();
+            let mut family = e.encode_descriptor(
+                "kvd_transfers_failed",
+                "Transfers started here that failed, by reason",
+                None,
+                MetricType::Counter,
+            )?;
+            for reason in [
+                "peer",
+                "binding",
+                "checksum",
+                "no_space",
+                "overloaded",
+                "not_found",
+                "other",
+            ] {
+                let n = failures.get(reason).copied().unwrap_or(0);
+                let labels = [("reason", reason)];
+                prometheus_client::metrics::counter::ConstCounter::new(n)
+                    .encode(family.encode_family(&labels)?)?;
+            }
+        }
+        for (kind, h) in [
+            ("push", self.port.push_seconds()),
+            ("fetch", self.port.fetch_seconds()),
+        ] {
+            let mut family = e.encode_descriptor(
+                "kvd_transfer_duration_seconds",
+                "End-to-end time of transfers started here (request to end), by kind",
+                None,
+                MetricType::Histogram,
+            )?;
+            let labels = [("kind", kind)];
+            h.encode(family.encode_family(&labels)?)?;
+        }
+        gauge(
+            &mut e,
+            "kvd_transfers_in_flight",
+            "Transfers started here still under way",
+            self.port.transfers_in_flight() as i64,
+        )?;
         let c = self.port.counters();
         for (name, help, v) in [
             (

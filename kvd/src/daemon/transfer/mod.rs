@@ -11,19 +11,30 @@ pub mod incoming;
 pub mod outgoing;
 pub mod wire;
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use prometheus_client::metrics::histogram::Histogram;
 use serde::{Deserialize, Serialize};
 
-/// Counters of the transfers of one node (monotonic).
-#[derive(Debug, Default)]
+use crate::protocol::WireError;
+
+/// Counters of the transfers of one node (monotonic), and their latencies.
+#[derive(Debug)]
 pub struct Counters {
-    /// Pushes started from here.
-    pub pushes_started: AtomicU64,
-    /// Pushes from here that published everything at the destination.
-    pub pushes_done: AtomicU64,
-    /// Pushes from here that failed.
-    pub pushes_failed: AtomicU64,
+    /// Failed transfers started here, by reason.
+    pub failures: Mutex<BTreeMap<&'static str, u64>>,
+    /// End-to-end latency of pushes started here (request to end), seconds.
+    pub push_seconds: Histogram,
+    /// End-to-end latency of fetches started here, seconds.
+    pub fetch_seconds: Histogram,
+    /// Transfers (pushes and fetches) started from here.
+    pub transfers_started: AtomicU64,
+    /// Of those, transfers that published everything at their destination.
+    pub transfers_done: AtomicU64,
+    /// Of those, transfers that failed (nothing of them published).
+    pub transfers_failed: AtomicU64,
     /// Blocks pushed from here and published at the destination.
     pub blocks_sent: AtomicU64,
     /// Their bytes.
@@ -48,9 +59,9 @@ pub struct Counters {
 #[serde(default)]
 #[allow(missing_docs)]
 pub struct TransferCounters {
-    pub pushes_started: u64,
-    pub pushes_done: u64,
-    pub pushes_failed: u64,
+    pub transfers_started: u64,
+    pub transfers_done: u64,
+    pub transfers_failed: u64,
     pub blocks_sent: u64,
     pub bytes_sent: u64,
     pub blocks_received: u64,
@@ -61,14 +72,60 @@ pub struct TransferCounters {
     pub overloaded: u64,
 }
 
+impl Default for Counters {
+    fn default() -> Counters {
+        // 1 ms to 64 s: a batch of blocks over a fast link up to a stalled one
+        let buckets = || Histogram::new([0.001, 0.004, 0.016, 0.064, 0.25, 1.0, 4.0, 16.0, 64.0]);
+        Counters {
+            failures: Mutex::new(BTreeMap::new()),
+            push_seconds: buckets(),
+            fetch_seconds: buckets(),
+            transfers_started: AtomicU64::default(),
+            transfers_done: AtomicU64::default(),
+            transfers_failed: AtomicU64::default(),
+            blocks_sent: AtomicU64::default(),
+            bytes_sent: AtomicU64::default(),
+            blocks_received: AtomicU64::default(),
+            bytes_received: AtomicU64::default(),
+            binding_mismatches: AtomicU64::default(),
+            checksum_failures: AtomicU64::default(),
+            aborted_incoming: AtomicU64::default(),
+            overloaded: AtomicU64::default(),
+        }
+    }
+}
+
+/// The reason label of a failed transfer.
+pub fn failure_reason(e: &WireError) -> &'static str {
+    match e {
+        WireError::Disconnected(_) | WireError::Io(_) | WireError::Unavailable(_) => "peer",
+        WireError::StaleGeneration { .. } | WireError::StaleEpoch { .. } => "binding",
+        WireError::Corrupt { .. } => "checksum",
+        WireError::NoSpace { .. } => "no_space",
+        WireError::Overloaded { .. } => "overloaded",
+        WireError::NotFound(_) => "not_found",
+        _ => "other",
+    }
+}
+
 impl Counters {
+    /// Count a failed transfer.
+    pub fn failed(&self, e: &WireError) {
+        *self
+            .failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(failure_reason(e))
+            .or_default() += 1;
+    }
+
     /// A snapshot.
     pub fn snapshot(&self) -> TransferCounters {
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         TransferCounters {
-            pushes_started: r(&self.pushes_started),
-            pushes_done: r(&self.pushes_done),
-            pushes_failed: r(&self.pushes_failed),
+            transfers_started: r(&self.transfers_started),
+            transfers_done: r(&self.transfers_done),
+            transfers_failed: r(&self.transfers_failed),
             blocks_sent: r(&self.blocks_sent),
             bytes_sent: r(&self.bytes_sent),
             blocks_received: r(&self.blocks_received),

@@ -190,13 +190,19 @@ impl Outgoing {
                 None => break,
             };
         }
-        self.counters.pushes_started.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .transfers_started
+            .fetch_add(1, Ordering::Relaxed);
         Ok(id)
     }
 
     /// Run admitted transfer `id` to its end (blocking) and record the outcome.
     pub fn run(&self, engine: &TcpTransport, id: u64, kind: Kind, peer: u64, keys: &[BlockKey]) {
         let started = Instant::now();
+        let kind_label = match kind {
+            Kind::Fetch | Kind::FetchPrefix { .. } => "fetch",
+            Kind::Push | Kind::PushCheckpoint { .. } => "push",
+        };
         let outcome = match kind {
             Kind::Push => self.push(engine, peer, keys, None),
             Kind::PushCheckpoint {
@@ -223,6 +229,13 @@ impl Outgoing {
                 t.running.remove(&peer);
             }
         }
+        let fetch = matches!(kind_label, "fetch");
+        let latency = if fetch {
+            &self.counters.fetch_seconds
+        } else {
+            &self.counters.push_seconds
+        };
+        latency.observe(started.elapsed().as_secs_f64());
         let Some(p) = t.pushes.get_mut(&id) else {
             return;
         };
@@ -233,16 +246,20 @@ impl Outgoing {
                 p.blocks = blocks;
                 p.bytes = bytes;
                 p.tokens = tokens;
-                self.counters.pushes_done.fetch_add(1, Ordering::Relaxed);
+                self.counters.transfers_done.fetch_add(1, Ordering::Relaxed);
                 self.counters
                     .blocks_sent
                     .fetch_add(u64::from(blocks), Ordering::Relaxed);
                 self.counters.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
             }
             Err(e) => {
-                tracing::warn!(push = id, peer, error = %e, "push failed");
-                p.state = TransferState::Failed(WireError::from(e));
-                self.counters.pushes_failed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(transfer = id, kind = kind_label, peer, error = %e, "transfer failed");
+                let e = WireError::from(e);
+                self.counters.failed(&e);
+                p.state = TransferState::Failed(e);
+                self.counters
+                    .transfers_failed
+                    .fetch_add(1, Ordering::Relaxed);
             }
         }
     }
