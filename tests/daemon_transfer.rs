@@ -574,3 +574,58 @@ fn a_checkpoint_streamed_step_by_step_to_its_holder_restores_there_and_by_a_reco
     let t = wait_done(&mut s, id);
     assert_eq!((t.state, t.blocks, t.tokens), (TransferState::Done, 0, 0));
 }
+
+#[test]
+fn pushes_past_the_bound_are_refused_retryably_and_a_destination_out_of_space_says_so_before_any_byte_moves()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path());
+    let b = Daemon::start(&data_args(&secret, "2"));
+    let peer = format!("2={}", data_addr(&b));
+    let mut args = data_args(&secret, "1");
+    args.extend([
+        "--peer",
+        &peer,
+        "--pool-mib",
+        "64",
+        "--max-transfers-per-peer",
+        "1",
+    ]);
+    let a = Daemon::start(&args);
+    let mut ca = a.client("engine-a", 30_000);
+    let ns = ca.register_namespace(&support::namespace()).unwrap();
+
+    // more blocks than the destination's whole pool (16 MiB of 256 KiB pages there)
+    let keys = support::keys(ns, 21, 80);
+    for (i, k) in keys.iter().enumerate() {
+        support::put_one(&mut ca, *k, &support::pattern(BLOCK, i as u8));
+    }
+    let free_on_b = b.status().stats.accounting.free;
+    let id = ca.push(2, &keys).unwrap();
+    let t = wait_done(&mut ca, id);
+    assert!(
+        matches!(t.state, TransferState::Failed(WireError::NoSpace { .. })),
+        "{t:?}"
+    );
+    assert_eq!(
+        b.status().data_port.unwrap().engine.chunks_served,
+        0,
+        "no byte moved"
+    );
+    assert_eq!(b.status().stats.accounting.free, free_on_b);
+
+    // a second push while one is in flight, past the bound of one per peer: a retryable refusal
+    let first = ca.push(2, &keys[..40]).unwrap();
+    let e = ca.push(2, &keys[40..]).unwrap_err();
+    let admitted = vec![first];
+    assert!(e.is_retryable(), "{e}");
+    assert!(
+        matches!(e, kvd::Error::Overloaded { retry_after_ms, .. } if retry_after_ms > 0),
+        "{e}"
+    );
+    for id in admitted {
+        let t = wait_done(&mut ca, id);
+        assert!(!matches!(t.state, TransferState::InFlight), "{t:?}");
+    }
+    assert_eq!(a.status().stats.pins, 0);
+}

@@ -239,7 +239,7 @@ fn moved(
                 .ok_or("the transfer was forgotten")?;
             match info.state {
                 TransferState::InFlight if began.elapsed() < TRANSFER_CAP => {
-                    std::thread::sleep(Duration::from_micros(200));
+                    std::thread::sleep(Duration::from_millis(1));
                 }
                 TransferState::InFlight => return Err("a transfer took over 120 s".into()),
                 TransferState::Done => {

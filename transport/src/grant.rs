@@ -363,6 +363,11 @@ impl Grants {
         })
     }
 
+    /// How many live grants `transfer` has.
+    pub fn grants_of(&self, transfer: TransferId) -> usize {
+        self.by_transfer.get(&transfer).map_or(0, Vec::len)
+    }
+
     /// Whether `transfer` has live grants.
     pub fn has_transfer(&self, transfer: TransferId) -> bool {
         self.by_transfer.contains_key(&transfer)

@@ -416,3 +416,74 @@ fn control_connections_reach_the_handler_authenticated_and_only_with_the_secret(
     let stranger = TcpTransport::start(c).unwrap();
     assert!(stranger.open_control(&peer(&b, 2)).is_err());
 }
+
+#[test]
+fn a_known_checksum_travels_instead_of_a_computed_one_and_a_wrong_one_fails_its_op() {
+    let p = pair(8 * MIB, |_| {});
+    pattern(&p.ma, 6);
+    grant(&p.b, 1, 0, 8 * MIB, Direction::RemoteWrite);
+    let ep = p.a.open(&peer(&p.b, 2)).unwrap();
+    let w = ops(OpKind::Write, p.remote, 1, 4, 256 << 10);
+    // SAFETY: no transfer writes a's memory.
+    let src = unsafe { p.ma.bytes() };
+    let mut crcs: Vec<Option<u32>> = w
+        .iter()
+        .map(|o| {
+            Some(transport::local::crc32c(
+                0,
+                &src[o.local_offset as usize..(o.local_offset + o.len) as usize],
+            ))
+        })
+        .collect();
+    crcs[2] = crcs[2].map(|c| c ^ 1); // what a block whose bytes changed since its seal looks like
+    // SAFETY: left alone until settled.
+    let b = unsafe { p.a.submit_with_checksums(ep, &w, &crcs).unwrap() };
+    let s = p.a.wait(b, Duration::from_secs(10)).unwrap();
+    let mut st = [OpStatus::Pending; 4];
+    p.a.poll(b, &mut st).unwrap();
+    assert_eq!(
+        st,
+        [
+            OpStatus::Done,
+            OpStatus::Done,
+            OpStatus::Failed(OpFailure::Corrupt),
+            OpStatus::Done
+        ],
+        "{s:?}"
+    );
+}
+
+#[test]
+fn a_known_checksum_of_a_granted_range_answers_a_read_of_it_and_a_wrong_one_fails_it() {
+    let p = pair(4 * MIB, |_| {});
+    pattern(&p.mb, 8);
+    let chunk = 256 << 10;
+    // one grant per block, as the daemon grants them
+    grant(&p.b, 1, 0, chunk, Direction::RemoteRead);
+    grant(&p.b, 1, chunk, chunk, Direction::RemoteRead);
+    // SAFETY: no transfer writes b's memory.
+    let src = unsafe { p.mb.bytes() };
+    let right = transport::local::crc32c(0, &src[..chunk as usize]);
+    let t = p.b.target();
+    t.note_checksum(TransferId(1), SEG, 0, chunk, right);
+    t.note_checksum(TransferId(1), SEG, chunk, chunk, 0xdead_beef); // a page changed since its seal
+    t.note_checksum(TransferId(1), SEG, 2 * chunk, chunk, 0); // past one note per grant: ignored
+    assert_eq!(t.known_checksum(TransferId(1), SEG, 0, chunk), Some(right));
+    assert_eq!(t.known_checksum(TransferId(1), SEG, 2 * chunk, chunk), None);
+    let ep = p.a.open(&peer(&p.b, 2)).unwrap();
+    // SAFETY: left alone until settled.
+    let b = unsafe {
+        p.a.submit(ep, &ops(OpKind::Read, p.remote, 1, 2, chunk))
+            .unwrap()
+    };
+    p.a.wait(b, Duration::from_secs(10)).unwrap();
+    let mut st = [OpStatus::Pending; 2];
+    p.a.poll(b, &mut st).unwrap();
+    assert_eq!(st, [OpStatus::Done, OpStatus::Failed(OpFailure::Corrupt)]);
+    p.b.revoke(TransferId(1));
+    assert_eq!(
+        t.known_checksum(TransferId(1), SEG, 0, chunk),
+        None,
+        "gone with the grants"
+    );
+}

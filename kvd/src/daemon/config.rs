@@ -128,6 +128,13 @@ pub struct ServeArgs {
     /// --cluster-secret-file. Cluster mode will fill the same table from etcd.
     #[arg(long = "peer", value_name = "NODE_ID=ADDR")]
     pub peer: Vec<String>,
+    /// Pushes and fetches this node runs at once with one peer; more are answered Overloaded
+    /// (retryable) [default: 8].
+    #[arg(long)]
+    pub max_transfers_per_peer: Option<u32>,
+    /// Pushes and fetches this node runs at once in all [default: 16].
+    #[arg(long)]
+    pub max_transfers: Option<u32>,
 }
 
 /// The same keys as a TOML file.
@@ -166,6 +173,8 @@ pub struct FileConfig {
     pub cluster_secret_file: Option<PathBuf>,
     pub data_listen: Option<SocketAddr>,
     pub peer: Option<Vec<String>>,
+    pub max_transfers_per_peer: Option<u32>,
+    pub max_transfers: Option<u32>,
 }
 
 /// The data port's settings (present only with a cluster secret).
@@ -177,6 +186,10 @@ pub struct DataPortConfig {
     pub cluster_secret_file: PathBuf,
     /// The static peer table: node id → data address.
     pub peers: std::collections::BTreeMap<u64, SocketAddr>,
+    /// Transfers started here at once, per peer.
+    pub max_transfers_per_peer: u32,
+    /// Transfers started here at once, in all.
+    pub max_transfers: u32,
 }
 
 /// The resolved configuration.
@@ -381,12 +394,27 @@ impl DaemonConfig {
             args.peer.clone()
         };
         let data_port = match secret {
-            Some(cluster_secret_file) => Some(DataPortConfig {
-                listen: data_listen
-                    .unwrap_or_else(|| DEFAULT_DATA_LISTEN.parse().expect("a valid literal")),
-                cluster_secret_file,
-                peers: parse_peers(&peer_entries, node_id)?,
-            }),
+            Some(cluster_secret_file) => {
+                let per_peer = args
+                    .max_transfers_per_peer
+                    .or(file.max_transfers_per_peer)
+                    .unwrap_or(8);
+                let total = args.max_transfers.or(file.max_transfers).unwrap_or(16);
+                if per_peer == 0 || per_peer > total || total > 1024 {
+                    return Err(Error::InvalidArgument(format!(
+                        "transfer bounds must satisfy 1 <= per peer ({per_peer}) <= in all \
+                         ({total}) <= 1024"
+                    )));
+                }
+                Some(DataPortConfig {
+                    listen: data_listen
+                        .unwrap_or_else(|| DEFAULT_DATA_LISTEN.parse().expect("a valid literal")),
+                    cluster_secret_file,
+                    peers: parse_peers(&peer_entries, node_id)?,
+                    max_transfers_per_peer: per_peer,
+                    max_transfers: total,
+                })
+            }
             None if data_listen.is_some() || !peer_entries.is_empty() => {
                 return Err(Error::InvalidArgument(
                     "--data-listen and --peer need --cluster-secret-file (the data port only \

@@ -33,6 +33,9 @@ use crate::{Error, Result};
 /// The segment id the pool is registered under.
 pub const POOL_SEGMENT: SegmentId = SegmentId(1);
 
+/// The data port's chunk size (sent and accepted).
+pub const CHUNK_BYTES: u32 = 4 << 20;
+
 /// The running data port.
 #[derive(Debug)]
 pub struct DataPort {
@@ -125,7 +128,11 @@ impl DataPort {
         store: &Arc<Store>,
     ) -> Result<Arc<DataPort>> {
         let secret = ClusterSecret::from_file(&config.cluster_secret_file)?;
-        let tcp = TcpConfig::new(node_id, store.node_generation(), config.listen, secret);
+        let mut tcp = TcpConfig::new(node_id, store.node_generation(), config.listen, secret);
+        // A block of up to 4 MiB travels as one chunk, so a push sends its sealed CRC-32C
+        // instead of computing one (and the receiver's check is end to end). Every daemon uses
+        // the same size: it is also the largest chunk one accepts.
+        tcp.chunk_bytes = CHUNK_BYTES;
         let engine = TcpTransport::start(tcp)
             .map_err(|e| Error::Io(format!("the data port {}: {e}", config.listen)))?;
         let region = store.pool_region();
@@ -148,7 +155,11 @@ impl DataPort {
                 store.clone(),
                 node_id,
                 config.peers.clone(),
-                OutgoingLimits::default(),
+                OutgoingLimits {
+                    per_peer: config.max_transfers_per_peer as usize,
+                    total: config.max_transfers as usize,
+                    ..OutgoingLimits::default()
+                },
                 counters.clone(),
             )),
             counters,

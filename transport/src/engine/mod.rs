@@ -189,6 +189,30 @@ pub trait Transport: Send + Sync {
     /// [`crate::Error::PeerUnavailable`] when the endpoint has failed.
     unsafe fn submit(&self, endpoint: EndpointId, ops: &[Op]) -> Result<BatchId>;
 
+    /// As [`Transport::submit`], with the CRC-32C of each write's local range where the
+    /// caller knows it (`checksums[i]` for `ops[i]`; shorter slices mean "unknown" for the
+    /// rest): a sealed block's. A backend that checksums chunks may send it instead of
+    /// computing one for a write that travels as one chunk, which saves the sender a pass and
+    /// makes the receiver's check end to end (it then compares the bytes that arrived with the
+    /// checksum the block was sealed with). The default ignores them.
+    ///
+    /// # Safety
+    /// As [`Transport::submit`]; and each given checksum must be what the caller believes the
+    /// range holds (a wrong one fails the op with `Corrupt`, which is its purpose).
+    ///
+    /// # Errors
+    /// As [`Transport::submit`].
+    unsafe fn submit_with_checksums(
+        &self,
+        endpoint: EndpointId,
+        ops: &[Op],
+        checksums: &[Option<u32>],
+    ) -> Result<BatchId> {
+        let _ = checksums;
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.submit(endpoint, ops) }
+    }
+
     /// The batch's status, and each op's into `ops` (as many as fit).
     ///
     /// # Errors

@@ -43,6 +43,9 @@ struct State {
     /// Checksummed chunks that arrived intact, per transfer (until it is revoked; at most
     /// [`MAX_LEDGER_CHUNKS`] each).
     ledgers: HashMap<TransferId, Ledger>,
+    /// CRC-32Cs the owner knows of granted ranges (a sealed block's), per transfer, sent with
+    /// a read of exactly that range instead of computed (until the transfer is revoked).
+    known: HashMap<TransferId, HashMap<(SegmentId, u64, u64), u32>>,
 }
 
 /// Chunks a transfer's ledger records at most; past it the ledger is marked incomplete (its
@@ -155,6 +158,7 @@ impl Target {
                 stale_generation: 0,
                 tainted: HashMap::new(),
                 ledgers: HashMap::new(),
+                known: HashMap::new(),
             }),
             quiet: Condvar::new(),
         }
@@ -313,11 +317,49 @@ impl Target {
         }
         let corrupt_chunks = s.tainted.remove(&transfer).unwrap_or(0);
         let ledger = s.ledgers.remove(&transfer).unwrap_or_default();
+        s.known.remove(&transfer);
         Revoked {
             grants,
             corrupt_chunks,
             ledger,
         }
+    }
+
+    /// The owner knows the CRC-32C of `[offset, offset + len)` of `segment`, which `transfer`
+    /// may read (a sealed block's): a read of exactly that range sends it instead of computing
+    /// one, so the reader's check is end to end. Kept while the transfer has grants (at most
+    /// one per grant).
+    pub fn note_checksum(
+        &self,
+        transfer: TransferId,
+        segment: SegmentId,
+        offset: u64,
+        len: u64,
+        crc: u32,
+    ) {
+        let mut s = self.lock();
+        let grants = s.grants.grants_of(transfer);
+        if grants == 0 {
+            return;
+        }
+        let k = s.known.entry(transfer).or_default();
+        if k.len() < grants {
+            k.insert((segment, offset, len), crc);
+        }
+    }
+
+    /// What [`Target::note_checksum`] recorded for exactly this range, if anything.
+    pub fn known_checksum(
+        &self,
+        transfer: TransferId,
+        segment: SegmentId,
+        offset: u64,
+        len: u64,
+    ) -> Option<u32> {
+        self.lock()
+            .known
+            .get(&transfer)
+            .and_then(|k| k.get(&(segment, offset, len)).copied())
     }
 
     /// A checksummed chunk written into `w` arrived intact with CRC-32C `crc`: record it in

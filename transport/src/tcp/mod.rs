@@ -518,6 +518,16 @@ impl Transport for TcpTransport {
     }
 
     unsafe fn submit(&self, endpoint: EndpointId, ops: &[Op]) -> Result<BatchId> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.submit_with_checksums(endpoint, ops, &[]) }
+    }
+
+    unsafe fn submit_with_checksums(
+        &self,
+        endpoint: EndpointId,
+        ops: &[Op],
+        checksums: &[Option<u32>],
+    ) -> Result<BatchId> {
         let s = &self.shared;
         let peer_node = {
             let eps = s.endpoints();
@@ -565,10 +575,16 @@ impl Transport for TcpTransport {
         };
         let mut chunks = Vec::with_capacity(sizes.iter().map(|&(_, n)| n as usize).sum());
         for (i, (op, local)) in ops.iter().zip(&locals).enumerate() {
+            // a write that goes as one chunk carries the caller's checksum, if it has one
+            let known = match (op.kind, checksums.get(i).copied().flatten()) {
+                (OpKind::Write, Some(c)) if op.len <= u64::from(chunk_bytes) => Some(c),
+                _ => None,
+            };
             for piece in chunk::split(op.len, chunk_bytes) {
                 chunks.push(ring::Chunk {
                     batch,
                     op: i as u32,
+                    known_crc: known,
                     // SAFETY: piece.offset < op.len and the local range holds op.len bytes.
                     local: unsafe { local.ptr.add(piece.offset as usize) },
                     request: wire::Request {

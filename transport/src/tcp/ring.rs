@@ -38,6 +38,9 @@ use crate::local::crc32c;
 pub(super) struct Chunk {
     pub batch: BatchId,
     pub op: u32,
+    /// The payload's CRC-32C as the caller knows it (a sealed block that is one chunk): sent
+    /// instead of computed.
+    pub known_crc: Option<u32>,
     pub local: *mut u8,
     pub request: Request,
 }
@@ -718,10 +721,13 @@ impl Ring {
         let (payload, payload_len, held) = match chunk.request.kind {
             Kind::Write => {
                 if checksummed {
-                    // SAFETY: the chunk's local range holds len bytes, which nobody writes
-                    // until the batch settles (the posting contract).
-                    let bytes = unsafe { std::slice::from_raw_parts(chunk.local, len) };
-                    chunk.request.crc = crc32c(0, bytes) ^ u32::from(corrupt);
+                    let crc = chunk.known_crc.unwrap_or_else(|| {
+                        // SAFETY: the chunk's local range holds len bytes, which nobody
+                        // writes until the batch settles (the posting contract).
+                        let bytes = unsafe { std::slice::from_raw_parts(chunk.local, len) };
+                        crc32c(0, bytes)
+                    });
+                    chunk.request.crc = crc ^ u32::from(corrupt);
                 }
                 self.shared.batches().wire_taken(chunk.batch, 1);
                 let held = Held {
@@ -1349,9 +1355,19 @@ impl Ring {
         match verdict {
             Ok(w) => {
                 let crc = if req.flags & FLAG_CHECKSUM != 0 {
-                    // SAFETY: the window lies inside a live read grant, which nobody writes.
-                    let bytes = unsafe { std::slice::from_raw_parts(w.ptr, w.len) };
-                    crc32c(0, bytes) ^ u32::from(self.corrupt_this_one())
+                    let known = self.shared.target.known_checksum(
+                        TransferId(req.transfer),
+                        SegmentId(req.segment),
+                        req.offset,
+                        u64::from(req.len),
+                    );
+                    let crc = known.unwrap_or_else(|| {
+                        // SAFETY: the window lies inside a live read grant, which nobody
+                        // writes.
+                        let bytes = unsafe { std::slice::from_raw_parts(w.ptr, w.len) };
+                        crc32c(0, bytes)
+                    });
+                    crc ^ u32::from(self.corrupt_this_one())
                 } else {
                     0
                 };

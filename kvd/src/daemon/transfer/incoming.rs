@@ -425,6 +425,14 @@ impl Incoming {
                 self.store.close_session(sid);
                 return Err(e.into());
             }
+            // its sealed CRC-32C goes with a read of it (the reader's check is end to end)
+            engine.target().note_checksum(
+                TransferId(transfer),
+                POOL_SEGMENT,
+                info.offset,
+                info.len,
+                info.checksum,
+            );
             handles.push(info.handle);
             blocks.push(Some(Served {
                 offset: info.offset,

@@ -376,8 +376,15 @@ impl Outgoing {
             })
             .collect();
         let bytes: u64 = ops.iter().map(|o| o.len).sum();
+        // the blocks' sealed checksums travel with them (checked end to end by the peer)
+        let sealed: Vec<Option<u32>> = blocks
+            .iter()
+            .zip(&offsets)
+            .filter(|(_, off)| off.is_some())
+            .map(|(b, _)| Some(b.checksum))
+            .collect();
         if !ops.is_empty()
-            && let Err(e) = self.send(engine, peer, tcp_peer, &ops)
+            && let Err(e) = self.send(engine, peer, tcp_peer, &ops, &sealed)
         {
             // Tell the peer, briefly: if the link is gone it aborts anyway when the
             // connection dies (or at its deadline), and the caller should hear of the failure
@@ -605,7 +612,7 @@ impl Outgoing {
             } else {
                 // SAFETY (inside send): the local ranges are WRITING pages of this fetch's own
                 // session, which no client touches and which are not reused before it ends.
-                self.send(engine, peer, tcp_peer, &ops)?
+                self.send(engine, peer, tcp_peer, &ops, &[])?
             };
             for (i, (a, s)) in got.iter().enumerate() {
                 // the block's CRC-32C from the chunks verified on arrival (no pass over the
@@ -654,6 +661,7 @@ impl Outgoing {
         peer: u64,
         tcp_peer: TcpPeer,
         ops: &[TransferOp],
+        checksums: &[Option<u32>],
     ) -> Result<Vec<Option<u32>>> {
         let mut reopened = false;
         loop {
@@ -672,7 +680,7 @@ impl Outgoing {
             // session (immutable, its page not reused while pinned), read only; or a WRITING
             // page of this fetch's own session, which nothing else touches and which is not
             // reused before the session ends, after the batch settles (we wait for it below).
-            let submitted = unsafe { engine.submit(ep, ops) };
+            let submitted = unsafe { engine.submit_with_checksums(ep, ops, checksums) };
             let batch = match submitted {
                 Ok(b) => b,
                 Err(transport::Error::PeerUnavailable(_)) if !reopened => {
