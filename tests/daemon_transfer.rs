@@ -299,6 +299,13 @@ fn the_destination_refuses_other_incarnations_and_older_epochs_and_publishes_not
     let batch = unsafe { src.engine.submit(ep, &ops).unwrap() };
     let st = src.engine.wait(batch, Duration::from_secs(20)).unwrap();
     assert_eq!(st.first_failure, Some(OpFailure::Corrupt), "{st:?}");
+    // a commit of it from another connection (as a replay would come) is refused, counted
+    let (mut other, _) = src.control();
+    let r = ask(&mut other, &PeerRequest::Commit { transfer });
+    assert!(
+        matches!(r, PeerReply::Refused(WireError::NotFound(_))),
+        "{r:?}"
+    );
     let r = ask(&mut s, &PeerRequest::Commit { transfer });
     assert!(
         matches!(r, PeerReply::Refused(WireError::Corrupt { .. })),
@@ -313,7 +320,7 @@ fn the_destination_refuses_other_incarnations_and_older_epochs_and_publishes_not
     assert_eq!(free_pages(&b), free_before, "its pages are back");
     let t = b.status().data_port.unwrap().transfers;
     assert!(
-        t.binding_mismatches >= 2 && t.checksum_failures >= 1,
+        t.binding_mismatches >= 3 && t.checksum_failures >= 1,
         "{t:?}"
     );
 

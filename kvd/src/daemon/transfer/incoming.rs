@@ -171,9 +171,9 @@ impl Incoming {
             } => self.offer(
                 engine, connection, peer, binding, &namespace, &blocks, checkpoint,
             ),
-            PeerRequest::Commit { transfer } => self.commit(engine, peer, transfer),
+            PeerRequest::Commit { transfer } => self.commit(engine, connection, peer, transfer),
             PeerRequest::Abort { transfer } => {
-                self.owned_by(peer, transfer)?;
+                self.owned_by(connection, peer, transfer)?;
                 self.abort(engine, transfer);
                 Ok(PeerReply::Aborted)
             }
@@ -216,22 +216,26 @@ impl Incoming {
                 })
             }
             PeerRequest::Release { transfer } => {
-                self.owned_by(peer, transfer)?;
+                self.owned_by(connection, peer, transfer)?;
                 self.abort(engine, transfer);
                 Ok(PeerReply::Released)
             }
         }
     }
 
-    fn owned_by(&self, peer: &Bind, transfer: u64) -> Result<()> {
+    /// A commit, abort or release must come from the peer that started the transfer, on the
+    /// connection it started it on (a transfer is bound to both incarnations, and a control
+    /// connection lives within one incarnation of each end).
+    fn owned_by(&self, connection: u64, peer: &Bind, transfer: u64) -> Result<()> {
         match self.lock().transfers.get(&transfer) {
-            Some(t) if t.source_node == peer.node_id => Ok(()),
+            Some(t) if t.source_node == peer.node_id && t.connection == connection => Ok(()),
             _ => {
                 self.counters
                     .binding_mismatches
                     .fetch_add(1, Ordering::Relaxed);
                 Err(Error::NotFound(format!(
-                    "transfer {transfer} from node {} (an earlier incarnation's, or another's)",
+                    "transfer {transfer} of node {} on this connection (an earlier \
+                     incarnation's, another connection's or another node's)",
                     peer.node_id
                 )))
             }
@@ -617,8 +621,14 @@ impl Incoming {
         })
     }
 
-    fn commit(&self, engine: &TcpTransport, peer: &Bind, transfer: u64) -> Result<PeerReply> {
-        self.owned_by(peer, transfer)?;
+    fn commit(
+        &self,
+        engine: &TcpTransport,
+        connection: u64,
+        peer: &Bind,
+        transfer: u64,
+    ) -> Result<PeerReply> {
+        self.owned_by(connection, peer, transfer)?;
         let Some(t) = self.lock().transfers.remove(&transfer) else {
             return Err(Error::NotFound(format!("transfer {transfer}")));
         };
