@@ -595,3 +595,70 @@ impl Drop for TwoHosts {
         }
     }
 }
+
+/// A real etcd (Debian's `etcd-server`) on free loopback ports with a temporary data dir,
+/// killed on drop.
+#[derive(Debug)]
+pub struct Etcd {
+    child: Child,
+    _dir: tempfile::TempDir,
+    /// Its client URL.
+    pub url: String,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Etcd {
+    /// Start one and wait (at most 30 s) until it accepts clients.
+    pub fn start() -> Etcd {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, peer) = (free_port(), free_port());
+        let url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let log = std::fs::File::create(dir.path().join("etcd.log")).unwrap();
+        let child = Command::new("etcd")
+            .args(["--name", "kvd-test", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .args([
+                "--listen-client-urls",
+                &url,
+                "--advertise-client-urls",
+                &url,
+            ])
+            .args(["--listen-peer-urls", &peer_url])
+            .args(["--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("kvd-test={peer_url}")])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("etcd (Debian's etcd-server; the test command installs it)");
+        let e = Etcd {
+            child,
+            _dir: dir,
+            url,
+        };
+        wait_until(Duration::from_secs(30), "etcd accepts clients", || {
+            std::net::TcpStream::connect(("127.0.0.1", client)).is_ok()
+        });
+        e
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -109,6 +109,9 @@ pub struct StatusReport {
     /// The data port, when on (absent from the reports of older daemons).
     #[serde(default)]
     pub data_port: Option<super::data_port::DataPortReport>,
+    /// Cluster membership (absent from the reports of older daemons).
+    #[serde(default)]
+    pub cluster: Option<super::cluster::ClusterReport>,
 }
 
 /// The bounds in force, as `/status` reports them: the file-descriptor budget and what it
@@ -514,6 +517,12 @@ impl AsyncWrite for Metered {
 async fn readyz(State(a): State<Arc<Admin>>) -> Response {
     if a.d.drain.is_draining() {
         (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response()
+    } else if !a.d.cluster.lease_held() {
+        let why = format!(
+            "not ready: no registration lease ({})\n",
+            a.d.cluster.problem()
+        );
+        (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
     } else {
         (StatusCode::OK, "ready\n").into_response()
     }
@@ -535,7 +544,7 @@ pub fn report(d: &Daemon, budget: &FdBudget) -> StatusReport {
         version: env!("CARGO_PKG_VERSION").into(),
         node_generation: d.store.node_generation(),
         uptime_ms: d.started.elapsed().as_millis() as u64,
-        ready: !d.drain.is_draining(),
+        ready: !d.drain.is_draining() && d.cluster.lease_held(),
         draining: d.drain.is_draining(),
         socket: d.config.socket.display().to_string(),
         pool_bytes: d.store.pool_bytes(),
@@ -576,6 +585,7 @@ pub fn report(d: &Daemon, budget: &FdBudget) -> StatusReport {
             admin_connections_open: m.admin_connections_open.get().max(0) as u64,
         },
         data_port: d.data_port.as_ref().map(|dp| dp.report(d.config.node_id)),
+        cluster: Some(d.cluster.report()),
     }
 }
 

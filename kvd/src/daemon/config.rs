@@ -135,6 +135,24 @@ pub struct ServeArgs {
     /// Pushes and fetches this node runs at once in all [default: 16].
     #[arg(long)]
     pub max_transfers: Option<u32>,
+    /// Cluster mode: etcd endpoints, comma-separated (`http://10.0.0.9:2379,...`). The node
+    /// registers there under a TTL lease and takes its peers from what is registered; needs
+    /// --cluster-secret-file. Without it the node is on its own (peers only from --peer).
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// The registration lease's TTL, ms: a node that dies is gone from every view this long
+    /// after (plus the watch's delivery) [default: 5000].
+    #[arg(long)]
+    pub etcd_lease_ttl_ms: Option<u64>,
+    /// The key prefix of this cluster in etcd [default: /kvd].
+    #[arg(long)]
+    pub etcd_prefix: Option<String>,
+    /// etcd user, when etcd has authentication on (with --etcd-password-file).
+    #[arg(long)]
+    pub etcd_user: Option<String>,
+    /// A file holding the etcd user's password (readable by its owner only).
+    #[arg(long)]
+    pub etcd_password_file: Option<PathBuf>,
 }
 
 /// The same keys as a TOML file.
@@ -175,6 +193,11 @@ pub struct FileConfig {
     pub peer: Option<Vec<String>>,
     pub max_transfers_per_peer: Option<u32>,
     pub max_transfers: Option<u32>,
+    pub etcd: Option<Vec<String>>,
+    pub etcd_lease_ttl_ms: Option<u64>,
+    pub etcd_prefix: Option<String>,
+    pub etcd_user: Option<String>,
+    pub etcd_password_file: Option<PathBuf>,
 }
 
 /// The data port's settings (present only with a cluster secret).
@@ -251,10 +274,28 @@ pub struct DaemonConfig {
     pub node_id: u64,
     /// The data port, when a cluster secret is configured.
     pub data_port: Option<DataPortConfig>,
+    /// Cluster mode, when etcd endpoints are configured.
+    pub cluster: Option<super::cluster::ClusterConfig>,
 }
 
 /// Where the data port listens by default (beside the admin port's 7460).
 pub const DEFAULT_DATA_LISTEN: &str = "127.0.0.1:7461";
+
+/// The etcd password from its file (owner-readable only; trailing newline dropped).
+fn read_password(p: &Path) -> Result<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let shown = p.display();
+    let meta = std::fs::metadata(p)
+        .map_err(|e| Error::InvalidArgument(format!("etcd password file {shown}: {e}")))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "etcd password file {shown} is readable by others; `chmod 600 {shown}`"
+        )));
+    }
+    let s = std::fs::read_to_string(p)
+        .map_err(|e| Error::InvalidArgument(format!("etcd password file {shown}: {e}")))?;
+    Ok(s.trim_end_matches(['\n', '\r']).to_string())
+}
 
 /// Parse `--peer NODE_ID=ADDR` entries into a table; `me` may not appear in it.
 fn parse_peers(entries: &[String], me: u64) -> Result<std::collections::BTreeMap<u64, SocketAddr>> {
@@ -424,6 +465,55 @@ impl DaemonConfig {
             }
             None => None,
         };
+        let etcd = if args.etcd.is_empty() {
+            file.etcd.unwrap_or_default()
+        } else {
+            args.etcd.clone()
+        };
+        let cluster = if etcd.is_empty() {
+            None
+        } else {
+            if data_port.is_none() {
+                return Err(Error::InvalidArgument(
+                    "--etcd needs --cluster-secret-file (cluster mode moves blocks between \
+                     nodes over the authenticated data port)"
+                        .into(),
+                ));
+            }
+            let lease_ttl_ms = args
+                .etcd_lease_ttl_ms
+                .or(file.etcd_lease_ttl_ms)
+                .unwrap_or(5_000);
+            if !(1_000..=600_000).contains(&lease_ttl_ms) {
+                return Err(Error::InvalidArgument(format!(
+                    "etcd_lease_ttl_ms must be 1000 to 600000 (etcd leases count whole seconds), \
+                     not {lease_ttl_ms}"
+                )));
+            }
+            let user = args.etcd_user.clone().or(file.etcd_user);
+            let password_file = args.etcd_password_file.clone().or(file.etcd_password_file);
+            let auth = match (user, password_file) {
+                (Some(u), Some(p)) => Some((u, read_password(&p)?)),
+                (None, None) => None,
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        "--etcd-user and --etcd-password-file go together".into(),
+                    ));
+                }
+            };
+            Some(super::cluster::ClusterConfig {
+                etcd,
+                lease_ttl_ms,
+                prefix: args
+                    .etcd_prefix
+                    .clone()
+                    .or(file.etcd_prefix)
+                    .unwrap_or_else(|| "/kvd".into())
+                    .trim_end_matches('/')
+                    .to_string(),
+                auth,
+            })
+        };
         let c = DaemonConfig {
             data_dir,
             socket,
@@ -478,6 +568,7 @@ impl DaemonConfig {
             threads: args.threads.or(file.threads).unwrap_or(2),
             node_id,
             data_port,
+            cluster,
         };
         c.check()?;
         Ok(c)

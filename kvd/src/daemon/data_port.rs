@@ -41,7 +41,7 @@ pub const CHUNK_BYTES: u32 = 4 << 20;
 pub struct DataPort {
     engine: TcpTransport,
     pool: SegmentDescriptor,
-    peers: BTreeMap<u64, SocketAddr>,
+    static_peers: BTreeMap<u64, SocketAddr>,
     incoming: Arc<Incoming>,
     outgoing: Arc<Outgoing>,
     counters: Arc<Counters>,
@@ -144,7 +144,7 @@ impl DataPort {
         let port = Arc::new(DataPort {
             engine,
             pool,
-            peers: config.peers.clone(),
+            static_peers: config.peers.clone(),
             incoming: Arc::new(Incoming::new(
                 store.clone(),
                 node_id,
@@ -255,6 +255,19 @@ impl DataPort {
         &self.counters.fetch_seconds
     }
 
+    /// Feed the peer table from a membership view: `--peer` entries, overridden by what the
+    /// view says; and refuse peers' new transfers while this node does not hold its lease.
+    pub fn follow(&self, membership: &Arc<super::cluster::Membership>) {
+        self.incoming.follow(Arc::clone(membership));
+        let outgoing = Arc::clone(&self.outgoing);
+        let base = self.static_peers.clone();
+        membership.on_change(Box::new(move |view| {
+            let mut peers = base.clone();
+            peers.extend(view);
+            outgoing.set_peers(peers);
+        }));
+    }
+
     /// The address peers connect to.
     pub fn local_addr(&self) -> SocketAddr {
         self.engine.local_addr()
@@ -278,7 +291,8 @@ impl DataPort {
                 .map(|b| format!("{b:02x}"))
                 .collect(),
             peers: self
-                .peers
+                .outgoing
+                .peers()
                 .iter()
                 .map(|(id, a)| (*id, a.to_string()))
                 .collect(),

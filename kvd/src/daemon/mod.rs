@@ -10,6 +10,7 @@
 //! Read `docs/DAEMON.md` for the protocol, the limits and the reasons behind them.
 
 pub mod admin;
+pub mod cluster;
 pub mod config;
 pub mod data_port;
 pub mod datadir;
@@ -23,7 +24,7 @@ pub mod transfer;
 
 use std::io::Write as _;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub use config::{DaemonConfig, ServeArgs};
 
@@ -124,7 +125,19 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         daemon_metrics = daemon_metrics.with_data_port(dp.clone());
     }
     let data_addr = data_port.as_ref().map(|dp| dp.local_addr());
+    let registry = config
+        .cluster
+        .clone()
+        .map(|c| Arc::new(cluster::EtcdRegistry::new(c, config.node_id)));
+    let membership = match &registry {
+        Some(r) => r.membership(),
+        None => Arc::new(cluster::Membership::embedded(config.node_id)),
+    };
+    if let Some(dp) = &data_port {
+        dp.follow(&membership);
+    }
     let d = Arc::new(server::Daemon {
+        cluster: membership,
         metrics: daemon_metrics,
         data_port,
         store,
@@ -139,6 +152,20 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     tokio::spawn(server::accept_loop(d.clone(), listener));
     tokio::spawn(server::reaper(d.clone()));
     tokio::spawn(admin::serve(d.clone(), admin, budget));
+    let registry_task = registry.map(|r| {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let dd = d.clone();
+        let registration = move || cluster::Registration {
+            node_id: dd.config.node_id,
+            generation: dd.store.node_generation(),
+            data_addr: data_addr.map_or_else(String::new, |a| a.to_string()),
+            admin_addr: dd.admin_addr.to_string(),
+            capacity_bytes: dd.store.pool_bytes(),
+            free_bytes: u64::from(dd.store.stats().accounting.free) * dd.store.page_size(),
+        };
+        let task = tokio::spawn(async move { r.run(registration, stop_rx).await });
+        (stop_tx, task)
+    });
     tracing::info!(
         node_generation = generation,
         socket = %d.config.socket.display(),
@@ -163,6 +190,11 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         let _ = out.flush();
     }
     wait_for_drain(&d, signals).await?;
+    // withdraw from the cluster before the drain stops serving (bounded: etcd may be away)
+    if let Some((stop, task)) = registry_task {
+        let _ = stop.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(3), task).await;
+    }
     drain::run(&d).await;
     let _ = std::fs::remove_file(&d.config.socket);
     drop(datadir);

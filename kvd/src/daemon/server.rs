@@ -74,6 +74,8 @@ pub struct Daemon {
     pub peers: Arc<Peers>,
     /// The data port (the transfer engine), when a cluster secret is configured.
     pub data_port: Option<Arc<super::data_port::DataPort>>,
+    /// Cluster membership (embedded: this node alone).
+    pub cluster: Arc<super::cluster::Membership>,
 }
 
 /// Bind the Unix socket: owner and group may connect (0660), others not. A stale socket file
@@ -720,11 +722,18 @@ fn no_data_port() -> Error {
     )
 }
 
-/// While draining, new work (allocations, reservations, checkpoints) is refused.
+/// While draining, or without a registration lease, new work (allocations, reservations,
+/// checkpoints, transfers) is refused.
 fn refuse_new_work(d: &Daemon, what: &str) -> Result<()> {
     if d.drain.is_draining() {
         return Err(Error::Unavailable(format!(
             "this node is draining: no new {what}; go to another node"
+        )));
+    }
+    if !d.cluster.lease_held() {
+        return Err(Error::Unavailable(format!(
+            "this node holds no registration lease ({}): no new {what}; go to another node",
+            d.cluster.problem()
         )));
     }
     Ok(())

@@ -84,6 +84,8 @@ pub struct Incoming {
     next_connection: AtomicU64,
     connections: AtomicU64,
     counters: Arc<Counters>,
+    /// The membership this node follows: no new transfers while it holds no lease.
+    membership: std::sync::OnceLock<Arc<crate::daemon::cluster::Membership>>,
 }
 
 impl Incoming {
@@ -103,7 +105,13 @@ impl Incoming {
             next_connection: AtomicU64::new(1),
             connections: AtomicU64::new(0),
             counters,
+            membership: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Take no new transfers while `membership` says this node holds no lease.
+    pub fn follow(&self, membership: Arc<crate::daemon::cluster::Membership>) {
+        let _ = self.membership.set(membership);
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -281,6 +289,15 @@ impl Incoming {
 
     /// Admit one more transfer with `peer` under `binding`'s epoch, within the bounds.
     fn admit(&self, peer: &Bind, binding: &Binding) -> Result<()> {
+        if let Some(m) = self.membership.get()
+            && !m.lease_held()
+        {
+            return Err(Error::Unavailable(format!(
+                "node {} holds no registration lease ({}); go to another node",
+                self.node_id,
+                m.problem()
+            )));
+        }
         let mut st = self.lock();
         let key = (peer.node_id, binding.request);
         let newest = st.epochs.get(&key).copied().unwrap_or(0);

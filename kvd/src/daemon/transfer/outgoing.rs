@@ -91,7 +91,7 @@ struct Table {
 pub struct Outgoing {
     store: Arc<Store>,
     node_id: u64,
-    peers: BTreeMap<u64, SocketAddr>,
+    peers: std::sync::RwLock<BTreeMap<u64, SocketAddr>>,
     limits: OutgoingLimits,
     table: Mutex<Table>,
     endpoints: Mutex<HashMap<u64, EndpointId>>,
@@ -118,7 +118,7 @@ impl Outgoing {
         Outgoing {
             store,
             node_id,
-            peers,
+            peers: std::sync::RwLock::new(peers),
             limits,
             table: Mutex::new(Table {
                 next: 1,
@@ -128,6 +128,24 @@ impl Outgoing {
             idle: Mutex::new(HashMap::new()),
             counters,
         }
+    }
+
+    /// Replace the peer table (from `--peer`, or from the membership view).
+    pub fn set_peers(&self, peers: BTreeMap<u64, SocketAddr>) {
+        *self.peers.write().unwrap_or_else(|p| p.into_inner()) = peers;
+    }
+
+    /// The peer table.
+    pub fn peers(&self) -> BTreeMap<u64, SocketAddr> {
+        self.peers.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn addr_of(&self, peer: u64) -> Option<SocketAddr> {
+        self.peers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&peer)
+            .copied()
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {
@@ -145,7 +163,7 @@ impl Outgoing {
     /// # Errors
     /// [`Error::NotFound`] for a peer not in the table, [`Error::Overloaded`] past a bound.
     pub fn admit(&self, peer: u64) -> Result<u64> {
-        if !self.peers.contains_key(&peer) {
+        if self.addr_of(peer).is_none() {
             return Err(Error::NotFound(format!(
                 "node {peer} is not in this daemon's peer table (--peer {peer}=ADDR)"
             )));
@@ -317,7 +335,9 @@ impl Outgoing {
             .store
             .namespace(&ns)
             .ok_or_else(|| Error::NotFound("the blocks' namespace".into()))?;
-        let addr = self.peers[&peer];
+        let addr = self
+            .addr_of(peer)
+            .ok_or_else(|| Error::NotFound(format!("node {peer} left the peer table")))?;
         let tcp_peer = TcpPeer {
             addr,
             node_id: peer,
@@ -462,7 +482,9 @@ impl Outgoing {
         }
         let request = prefix.as_ref().map_or(0, |(r, _)| *r);
         let tcp_peer = TcpPeer {
-            addr: self.peers[&peer],
+            addr: self
+                .addr_of(peer)
+                .ok_or_else(|| Error::NotFound(format!("node {peer} left the peer table")))?,
             node_id: peer,
         };
         let binding_for = |bind: &Bind| Binding {

@@ -1,0 +1,437 @@
+//! Cluster membership: which nodes are alive, and this node's registration among them.
+//!
+//! Two registries. **Embedded** (the default): this node alone, peers only from `--peer`; it
+//! needs nothing but itself. **etcd** (`--etcd URL[,URL...]`): the node registers
+//! `(node_id, generation, data address, admin address, capacity, free)` under
+//! `<prefix>/nodes/<node_id>` with a TTL lease it keeps alive itself, and keeps a view of every
+//! registered node, rebuilt from a full read (with its revision) on every (re)connect and then
+//! fed by a watch from that revision; the data port's peer table comes from the view.
+//!
+//! ```text
+//!  connect ─▶ grant lease (TTL) ─▶ put registration ─▶ full read (rev R) ─▶ watch from R+1
+//!     ▲                                                                        │
+//!     └──── backoff ◀── any error (etcd down, partition, lease gone) ◀─────────┘
+//!           keep-alive every TTL/3; no answer for a whole TTL: the lease is lost
+//! ```
+//!
+//! **Lease lost** (no keep-alive answer for a whole TTL): the node is not ready (`/readyz` 503
+//! says why), takes no new work from engines or peers, and keeps finishing what it has; it
+//! registers again (a new lease) when etcd answers again. The view is kept as it was (routing
+//! continues on the last view); a reconnect replaces it from a full read, not from deltas.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// How a node finds its peers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ClusterConfig {
+    /// etcd endpoints (`http://HOST:PORT`).
+    pub etcd: Vec<String>,
+    /// The registration lease's TTL, ms.
+    pub lease_ttl_ms: u64,
+    /// The key prefix (one cluster per prefix).
+    pub prefix: String,
+    /// etcd user and password, if etcd has authentication on.
+    #[serde(skip)]
+    pub auth: Option<(String, String)>,
+}
+
+/// One node's registration, as etcd holds it (JSON).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registration {
+    /// The node's id.
+    pub node_id: u64,
+    /// Its incarnation.
+    pub generation: u64,
+    /// Its data port.
+    pub data_addr: String,
+    /// Its admin HTTP.
+    pub admin_addr: String,
+    /// Pool bytes.
+    pub capacity_bytes: u64,
+    /// Free pool bytes when it last wrote its registration.
+    pub free_bytes: u64,
+}
+
+/// What `/status` shows of membership.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ClusterReport {
+    /// `embedded` or `etcd`.
+    pub registry: String,
+    /// Whether this node holds a live registration lease (always true when embedded).
+    pub lease_held: bool,
+    /// Why not, when it does not.
+    pub lease_problem: String,
+    /// The etcd revision the view is at.
+    pub revision: i64,
+    /// The registered nodes, this one included.
+    pub nodes: Vec<Registration>,
+    /// Times this node registered (1 + re-registrations after a lost lease or etcd outage).
+    pub registrations: u64,
+    /// Times the view was rebuilt from a full read.
+    pub full_reads: u64,
+}
+
+/// The membership view, shared by the data port (its peer table), `/readyz` and `/status`.
+pub struct Membership {
+    registry: &'static str,
+    me: u64,
+    view: RwLock<BTreeMap<u64, Registration>>,
+    revision: AtomicI64,
+    lease_held: AtomicBool,
+    problem: RwLock<String>,
+    registrations: AtomicU64,
+    full_reads: AtomicU64,
+    /// Called with the peers (every node but this one) whenever the view changes.
+    on_change: RwLock<Option<PeerSink>>,
+}
+
+impl std::fmt::Debug for Membership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Membership")
+            .field("registry", &self.registry)
+            .field("me", &self.me)
+            .field("lease_held", &self.lease_held())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What is told of the peers when the view changes.
+pub type PeerSink = Box<dyn Fn(BTreeMap<u64, SocketAddr>) + Send + Sync>;
+
+impl Membership {
+    /// The embedded registry: this node alone, always holding its "lease".
+    pub fn embedded(me: u64) -> Membership {
+        Membership::new("embedded", me, true)
+    }
+
+    fn new(registry: &'static str, me: u64, held: bool) -> Membership {
+        Membership {
+            registry,
+            me,
+            view: RwLock::new(BTreeMap::new()),
+            revision: AtomicI64::new(0),
+            lease_held: AtomicBool::new(held),
+            problem: RwLock::new(if held {
+                String::new()
+            } else {
+                "not registered yet".into()
+            }),
+            registrations: AtomicU64::new(0),
+            full_reads: AtomicU64::new(0),
+            on_change: RwLock::new(None),
+        }
+    }
+
+    /// Whether this node may take new work: it holds its registration lease.
+    pub fn lease_held(&self) -> bool {
+        self.lease_held.load(Ordering::Acquire)
+    }
+
+    /// Why this node does not hold its lease ("" when it does).
+    pub fn problem(&self) -> String {
+        self.problem
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set_lease(&self, held: bool, why: &str) {
+        *self.problem.write().unwrap_or_else(|p| p.into_inner()) = why.to_string();
+        let was = self.lease_held.swap(held, Ordering::AcqRel);
+        if was != held {
+            if held {
+                tracing::info!("registration lease held: taking new work");
+            } else {
+                tracing::warn!(why, "registration lease lost: not ready, no new work");
+            }
+        }
+    }
+
+    /// Be told of the peers whenever the view changes (and once now).
+    pub fn on_change(&self, sink: PeerSink) {
+        sink(self.peers());
+        *self.on_change.write().unwrap_or_else(|p| p.into_inner()) = Some(sink);
+    }
+
+    /// Every registered node but this one, by data address.
+    pub fn peers(&self) -> BTreeMap<u64, SocketAddr> {
+        self.view
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|r| r.node_id != self.me)
+            .filter_map(|r| r.data_addr.parse().ok().map(|a| (r.node_id, a)))
+            .collect()
+    }
+
+    /// The registered generation of `node`, if it is registered.
+    pub fn generation_of(&self, node: u64) -> Option<u64> {
+        self.view
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&node)
+            .map(|r| r.generation)
+    }
+
+    fn changed(&self) {
+        let peers = self.peers();
+        if let Some(sink) = self
+            .on_change
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            sink(peers);
+        }
+    }
+
+    fn replace(&self, nodes: BTreeMap<u64, Registration>, revision: i64) {
+        *self.view.write().unwrap_or_else(|p| p.into_inner()) = nodes;
+        self.revision.store(revision, Ordering::Release);
+        self.full_reads.fetch_add(1, Ordering::Relaxed);
+        self.changed();
+    }
+
+    fn apply(&self, put: Option<Registration>, deleted: Option<u64>, revision: i64) {
+        {
+            let mut v = self.view.write().unwrap_or_else(|p| p.into_inner());
+            if let Some(r) = put {
+                v.insert(r.node_id, r);
+            }
+            if let Some(id) = deleted {
+                v.remove(&id);
+            }
+        }
+        self.revision.store(revision, Ordering::Release);
+        self.changed();
+    }
+
+    /// What `/status` shows.
+    pub fn report(&self) -> ClusterReport {
+        ClusterReport {
+            registry: self.registry.to_string(),
+            lease_held: self.lease_held(),
+            lease_problem: self.problem(),
+            revision: self.revision.load(Ordering::Acquire),
+            nodes: self
+                .view
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .cloned()
+                .collect(),
+            registrations: self.registrations.load(Ordering::Relaxed),
+            full_reads: self.full_reads.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn node_key(prefix: &str, id: u64) -> String {
+    format!("{prefix}/nodes/{id:020}")
+}
+
+fn etcd_err(what: &str, e: etcd_client::Error) -> Error {
+    Error::Unavailable(format!("etcd {what}: {e}"))
+}
+
+/// The etcd registry: a membership view fed by etcd, and the task that keeps this node
+/// registered.
+#[derive(Debug)]
+pub struct EtcdRegistry {
+    config: ClusterConfig,
+    membership: Arc<Membership>,
+}
+
+impl EtcdRegistry {
+    /// A registry for node `me` (not registered until [`EtcdRegistry::run`] gets through).
+    pub fn new(config: ClusterConfig, me: u64) -> EtcdRegistry {
+        EtcdRegistry {
+            config,
+            membership: Arc::new(Membership::new("etcd", me, false)),
+        }
+    }
+
+    /// The view.
+    pub fn membership(&self) -> Arc<Membership> {
+        Arc::clone(&self.membership)
+    }
+
+    /// Keep `registration()` registered and the view current until `stop` turns true; then
+    /// withdraw the registration (delete it and revoke the lease) and return.
+    pub async fn run(
+        &self,
+        registration: impl Fn() -> Registration,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) {
+        let mut backoff = Duration::from_millis(100);
+        while !*stop.borrow() {
+            let started = Instant::now();
+            match self.session(&registration, &mut stop).await {
+                Ok(()) => return,
+                Err(e) => {
+                    let why = e.to_string();
+                    tracing::warn!(error = %why, "etcd session ended; registering again after a backoff");
+                    self.membership.set_lease(false, &why);
+                }
+            }
+            if started.elapsed() > Duration::from_secs(10) {
+                backoff = Duration::from_millis(100);
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = stop.changed() => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// One session: connect, register under a fresh lease, read everything, watch, keep the
+    /// lease alive. Returns `Ok` when asked to stop (after withdrawing), `Err` on any failure.
+    async fn session(
+        &self,
+        registration: &impl Fn() -> Registration,
+        stop: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> Result<()> {
+        use etcd_client::{
+            Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions,
+        };
+        let ttl = Duration::from_millis(self.config.lease_ttl_ms);
+        let mut opts = ConnectOptions::new()
+            .with_connect_timeout(ttl.min(Duration::from_secs(5)))
+            .with_timeout(ttl.min(Duration::from_secs(5)));
+        if let Some((user, password)) = &self.config.auth {
+            opts = opts.with_user(user.clone(), password.clone());
+        }
+        let mut client = Client::connect(&self.config.etcd, Some(opts))
+            .await
+            .map_err(|e| etcd_err("connect", e))?;
+        let ttl_s = self.config.lease_ttl_ms.div_ceil(1000).max(1) as i64;
+        let lease = client
+            .lease_grant(ttl_s, None)
+            .await
+            .map_err(|e| etcd_err("lease grant", e))?
+            .id();
+        let key = node_key(&self.config.prefix, self.membership.me);
+        let put = |r: Registration| serde_json::to_vec(&r).expect("a registration serializes");
+        client
+            .put(
+                key.clone(),
+                put(registration()),
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await
+            .map_err(|e| etcd_err("register", e))?;
+        let (mut keeper, mut answers) = client
+            .lease_keep_alive(lease)
+            .await
+            .map_err(|e| etcd_err("keep-alive", e))?;
+        self.membership
+            .registrations
+            .fetch_add(1, Ordering::Relaxed);
+        self.membership.set_lease(true, "");
+        let mut lease_answered = Instant::now();
+
+        // the view: a full read, then a watch from just after its revision
+        let prefix = format!("{}/nodes/", self.config.prefix);
+        let all = client
+            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(|e| etcd_err("read the nodes", e))?;
+        let revision = all.header().map_or(0, |h| h.revision());
+        let nodes = all
+            .kvs()
+            .iter()
+            .filter_map(|kv| serde_json::from_slice::<Registration>(kv.value()).ok())
+            .map(|r| (r.node_id, r))
+            .collect();
+        self.membership.replace(nodes, revision);
+        let (_watcher, mut events) = client
+            .watch(
+                prefix.clone(),
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(revision + 1),
+                ),
+            )
+            .await
+            .map_err(|e| etcd_err("watch", e))?;
+
+        let mut beat = tokio::time::interval(ttl / 3);
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut refresh = tokio::time::interval(Duration::from_secs(5).max(ttl));
+        refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        refresh.tick().await;
+        loop {
+            tokio::select! {
+                _ = beat.tick() => {
+                    if lease_answered.elapsed() > ttl {
+                        return Err(Error::Unavailable(format!(
+                            "no keep-alive answer from etcd for {} ms (the lease's TTL)",
+                            lease_answered.elapsed().as_millis()
+                        )));
+                    }
+                    // a keep-alive that cannot be sent is noticed by the TTL check above
+                    let _ = tokio::time::timeout(ttl / 3, keeper.keep_alive()).await;
+                }
+                answer = answers.message() => match answer {
+                    Ok(Some(a)) if a.ttl() > 0 => lease_answered = Instant::now(),
+                    Ok(Some(_)) => {
+                        return Err(Error::Unavailable("etcd says the lease is gone".into()));
+                    }
+                    Ok(None) => return Err(Error::Unavailable("the keep-alive stream ended".into())),
+                    Err(e) => return Err(etcd_err("keep-alive", e)),
+                },
+                event = events.message() => match event {
+                    Ok(Some(w)) => {
+                        if w.canceled() {
+                            return Err(Error::Unavailable("etcd cancelled the watch".into()));
+                        }
+                        let rev = w.header().map_or(0, |h| h.revision());
+                        for e in w.events() {
+                            let Some(kv) = e.kv() else { continue };
+                            match e.event_type() {
+                                EventType::Put => {
+                                    if let Ok(r) = serde_json::from_slice::<Registration>(kv.value()) {
+                                        self.membership.apply(Some(r), None, rev);
+                                    }
+                                }
+                                EventType::Delete => {
+                                    let id = std::str::from_utf8(kv.key())
+                                        .ok()
+                                        .and_then(|k| k.rsplit('/').next())
+                                        .and_then(|n| n.parse::<u64>().ok());
+                                    self.membership.apply(None, id, rev);
+                                }
+                            }
+                        }
+                    }
+                    Ok(None) => return Err(Error::Unavailable("the watch ended".into())),
+                    Err(e) => return Err(etcd_err("watch", e)),
+                },
+                _ = refresh.tick() => {
+                    // keep the load figures fresh (bounded: one write per refresh)
+                    let _ = client
+                        .put(key.clone(), put(registration()), Some(PutOptions::new().with_lease(lease)))
+                        .await;
+                }
+                _ = stop.changed() => {
+                    // withdraw before we stop serving
+                    let _ = client.delete(key.clone(), None).await;
+                    let _ = client.lease_revoke(lease).await;
+                    self.membership.set_lease(false, "withdrawn (draining)");
+                    return Ok(());
+                }
+            }
+        }
+    }
+}

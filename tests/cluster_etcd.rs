@@ -1,0 +1,185 @@
+//! Cluster mode on a real etcd with three real daemons: registration, the membership view,
+//! detection of a dead node, a restart coming back with a higher generation, the data port's
+//! peer table fed by the view, and a paused etcd.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kvd::protocol::TransferState;
+use support::{Daemon, Etcd};
+
+const TTL_MS: u64 = 2_000;
+
+fn secret_file(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join("secret");
+    std::fs::write(&p, [7u8; 32]).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p
+}
+
+fn node(dir: &Path, secret: &Path, etcd: &Etcd, id: u64) -> Daemon {
+    let (s, id, ttl) = (secret.to_str().unwrap(), id.to_string(), TTL_MS.to_string());
+    Daemon::start_in(
+        dir,
+        &[
+            "--cluster-secret-file",
+            s,
+            "--data-listen",
+            "127.0.0.1:0",
+            "--node-id",
+            &id,
+            "--etcd",
+            &etcd.url,
+            "--etcd-lease-ttl-ms",
+            &ttl,
+        ],
+    )
+}
+
+fn view(d: &Daemon) -> Vec<(u64, u64)> {
+    d.status()
+        .cluster
+        .map(|c| c.nodes.iter().map(|n| (n.node_id, n.generation)).collect())
+        .unwrap_or_default()
+}
+
+fn wait_views(nodes: &[&Daemon], want: &[(u64, u64)], timeout: Duration, what: &str) -> Duration {
+    let t = Instant::now();
+    support::wait_until(timeout, what, || nodes.iter().all(|d| view(d) == want));
+    t.elapsed()
+}
+
+#[test]
+fn a_killed_node_leaves_every_view_within_the_ttl_and_comes_back_with_a_higher_generation() {
+    let etcd = Etcd::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = secret_file(tmp.path());
+    let dirs: Vec<PathBuf> = (1..=3).map(|i| tmp.path().join(format!("n{i}"))).collect();
+    for d in &dirs {
+        std::fs::create_dir(d).unwrap();
+    }
+    let a = node(&dirs[0], &secret, &etcd, 1);
+    let b = node(&dirs[1], &secret, &etcd, 2);
+    let mut c = node(&dirs[2], &secret, &etcd, 3);
+    let all = vec![(1, a.generation), (2, b.generation), (3, c.generation)];
+    wait_views(
+        &[&a, &b, &c],
+        &all,
+        Duration::from_secs(20),
+        "every node sees all three",
+    );
+    // the data port's peers come from the view (no --peer was given)
+    let peers = a.status().data_port.unwrap().peers;
+    assert_eq!(peers.keys().copied().collect::<Vec<_>>(), vec![2, 3]);
+    assert_eq!(a.get("/readyz").0, 200);
+
+    // kill -9 node 3: gone from the others' views within the TTL plus a margin
+    let killed = Instant::now();
+    support::signal(c.pid(), rustix::process::Signal::KILL);
+    let _ = c.wait_exit(Duration::from_secs(10));
+    let two = vec![(1, a.generation), (2, b.generation)];
+    wait_views(
+        &[&a, &b],
+        &two,
+        Duration::from_millis(TTL_MS + 8_000),
+        "node 3 leaves the views",
+    );
+    let detected = killed.elapsed();
+    println!("kill -9: node 3 left every view {detected:?} after the kill (lease TTL {TTL_MS} ms)");
+    assert!(detected < Duration::from_millis(TTL_MS + 8_000));
+    assert!(!a.status().data_port.unwrap().peers.contains_key(&3));
+
+    // restart it on its data dir: a higher generation, back in every view
+    let c2 = node(&dirs[2], &secret, &etcd, 3);
+    assert!(c2.generation > c.generation);
+    let back = vec![(1, a.generation), (2, b.generation), (3, c2.generation)];
+    let t = wait_views(
+        &[&a, &b, &c2],
+        &back,
+        Duration::from_secs(20),
+        "node 3 is back",
+    );
+    println!(
+        "restart: node 3 back in every view with generation {} after {t:?}",
+        c2.generation
+    );
+
+    // and the view's address works: node 1 pushes to node 3 with no --peer
+    let mut ca = a.client("engine", 30_000);
+    let ns = ca.register_namespace(&support::namespace()).unwrap();
+    let keys = support::keys(ns, 5, 4);
+    for (i, k) in keys.iter().enumerate() {
+        support::put_one(&mut ca, *k, &support::pattern(256 << 10, i as u8));
+    }
+    let id = ca.push(3, &keys).unwrap();
+    let mut last = None;
+    support::wait_until(Duration::from_secs(30), "the push ends", || {
+        let t = ca.transfers(&[id]).unwrap().remove(0);
+        let done = t.state != TransferState::InFlight;
+        last = Some(t);
+        done
+    });
+    assert_eq!(last.unwrap().state, TransferState::Done);
+    drop(c);
+}
+
+#[test]
+fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when_it_resumes() {
+    let etcd = Etcd::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = secret_file(tmp.path());
+    let dirs: Vec<PathBuf> = (1..=2).map(|i| tmp.path().join(format!("n{i}"))).collect();
+    for d in &dirs {
+        std::fs::create_dir(d).unwrap();
+    }
+    let a = node(&dirs[0], &secret, &etcd, 1);
+    let b = node(&dirs[1], &secret, &etcd, 2);
+    let all = vec![(1, a.generation), (2, b.generation)];
+    wait_views(&[&a, &b], &all, Duration::from_secs(20), "both see both");
+
+    let paused = Instant::now();
+    support::signal(etcd.pid(), rustix::process::Signal::STOP);
+    support::wait_until(
+        Duration::from_millis(TTL_MS + 8_000),
+        "both go not ready",
+        || a.get("/readyz").0 == 503 && b.get("/readyz").0 == 503,
+    );
+    let not_ready = paused.elapsed();
+    let (_, why) = a.get("/readyz");
+    assert!(why.contains("no registration lease"), "{why}");
+    println!(
+        "etcd paused: both nodes not ready {not_ready:?} after the pause: {}",
+        why.trim()
+    );
+    // no new work meanwhile, with a reason
+    let mut ca = a.client("engine", 30_000);
+    let ns = ca.register_namespace(&support::namespace()).unwrap();
+    let e = ca
+        .alloc(
+            &support::keys(ns, 1, 1),
+            kvd::store::BlockClass::Cache,
+            None,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("registration lease"), "{e}");
+    // the view is kept as it was
+    assert_eq!(view(&a), all);
+
+    let resumed = Instant::now();
+    support::signal(etcd.pid(), rustix::process::Signal::CONT);
+    support::wait_until(Duration::from_secs(30), "both ready again", || {
+        a.get("/readyz").0 == 200 && b.get("/readyz").0 == 200
+    });
+    let t = wait_views(&[&a, &b], &all, Duration::from_secs(20), "views converge");
+    println!(
+        "etcd resumed: both ready and views converged {:?} after the resume",
+        resumed.elapsed().max(t)
+    );
+    assert!(
+        a.status().cluster.unwrap().registrations >= 2,
+        "registered again"
+    );
+}
