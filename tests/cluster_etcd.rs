@@ -7,8 +7,11 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kvd::protocol::TransferState;
+use kvd::daemon::transfer::wire::{Binding, Offered, PeerReply, PeerRequest};
+use kvd::protocol::{TransferState, WireError};
 use support::{Daemon, Etcd};
+use transport::auth::ClusterSecret;
+use transport::tcp::{TcpConfig, TcpPeer, TcpTransport};
 
 const TTL_MS: u64 = 2_000;
 
@@ -37,6 +40,48 @@ fn node(dir: &Path, secret: &Path, etcd: &Etcd, id: u64) -> Daemon {
             &ttl,
         ],
     )
+}
+
+/// Offer one block to `d` as node `id` in incarnation `generation` (an engine of the test's
+/// own, with the cluster secret); the answer.
+fn raw_offer(secret: &Path, d: &Daemon, id: u64, generation: u64) -> PeerReply {
+    let s = ClusterSecret::from_file(secret).unwrap();
+    let e = TcpTransport::start(TcpConfig::new(
+        id,
+        generation,
+        "127.0.0.1:0".parse().unwrap(),
+        s,
+    ))
+    .unwrap();
+    let dp = d.status().data_port.unwrap();
+    let (mut s, bind) = e
+        .open_control(&TcpPeer {
+            addr: dp.listen.parse().unwrap(),
+            node_id: dp.node_id,
+        })
+        .unwrap();
+    let desc = support::namespace();
+    let key = support::keys(desc.id(), 1, 1)[0];
+    let offer = PeerRequest::Offer {
+        binding: Binding {
+            request: 0,
+            namespace: key.namespace,
+            source_node: id,
+            source_generation: generation,
+            destination_node: dp.node_id,
+            destination_generation: bind.node_generation,
+            epoch: 1,
+        },
+        namespace: Box::new(desc),
+        blocks: vec![Offered {
+            key,
+            len: 4096,
+            checksum: 0,
+        }],
+        checkpoint: None,
+    };
+    kvd::protocol::frame::write_frame(&mut s, &offer).unwrap();
+    kvd::protocol::frame::read_frame(&mut s).unwrap()
 }
 
 fn view(d: &Daemon) -> Vec<(u64, u64)> {
@@ -106,6 +151,17 @@ fn a_killed_node_leaves_every_view_within_the_ttl_and_comes_back_with_a_higher_g
         "restart: node 3 back in every view with generation {} after {t:?}",
         c2.generation
     );
+
+    // fencing: node 3's old incarnation (or an unregistered node) cannot start a transfer,
+    // even holding the cluster secret
+    for (id, generation) in [(3, c.generation), (9, 1)] {
+        let r = raw_offer(&secret, &a, id, generation);
+        assert!(
+            matches!(r, PeerReply::Refused(WireError::StaleGeneration { .. })),
+            "node {id} generation {generation}: {r:?}"
+        );
+    }
+    assert_eq!(a.status().data_port.unwrap().transfers.fenced, 2);
 
     // and the view's address works: node 1 pushes to node 3 with no --peer
     let mut ca = a.client("engine", 30_000);

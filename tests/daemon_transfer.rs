@@ -444,6 +444,9 @@ fn a_push_whose_link_is_cut_publishes_nothing_frees_the_destinations_pages_and_u
         0,
         "the source's pins are released"
     );
+    // the failed peer is avoided locally for a short while
+    let e = ca.push(2, &keys[..1]).unwrap_err();
+    assert!(e.to_string().contains("avoided"), "{e}");
 
     support::wait_until(
         Duration::from_secs(30),

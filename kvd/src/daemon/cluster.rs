@@ -173,6 +173,12 @@ impl Membership {
             .collect()
     }
 
+    /// Whether this view fences by registration (etcd): a peer must be registered, at the
+    /// generation it speaks with, for its transfers to be taken.
+    pub fn fences(&self) -> bool {
+        self.registry == "etcd"
+    }
+
     /// The registered generation of `node`, if it is registered.
     pub fn generation_of(&self, node: u64) -> Option<u64> {
         self.view

@@ -298,6 +298,19 @@ impl Incoming {
                 m.problem()
             )));
         }
+        // fencing: in cluster mode a peer is only who etcd says it is, at that generation
+        if let Some(m) = self.membership.get()
+            && m.fences()
+            && m.generation_of(peer.node_id) != Some(peer.node_generation)
+        {
+            self.counters.fenced.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::StaleGeneration {
+                handle_node: peer.node_generation,
+                handle_slot: 0,
+                current_node: m.generation_of(peer.node_id).unwrap_or(0),
+                current_slot: 0,
+            });
+        }
         let mut st = self.lock();
         let key = (peer.node_id, binding.request);
         let newest = st.epochs.get(&key).copied().unwrap_or(0);

@@ -52,6 +52,11 @@ pub struct Counters {
     pub aborted_incoming: AtomicU64,
     /// Offers or pushes refused at a bound (retryable).
     pub overloaded: AtomicU64,
+    /// Transfers refused because their peer is not registered at the generation it speaks
+    /// with (cluster mode).
+    pub fenced: AtomicU64,
+    /// Transfers not started because their peer failed one recently (local suppression).
+    pub suppressed: AtomicU64,
 }
 
 /// A snapshot of [`Counters`], for `/status` and `/metrics`.
@@ -70,6 +75,8 @@ pub struct TransferCounters {
     pub checksum_failures: u64,
     pub aborted_incoming: u64,
     pub overloaded: u64,
+    pub fenced: u64,
+    pub suppressed: u64,
 }
 
 impl Default for Counters {
@@ -91,6 +98,8 @@ impl Default for Counters {
             checksum_failures: AtomicU64::default(),
             aborted_incoming: AtomicU64::default(),
             overloaded: AtomicU64::default(),
+            fenced: AtomicU64::default(),
+            suppressed: AtomicU64::default(),
         }
     }
 }
@@ -134,6 +143,8 @@ impl Counters {
             checksum_failures: r(&self.checksum_failures),
             aborted_incoming: r(&self.aborted_incoming),
             overloaded: r(&self.overloaded),
+            fenced: r(&self.fenced),
+            suppressed: r(&self.suppressed),
         }
     }
 }

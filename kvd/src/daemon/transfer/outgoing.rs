@@ -84,7 +84,12 @@ struct Table {
     next: u64,
     pushes: BTreeMap<u64, TransferInfo>,
     running: HashMap<u64, usize>,
+    /// Peers avoided until then (at most one entry per peer).
+    suppressed: HashMap<u64, Instant>,
 }
+
+/// How long a peer that failed a transfer (its connection broke or stalled) is avoided.
+pub const SUPPRESS_FOR: Duration = Duration::from_secs(2);
 
 /// Pushes from this node.
 #[derive(Debug)]
@@ -169,6 +174,20 @@ impl Outgoing {
             )));
         }
         let mut t = self.table();
+        // local suppression: a peer that just failed a transfer is avoided for a while, even
+        // before its lease runs out
+        if let Some(&until) = t.suppressed.get(&peer) {
+            let now = Instant::now();
+            if now < until {
+                self.counters.suppressed.fetch_add(1, Ordering::Relaxed);
+                return Err(Error::Unavailable(format!(
+                    "node {peer} failed a transfer moments ago; avoided here for another {} ms \
+                     (try another node, or retry then)",
+                    (until - now).as_millis()
+                )));
+            }
+            t.suppressed.remove(&peer);
+        }
         let to_peer = t.running.get(&peer).copied().unwrap_or(0);
         let total: usize = t.running.values().sum();
         if to_peer >= self.limits.per_peer || total >= self.limits.total {
@@ -254,6 +273,9 @@ impl Outgoing {
             &self.counters.push_seconds
         };
         latency.observe(started.elapsed().as_secs_f64());
+        if let Err(Error::Disconnected(_) | Error::Unavailable(_) | Error::Io(_)) = &outcome {
+            t.suppressed.insert(peer, Instant::now() + SUPPRESS_FOR);
+        }
         let Some(p) = t.pushes.get_mut(&id) else {
             return;
         };
