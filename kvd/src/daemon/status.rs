@@ -160,6 +160,27 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
             let _ = writeln!(o, "data port: off (no --cluster-secret-file)");
         }
     }
+    if let Some(c) = &r.cluster
+        && c.registry == "etcd"
+    {
+        let nodes: Vec<String> = c
+            .nodes
+            .iter()
+            .map(|n| format!("{}/gen {}", n.node_id, n.generation))
+            .collect();
+        let lease = if c.lease_held {
+            "lease held".to_string()
+        } else {
+            format!("NO LEASE ({})", c.lease_problem)
+        };
+        let _ = writeln!(
+            o,
+            "cluster (etcd, revision {}): {lease}; registered {} time(s); nodes [{}]",
+            c.revision,
+            c.registrations,
+            nodes.join(", ")
+        );
+    }
     let _ = writeln!(
         o,
         "  {:<12} {:>8} {:>10} {:>6}",
