@@ -45,6 +45,12 @@ fn node(dir: &Path, secret: &Path, etcd: &Etcd, id: u64) -> Daemon {
 /// Offer one block to `d` as node `id` in incarnation `generation` (an engine of the test's
 /// own, with the cluster secret); the answer.
 fn raw_offer(secret: &Path, d: &Daemon, id: u64, generation: u64) -> PeerReply {
+    raw_offer_to(secret, d, id, generation, None)
+}
+
+/// As [`raw_offer`], bound to destination generation `to` (default: the one `d` introduces
+/// itself with).
+fn raw_offer_to(secret: &Path, d: &Daemon, id: u64, generation: u64, to: Option<u64>) -> PeerReply {
     let s = ClusterSecret::from_file(secret).unwrap();
     let e = TcpTransport::start(TcpConfig::new(
         id,
@@ -69,7 +75,7 @@ fn raw_offer(secret: &Path, d: &Daemon, id: u64, generation: u64) -> PeerReply {
             source_node: id,
             source_generation: generation,
             destination_node: dp.node_id,
-            destination_generation: bind.node_generation,
+            destination_generation: to.unwrap_or(bind.node_generation),
             epoch: 1,
         },
         namespace: Box::new(desc),
@@ -229,13 +235,31 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
     support::wait_until(Duration::from_secs(30), "both ready again", || {
         a.get("/readyz").0 == 200 && b.get("/readyz").0 == 200
     });
-    let t = wait_views(&[&a, &b], &all, Duration::from_secs(20), "views converge");
+    // both registered again, each under a new generation, and every view has both new ones
+    let newer = |d: &Daemon, id: u64, old: u64| view(d).iter().any(|&(n, g)| n == id && g > old);
+    support::wait_until(
+        Duration::from_secs(20),
+        "views converge on the new generations",
+        || {
+            [&a, &b].iter().all(|d| {
+                view(d).len() == 2 && newer(d, 1, a.generation) && newer(d, 2, b.generation)
+            })
+        },
+    );
     println!(
-        "etcd resumed: both ready and views converged {:?} after the resume",
-        resumed.elapsed().max(t)
+        "etcd resumed: both ready again and views converged on new generations {:?} after \
+         the resume: {:?}",
+        resumed.elapsed(),
+        view(&a)
     );
     assert!(
         a.status().cluster.unwrap().registrations >= 2,
         "registered again"
+    );
+    // a transfer bound to a node's old generation is refused now
+    let r = raw_offer_to(&secret, &a, 2, b.generation, Some(a.generation));
+    assert!(
+        matches!(r, PeerReply::Refused(WireError::StaleGeneration { .. })),
+        "{r:?}"
     );
 }

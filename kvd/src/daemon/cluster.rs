@@ -273,14 +273,21 @@ impl EtcdRegistry {
 
     /// Keep `registration()` registered and the view current until `stop` turns true; then
     /// withdraw the registration (delete it and revoke the lease) and return.
+    /// Every registration after the first calls `advance` first: a node that re-registers
+    /// (after a lost lease or an etcd outage) does so under a new node generation, so that no
+    /// work of the old lease can be taken for the new one's.
     pub async fn run(
         &self,
         registration: impl Fn() -> Registration,
+        advance: impl Fn(),
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
         let mut backoff = Duration::from_millis(100);
         while !*stop.borrow() {
             let started = Instant::now();
+            if self.membership.registrations.load(Ordering::Relaxed) > 0 {
+                advance();
+            }
             match self.session(&registration, &mut stop).await {
                 Ok(()) => return,
                 Err(e) => {

@@ -231,6 +231,18 @@ impl DataPort {
         self.counters.snapshot()
     }
 
+    /// This node's generation as its peers know it.
+    pub fn generation(&self) -> u64 {
+        self.engine.target().node_generation()
+    }
+
+    /// Become generation `g` towards peers (cluster mode's re-registration): transfers bound
+    /// to the old one are refused from now on.
+    pub fn set_generation(&self, g: u64) {
+        let old = self.engine.target().set_node_generation(g);
+        tracing::info!(old, new = g, "the node generation advanced");
+    }
+
     /// Transfers started here still under way.
     pub fn transfers_in_flight(&self) -> usize {
         self.outgoing.in_flight()

@@ -71,9 +71,25 @@ impl DataDir {
         })
     }
 
-    /// This start's node generation.
+    /// This start's node generation (or the latest [`DataDir::advance`] gave).
     pub fn generation(&self) -> u64 {
         self.generation
+    }
+
+    /// Hand out (and persist) the next generation without a restart: cluster mode's
+    /// re-registration after a lost lease, so that nothing of the old lease's work can be
+    /// taken for the new one's. A number once handed out is never handed out again.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when it cannot be persisted (the generation is then unchanged).
+    pub fn advance(&mut self) -> Result<u64> {
+        let next = self
+            .generation
+            .checked_add(1)
+            .ok_or_else(|| Error::InvalidArgument("node generation overflow".into()))?;
+        persist(&self.path, &self.path.join("generation"), next)?;
+        self.generation = next;
+        Ok(next)
     }
 
     /// The directory.

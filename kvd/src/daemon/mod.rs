@@ -152,18 +152,31 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     tokio::spawn(server::accept_loop(d.clone(), listener));
     tokio::spawn(server::reaper(d.clone()));
     tokio::spawn(admin::serve(d.clone(), admin, budget));
+    let datadir = Arc::new(std::sync::Mutex::new(datadir));
     let registry_task = registry.map(|r| {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let dd = d.clone();
         let registration = move || cluster::Registration {
             node_id: dd.config.node_id,
-            generation: dd.store.node_generation(),
+            generation: dd
+                .data_port
+                .as_ref()
+                .map_or(dd.store.node_generation(), |dp| dp.generation()),
             data_addr: data_addr.map_or_else(String::new, |a| a.to_string()),
             admin_addr: dd.admin_addr.to_string(),
             capacity_bytes: dd.store.pool_bytes(),
             free_bytes: u64::from(dd.store.stats().accounting.free) * dd.store.page_size(),
         };
-        let task = tokio::spawn(async move { r.run(registration, stop_rx).await });
+        let (dd, dir) = (d.clone(), Arc::clone(&datadir));
+        let advance = move || {
+            let next = dir.lock().unwrap_or_else(|p| p.into_inner()).advance();
+            match (next, &dd.data_port) {
+                (Ok(g), Some(dp)) => dp.set_generation(g),
+                (Err(e), _) => tracing::error!(error = %e, "could not advance the node generation"),
+                _ => {}
+            }
+        };
+        let task = tokio::spawn(async move { r.run(registration, advance, stop_rx).await });
         (stop_tx, task)
     });
     tracing::info!(
@@ -173,7 +186,7 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         pool_bytes = d.store.pool_bytes(),
         page_bytes = d.store.page_size(),
         backing = ?d.store.backing(),
-        data_dir = %datadir.path().display(),
+        data_dir = %d.config.data_dir.display(),
         node_id = d.config.node_id,
         data_port = %data_addr.map_or_else(|| "off (no --cluster-secret-file)".to_string(), |a| a.to_string()),
         "kvd serving"

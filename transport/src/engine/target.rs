@@ -130,7 +130,7 @@ unsafe impl Send for Window {}
 #[derive(Debug)]
 pub struct Target {
     node_id: u64,
-    node_generation: u64,
+    node_generation: std::sync::atomic::AtomicU64,
     backend: BackendKind,
     start: Instant,
     state: Mutex<State>,
@@ -147,7 +147,7 @@ impl Target {
     ) -> Target {
         Target {
             node_id,
-            node_generation,
+            node_generation: std::sync::atomic::AtomicU64::new(node_generation),
             backend,
             start: Instant::now(),
             state: Mutex::new(State {
@@ -176,6 +176,15 @@ impl Target {
     /// This node's incarnation.
     pub fn node_generation(&self) -> u64 {
         self.node_generation
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Become incarnation `generation` (higher than the current one): from now on accesses
+    /// naming an older one, and descriptors of it, are refused as stale, and new connections
+    /// introduce this node with it. Returns the generation it had.
+    pub fn set_node_generation(&self, generation: u64) -> u64 {
+        self.node_generation
+            .swap(generation, std::sync::atomic::Ordering::AcqRel)
     }
 
     /// The clock grants expire on (ms since the target was made).
@@ -230,7 +239,7 @@ impl Target {
             segment,
             len,
             node_id: self.node_id,
-            node_generation: self.node_generation,
+            node_generation: self.node_generation(),
         })
     }
 
@@ -244,7 +253,7 @@ impl Target {
                 segment,
                 len: seg.len,
                 node_id: self.node_id,
-                node_generation: self.node_generation,
+                node_generation: self.node_generation(),
             })
     }
 
@@ -407,7 +416,7 @@ impl Target {
     pub fn begin(&self, a: &Access, node_generation: u64) -> std::result::Result<Window, u8> {
         let now = self.now_ms();
         let mut s = self.lock();
-        if node_generation != self.node_generation {
+        if node_generation != self.node_generation() {
             s.stale_generation += 1;
             return Err(REFUSED_STALE_GENERATION);
         }

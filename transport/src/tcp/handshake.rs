@@ -35,10 +35,10 @@ fn tune(s: &TcpStream, config: &TcpConfig) -> std::io::Result<()> {
     Ok(())
 }
 
-fn bind_of(config: &TcpConfig, purpose: Purpose) -> Bind {
+fn bind_of(config: &TcpConfig, generation: u64, purpose: Purpose) -> Bind {
     Bind {
         node_id: config.node_id,
-        node_generation: config.node_generation,
+        node_generation: generation,
         purpose,
     }
 }
@@ -47,6 +47,7 @@ fn bind_of(config: &TcpConfig, purpose: Purpose) -> Bind {
 /// side); the peer's introduction with it.
 pub(super) fn connect(
     config: &TcpConfig,
+    generation: u64,
     peer: &TcpPeer,
     purpose: Purpose,
 ) -> Result<(TcpStream, Bind)> {
@@ -69,7 +70,7 @@ pub(super) fn connect(
         .map_err(|e| Error::PeerUnavailable(format!("{shown}: {e}")))?;
     s.write_all(&proof.0)
         .map_err(|e| io(&format!("handshake with {shown}"), e))?;
-    s.write_all(&bind_of(config, purpose).encode())
+    s.write_all(&bind_of(config, generation, purpose).encode())
         .map_err(|e| io(&format!("bind with {shown}"), e))?;
     let mut b = [0u8; Bind::WIRE_BYTES];
     s.read_exact(&mut b).map_err(|e| {
@@ -94,7 +95,7 @@ pub(super) fn connect(
 }
 
 /// The responder's side of one connection; the initiator's introduction with it.
-fn accept_one(config: &TcpConfig, mut s: TcpStream) -> Result<(TcpStream, Bind)> {
+fn accept_one(config: &TcpConfig, generation: u64, mut s: TcpStream) -> Result<(TcpStream, Bind)> {
     tune(&s, config).map_err(|e| io("socket options", e))?;
     let mut h = [0u8; Hello::WIRE_BYTES];
     s.read_exact(&mut h).map_err(|e| io("handshake", e))?;
@@ -107,7 +108,7 @@ fn accept_one(config: &TcpConfig, mut s: TcpStream) -> Result<(TcpStream, Bind)>
     let mut b = [0u8; Bind::WIRE_BYTES];
     s.read_exact(&mut b).map_err(|e| io("bind", e))?;
     let theirs = Bind::decode(&b)?;
-    s.write_all(&bind_of(config, theirs.purpose).encode())
+    s.write_all(&bind_of(config, generation, theirs.purpose).encode())
         .map_err(|e| io("bind", e))?;
     Ok((s, theirs))
 }
@@ -145,7 +146,7 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
         let spawned = std::thread::Builder::new()
             .name("kvd-tcp-handshake".into())
             .spawn(move || {
-                match accept_one(&s.config, stream) {
+                match accept_one(&s.config, s.target.node_generation(), stream) {
                     Ok((stream, bind)) if bind.purpose == Purpose::Data => {
                         s.target_connections.fetch_add(1, Ordering::AcqRel);
                         s.send(Command::Serve { stream });

@@ -421,7 +421,13 @@ impl TcpTransport {
     /// # Errors
     /// [`Error::PeerUnavailable`] as for [`Transport::open`].
     pub fn open_control(&self, peer: &TcpPeer) -> Result<(TcpStream, wire::Bind)> {
-        handshake::connect(&self.shared.config, peer, wire::Purpose::Control)
+        let generation = self.shared.target.node_generation();
+        handshake::connect(
+            &self.shared.config,
+            generation,
+            peer,
+            wire::Purpose::Control,
+        )
     }
 
     /// Ops and bytes in flight.
@@ -497,7 +503,8 @@ impl Transport for TcpTransport {
         }
         let mut streams = Vec::with_capacity(s.config.connections);
         for _ in 0..s.config.connections {
-            streams.push(handshake::connect(&s.config, peer, wire::Purpose::Data)?.0);
+            let generation = s.target.node_generation();
+            streams.push(handshake::connect(&s.config, generation, peer, wire::Purpose::Data)?.0);
         }
         let endpoint = EndpointId(s.next_endpoint.fetch_add(1, Ordering::Relaxed));
         s.endpoints().insert(

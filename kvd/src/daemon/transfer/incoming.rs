@@ -189,7 +189,7 @@ impl Incoming {
                 self.want(engine, connection, peer, binding, &keys)
             }
             PeerRequest::WantPrefix { binding, tokens } => {
-                self.check_fetch_binding(peer, &binding)?;
+                self.check_fetch_binding(engine, peer, &binding)?;
                 // every block of the answer had its checksum checked just now
                 let prefix = self.store.restore_prefix(binding.request, &tokens)?;
                 let keys: Vec<BlockKey> = prefix.blocks.iter().map(|b| b.key).collect();
@@ -251,8 +251,10 @@ impl Incoming {
     }
 
     /// Check what the offer is bound to against what this node knows.
-    fn check_binding(&self, peer: &Bind, b: &Binding) -> Result<()> {
-        let mine = self.store.node_generation();
+    fn check_binding(&self, engine: &TcpTransport, peer: &Bind, b: &Binding) -> Result<()> {
+        // the node's generation as its peers know it (cluster mode advances it at every
+        // re-registration; the store's own handles keep theirs)
+        let mine = engine.target().node_generation();
         let refused = if b.destination_generation != mine {
             // an earlier incarnation's transfer (this node restarted since)
             Some(Error::StaleGeneration {
@@ -355,14 +357,21 @@ impl Incoming {
         binding: Binding,
         keys: &[BlockKey],
     ) -> Result<PeerReply> {
-        self.check_fetch_binding(peer, &binding)?;
+        self.check_fetch_binding(engine, peer, &binding)?;
         self.serve_keys(engine, connection, peer, binding, keys)
     }
 
     /// A fetch's binding names this node (this incarnation) as source and the asker as
     /// destination.
-    fn check_fetch_binding(&self, peer: &Bind, binding: &Binding) -> Result<()> {
-        let mine = self.store.node_generation();
+    fn check_fetch_binding(
+        &self,
+        engine: &TcpTransport,
+        peer: &Bind,
+        binding: &Binding,
+    ) -> Result<()> {
+        // the node's generation as its peers know it (cluster mode advances it at every
+        // re-registration; the store's own handles keep theirs)
+        let mine = engine.target().node_generation();
         let refused = if binding.source_generation != mine {
             Some(Error::StaleGeneration {
                 handle_node: binding.source_generation,
@@ -509,7 +518,7 @@ impl Incoming {
         blocks: &[Offered],
         checkpoint: Option<CheckpointStep>,
     ) -> Result<PeerReply> {
-        self.check_binding(peer, &binding)?;
+        self.check_binding(engine, peer, &binding)?;
         if checkpoint.is_some() && binding.request == 0 {
             return Err(Error::InvalidArgument(
                 "a checkpoint step names its request (0 is none)".into(),

@@ -369,7 +369,7 @@ impl Outgoing {
             request,
             namespace: ns,
             source_node: self.node_id,
-            source_generation: self.store.node_generation(),
+            source_generation: engine.target().node_generation(),
             destination_node: peer,
             destination_generation: bind.node_generation,
             epoch,
@@ -515,7 +515,7 @@ impl Outgoing {
             source_node: peer,
             source_generation: bind.node_generation,
             destination_node: self.node_id,
-            destination_generation: self.store.node_generation(),
+            destination_generation: engine.target().node_generation(),
             epoch: 1,
         };
         let want = |bind: &Bind| match &prefix {
