@@ -263,3 +263,127 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
         "{r:?}"
     );
 }
+
+/// `kvd control --etcd` as a process, killed on drop.
+struct Control {
+    child: std::process::Child,
+    addr: std::net::SocketAddr,
+    resumed: bool,
+}
+
+impl Control {
+    fn start(etcd: &Etcd) -> Control {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvd"))
+            .args(["control", "--listen", "127.0.0.1:0", "--etcd", &etcd.url])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut resumed = false;
+        let mut addr = None;
+        for line in out.lines().map_while(Result::ok).take(10) {
+            resumed |= line.contains("resumed from the snapshot");
+            if let Some(a) = line.strip_prefix("kvd control listening on ") {
+                addr = Some(a.trim().parse().unwrap());
+                break;
+            }
+        }
+        Control {
+            child,
+            addr: addr.expect("kvd control started"),
+            resumed,
+        }
+    }
+
+    /// Worker id → phase, as the controller has them.
+    fn workers(&self) -> Vec<(u64, String)> {
+        let (_, body) = kvd::daemon::status::http(self.addr, "GET", "/workers").unwrap();
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        let mut out: Vec<(u64, String)> = v["workers"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, w)| {
+                        (
+                            k.parse().unwrap_or(0),
+                            w["phase"].as_str().unwrap_or("").to_string(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.sort();
+        out
+    }
+}
+
+impl Drop for Control {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn kvd_control_turns_registrations_into_worker_events_and_resumes_from_its_snapshot_in_etcd() {
+    let etcd = Etcd::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = secret_file(tmp.path());
+    let dirs: Vec<PathBuf> = (1..=3).map(|i| tmp.path().join(format!("n{i}"))).collect();
+    for d in &dirs {
+        std::fs::create_dir(d).unwrap();
+    }
+    let a = node(&dirs[0], &secret, &etcd, 1);
+    let b = node(&dirs[1], &secret, &etcd, 2);
+    let mut c = node(&dirs[2], &secret, &etcd, 3);
+    let ctl = Control::start(&etcd);
+    assert!(!ctl.resumed, "nothing to resume from yet");
+    let full = |ids: &[u64]| -> Vec<(u64, String)> {
+        ids.iter()
+            .map(|&i| (i, "FullService".to_string()))
+            .collect()
+    };
+    support::wait_until(
+        Duration::from_secs(20),
+        "the controller has the three workers",
+        || ctl.workers() == full(&[1, 2, 3]),
+    );
+
+    // kill -9 node 3: its lease expires, the controller gets the failure
+    let killed = Instant::now();
+    support::signal(c.pid(), rustix::process::Signal::KILL);
+    let _ = c.wait_exit(Duration::from_secs(10));
+    support::wait_until(
+        Duration::from_millis(TTL_MS + 8_000),
+        "worker 3 failed",
+        || ctl.workers().iter().any(|(i, p)| *i == 3 && p == "Failed"),
+    );
+    println!(
+        "kvd control: worker 3 failed {:?} after kill -9 (TTL {TTL_MS} ms)",
+        killed.elapsed()
+    );
+
+    // it restarts with a higher generation: a recovery (LoadingDraft)
+    let c2 = node(&dirs[2], &secret, &etcd, 3);
+    support::wait_until(Duration::from_secs(20), "worker 3 recovers", || {
+        ctl.workers()
+            .iter()
+            .any(|(i, p)| *i == 3 && p == "LoadingDraft")
+    });
+
+    // restart kvd control: it resumes from its snapshot in etcd, workers and phases intact
+    let before = ctl.workers();
+    std::thread::sleep(Duration::from_millis(1_500)); // the snapshot is written once a second
+    drop(ctl);
+    let ctl = Control::start(&etcd);
+    assert!(ctl.resumed, "resumed from the snapshot in etcd");
+    support::wait_until(
+        Duration::from_secs(10),
+        "the same workers after the restart",
+        || ctl.workers() == before,
+    );
+    drop((a, b, c2));
+}

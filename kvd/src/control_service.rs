@@ -73,11 +73,20 @@ pub struct ControlArgs {
     /// Allow listening on a non-loopback address.
     #[arg(long)]
     pub allow_remote: bool,
+    /// Cluster mode: etcd endpoints, comma-separated. The nodes' registrations become worker
+    /// events (a registration that appears: joined; one that disappears: failed; one back
+    /// with a higher generation: recovered), and the controller's snapshot is kept in etcd
+    /// (`<prefix>/control/snapshot`), from which a restarted `kvd control` resumes.
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// The cluster's key prefix in etcd (the nodes' `--etcd-prefix`).
+    #[arg(long, default_value = "/kvd")]
+    pub etcd_prefix: String,
 }
 
 /// The shared state of the service: one controller and the clock that stamps events.
 #[derive(Debug)]
-struct Shared {
+pub struct Shared {
     controller: Mutex<Controller>,
     clock: MonotonicClock,
     /// Added to the clock so time continues past the restored snapshot's timestamps.
@@ -362,11 +371,18 @@ async fn snapshot(State(s): State<Arc<Shared>>) -> Api<ControllerSnapshot> {
 /// The service's routes over `controller` (exposed for embedding the service in another axum
 /// application).
 pub fn router(controller: Controller, clock_offset_ms: u64) -> Router {
-    let shared = Arc::new(Shared {
+    routes(shared(controller, clock_offset_ms))
+}
+
+fn shared(controller: Controller, clock_offset_ms: u64) -> Arc<Shared> {
+    Arc::new(Shared {
         controller: Mutex::new(controller),
         clock: MonotonicClock::new(),
         clock_offset_ms,
-    });
+    })
+}
+
+fn routes(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/events", post(events))
@@ -379,6 +395,34 @@ pub fn router(controller: Controller, clock_offset_ms: u64) -> Router {
         .route("/snapshot", get(snapshot))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared)
+}
+
+/// The clock offset a restored controller continues from (its latest arrival).
+fn snapshot_offset(snap: &ControllerSnapshot) -> u64 {
+    snap.requests
+        .iter()
+        .chain(snap.terminal.iter())
+        .map(|r| r.arrival_ms)
+        .max()
+        .unwrap_or(0)
+}
+
+impl Shared {
+    /// Apply `event` now; its decisions.
+    pub fn apply(&self, event: &Event) -> crate::Result<Vec<Decision>> {
+        let now = self.now_ms();
+        self.lock().apply(event, now)
+    }
+
+    /// The controller's snapshot.
+    pub fn snapshot(&self) -> ControllerSnapshot {
+        self.lock().snapshot()
+    }
+
+    /// The worker table.
+    pub fn load(&self) -> crate::control::LoadTable {
+        self.lock().load().clone()
+    }
 }
 
 /// Build the controller `args` describe (fresh, or from the snapshot file).
@@ -398,13 +442,7 @@ pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u6
                 std::fs::read(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
             let snap: ControllerSnapshot = serde_json::from_slice(&bytes)
                 .map_err(|e| Error::Protocol(format!("snapshot {}: {e}", path.display())))?;
-            let offset = snap
-                .requests
-                .iter()
-                .chain(snap.terminal.iter())
-                .map(|r| r.arrival_ms)
-                .max()
-                .unwrap_or(0);
+            let offset = snapshot_offset(&snap);
             Ok((Controller::from_snapshot(snap)?, offset))
         }
         None => {
@@ -440,11 +478,44 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
         }
     };
     let result: std::io::Result<()> = rt.block_on(async move {
+        // in cluster mode the last snapshot in etcd, if any, wins over a fresh controller
+        let (controller, offset) = if args.etcd.is_empty() {
+            (controller, offset)
+        } else {
+            match crate::control_membership::load_snapshot(&args.etcd, &args.etcd_prefix).await {
+                Ok(Some(snap)) => {
+                    let offset = snapshot_offset(&snap);
+                    match Controller::from_snapshot(snap) {
+                        Ok(c) => {
+                            println!("kvd control resumed from the snapshot in etcd");
+                            (c, offset)
+                        }
+                        Err(e) => {
+                            eprintln!("kvd control: the snapshot in etcd is unusable ({e}); starting fresh");
+                            (controller, offset)
+                        }
+                    }
+                }
+                Ok(None) => (controller, offset),
+                Err(e) => {
+                    eprintln!("kvd control: {e}");
+                    return Err(std::io::Error::other(e.to_string()));
+                }
+            }
+        };
+        let shared = shared(controller, offset);
+        if !args.etcd.is_empty() {
+            tokio::spawn(crate::control_membership::run(
+                args.etcd.clone(),
+                args.etcd_prefix.clone(),
+                Arc::clone(&shared),
+            ));
+        }
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
         println!("kvd control listening on {}", listener.local_addr()?);
         use std::io::Write;
         std::io::stdout().flush()?;
-        axum::serve(listener, router(controller, offset))
+        axum::serve(listener, routes(shared))
             .with_graceful_shutdown(async {
                 let _ = tokio::signal::ctrl_c().await;
             })

@@ -11,9 +11,12 @@
 //! and holds what only the daemon needs:
 //!
 //! - [`daemon`] (feature `server`): `kvd serve`, the admin HTTP, drain, and `kvd status`.
-//! - [`control_service`] (feature `server`): `kvd control`, the control shim over HTTP/JSON.
+//! - [`control_service`] (feature `server`): `kvd control`, the control shim over HTTP/JSON;
+//!   [`control_membership`]: the same fed by cluster membership in etcd.
 //! - [`openmetrics`] (feature `server`): the metric-encoding helpers both of them use.
 
+#[cfg(feature = "server")]
+pub mod control_membership;
 #[cfg(feature = "server")]
 pub mod control_service;
 #[cfg(feature = "server")]

@@ -1,0 +1,246 @@
+//! `kvd control --etcd`: the control shim fed by cluster membership.
+//!
+//! The nodes' registrations (`<prefix>/nodes/`, written by `kvd serve --etcd`) become worker
+//! events: a node that appears is `WorkerJoined` (with its pool as capacity); one whose
+//! registration disappears (its lease expired, or it withdrew) is `WorkersFailed`, logged with
+//! how long it had been silent; one that comes back with a higher generation than the one seen
+//! is `WorkerRecovered` (a restart). Generations fence the events: a registration of a lower
+//! generation than the one seen is ignored (counted). The view is rebuilt from a full read on
+//! every (re)connect and reconciled against what the controller knows (workers it has that are
+//! not registered fail; registered ones it lacks join), never from missed deltas.
+//!
+//! The controller's snapshot is written to `<prefix>/control/snapshot` after every change
+//! (at most once a second), so a restarted `kvd control` resumes from it; the requests it
+//! restores keep their epochs, so none is planned twice.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::control::{ControllerSnapshot, Event, WorkerId};
+use crate::control_service::Shared;
+use crate::daemon::cluster::Registration;
+use crate::{Error, Result};
+
+fn etcd_err(what: &str, e: etcd_client::Error) -> Error {
+    Error::Unavailable(format!("etcd {what}: {e}"))
+}
+
+fn snapshot_key(prefix: &str) -> String {
+    format!("{prefix}/control/snapshot")
+}
+
+/// The last snapshot kept in etcd, if any.
+///
+/// # Errors
+/// [`Error::Unavailable`] when etcd cannot be reached (within 5 s); [`Error::Protocol`] for a
+/// snapshot that does not parse.
+pub async fn load_snapshot(
+    endpoints: &[String],
+    prefix: &str,
+) -> Result<Option<ControllerSnapshot>> {
+    let opts = etcd_client::ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(5))
+        .with_timeout(Duration::from_secs(5));
+    let mut c = etcd_client::Client::connect(endpoints, Some(opts))
+        .await
+        .map_err(|e| etcd_err("connect", e))?;
+    let r = c
+        .get(snapshot_key(prefix), None)
+        .await
+        .map_err(|e| etcd_err("read the snapshot", e))?;
+    match r.kvs().first() {
+        None => Ok(None),
+        Some(kv) => serde_json::from_slice(kv.value())
+            .map(Some)
+            .map_err(|e| Error::Protocol(format!("the snapshot in etcd: {e}"))),
+    }
+}
+
+/// What this service has seen of each node.
+#[derive(Debug, Default)]
+struct Seen {
+    /// node → (generation, when its registration was last written or seen)
+    nodes: BTreeMap<u64, (u64, Instant)>,
+    /// Events ignored because they named an older generation than the one seen.
+    fenced: u64,
+}
+
+/// Feed `shared` from the membership in etcd and keep its snapshot there, until the process
+/// ends (reconnecting with a bounded backoff).
+pub async fn run(endpoints: Vec<String>, prefix: String, shared: Arc<Shared>) {
+    let mut seen = Seen::default();
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        if let Err(e) = session(&endpoints, &prefix, &shared, &mut seen).await {
+            tracing::warn!(error = %e, "control: etcd session ended; reconnecting");
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+fn worker(node: u64) -> Option<WorkerId> {
+    WorkerId::try_from(node).ok()
+}
+
+fn apply(shared: &Shared, e: &Event) {
+    if let Err(err) = shared.apply(e) {
+        tracing::warn!(event = ?e, error = %err, "control: a membership event was refused");
+    } else {
+        tracing::info!(event = ?e, "control: membership event");
+    }
+}
+
+/// A registration was written: join, recover, or (same generation) nothing.
+fn registered(shared: &Shared, seen: &mut Seen, r: &Registration) {
+    let Some(w) = worker(r.node_id) else { return };
+    match seen.nodes.get(&r.node_id).copied() {
+        Some((g, _)) if r.generation < g => {
+            seen.fenced += 1;
+            tracing::warn!(
+                node = r.node_id,
+                generation = r.generation,
+                seen = g,
+                "control: an older generation's registration, ignored"
+            );
+            return;
+        }
+        Some((g, _)) if r.generation == g => {}
+        Some(_) => apply(shared, &Event::WorkerRecovered { worker: w }),
+        None => {
+            let known = shared.load().get(w).map(|l| l.phase);
+            match known {
+                Some(crate::control::WorkerPhase::Failed) => {
+                    apply(shared, &Event::WorkerRecovered { worker: w })
+                }
+                Some(_) => {}
+                None => apply(
+                    shared,
+                    &Event::WorkerJoined {
+                        worker: w,
+                        capacity_bytes: r.capacity_bytes,
+                    },
+                ),
+            }
+        }
+    }
+    seen.nodes.insert(r.node_id, (r.generation, Instant::now()));
+}
+
+/// A registration disappeared: the node failed.
+fn gone(shared: &Shared, seen: &mut Seen, node: u64) {
+    let Some(w) = worker(node) else { return };
+    let silent = seen.nodes.get(&node).map(|(_, at)| at.elapsed());
+    tracing::info!(
+        node,
+        silent_ms = silent.map(|d| d.as_millis() as u64),
+        "control: a node's registration is gone"
+    );
+    apply(shared, &Event::WorkersFailed { workers: vec![w] });
+    // keep its generation: only a higher one is a recovery
+    if let Some(e) = seen.nodes.get_mut(&node) {
+        e.1 = Instant::now();
+    }
+}
+
+async fn session(
+    endpoints: &[String],
+    prefix: &str,
+    shared: &Arc<Shared>,
+    seen: &mut Seen,
+) -> Result<()> {
+    use etcd_client::{EventType, GetOptions, WatchOptions};
+    let opts = etcd_client::ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(5))
+        .with_timeout(Duration::from_secs(5));
+    let mut client = etcd_client::Client::connect(endpoints, Some(opts))
+        .await
+        .map_err(|e| etcd_err("connect", e))?;
+    let nodes_prefix = format!("{prefix}/nodes/");
+    let all = client
+        .get(nodes_prefix.clone(), Some(GetOptions::new().with_prefix()))
+        .await
+        .map_err(|e| etcd_err("read the nodes", e))?;
+    let revision = all.header().map_or(0, |h| h.revision());
+    let registered_now: Vec<Registration> = all
+        .kvs()
+        .iter()
+        .filter_map(|kv| serde_json::from_slice(kv.value()).ok())
+        .collect();
+    // reconcile from the full read: what the controller holds as live but etcd does not fails
+    let live: Vec<WorkerId> = registered_now
+        .iter()
+        .filter_map(|r| worker(r.node_id))
+        .collect();
+    let lost: Vec<WorkerId> = shared
+        .load()
+        .iter()
+        .filter(|l| l.phase != crate::control::WorkerPhase::Failed && !live.contains(&l.id))
+        .map(|l| l.id)
+        .collect();
+    if !lost.is_empty() {
+        apply(shared, &Event::WorkersFailed { workers: lost });
+    }
+    for r in &registered_now {
+        registered(shared, seen, r);
+    }
+    let (_watcher, mut events) = client
+        .watch(
+            nodes_prefix.clone(),
+            Some(
+                WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(revision + 1),
+            ),
+        )
+        .await
+        .map_err(|e| etcd_err("watch", e))?;
+    let mut last_written = String::new();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            event = events.message() => match event {
+                Ok(Some(w)) => {
+                    if w.canceled() {
+                        return Err(Error::Unavailable("etcd cancelled the watch".into()));
+                    }
+                    for e in w.events() {
+                        let Some(kv) = e.kv() else { continue };
+                        match e.event_type() {
+                            EventType::Put => {
+                                if let Ok(r) = serde_json::from_slice::<Registration>(kv.value()) {
+                                    registered(shared, seen, &r);
+                                }
+                            }
+                            EventType::Delete => {
+                                let node = std::str::from_utf8(kv.key())
+                                    .ok()
+                                    .and_then(|k| k.rsplit('/').next())
+                                    .and_then(|n| n.parse::<u64>().ok());
+                                if let Some(node) = node {
+                                    gone(shared, seen, node);
+                                }
+                            }
+                        }
+                    }
+                }
+                Ok(None) => return Err(Error::Unavailable("the watch ended".into())),
+                Err(e) => return Err(etcd_err("watch", e)),
+            },
+            _ = tick.tick() => {
+                // the snapshot, when it changed (one write a second at most)
+                let snap = serde_json::to_string(&shared.snapshot())
+                    .map_err(|e| Error::Protocol(e.to_string()))?;
+                if snap != last_written {
+                    client
+                        .put(snapshot_key(prefix), snap.clone(), None)
+                        .await
+                        .map_err(|e| etcd_err("write the snapshot", e))?;
+                    last_written = snap;
+                }
+            }
+        }
+    }
+}
