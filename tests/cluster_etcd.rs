@@ -202,6 +202,8 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
     let all = vec![(1, a.generation), (2, b.generation)];
     wait_views(&[&a, &b], &all, Duration::from_secs(20), "both see both");
 
+    // an engine's session from before the outage
+    let mut ca = a.client("engine", 30_000);
     let paused = Instant::now();
     support::signal(etcd.pid(), rustix::process::Signal::STOP);
     support::wait_until(
@@ -216,8 +218,9 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
         "etcd paused: both nodes not ready {not_ready:?} after the pause: {}",
         why.trim()
     );
-    // no new work meanwhile, with a reason
-    let mut ca = a.client("engine", 30_000);
+    // no new sessions and no new work on existing ones meanwhile, with a reason
+    let e = kvd::client::Client::connect(&a.socket, &support::options("late", 30_000)).unwrap_err();
+    assert!(e.to_string().contains("registration lease"), "{e}");
     let ns = ca.register_namespace(&support::namespace()).unwrap();
     let e = ca
         .alloc(
@@ -374,6 +377,13 @@ fn kvd_control_turns_registrations_into_worker_events_and_resumes_from_its_snaps
             .any(|(i, p)| *i == 3 && p == "LoadingDraft")
     });
 
+    // a request admitted before the restart
+    let admit = br#"{"request_id": 77, "serving": 1, "prompt_tokens": 100, "max_new_tokens": 10, "reserve_bytes": 0, "deadline_ms": null}"#;
+    let (code, first) =
+        kvd::daemon::status::http_with_body(ctl.addr, "POST", "/admit", admit).unwrap();
+    assert_eq!(code, 200, "{first}");
+    assert!(first.contains("\"epoch\":1"), "{first}");
+
     // restart kvd control: it resumes from its snapshot in etcd, workers and phases intact
     let before = ctl.workers();
     std::thread::sleep(Duration::from_millis(1_500)); // the snapshot is written once a second
@@ -385,5 +395,119 @@ fn kvd_control_turns_registrations_into_worker_events_and_resumes_from_its_snaps
         "the same workers after the restart",
         || ctl.workers() == before,
     );
+    // the request is still known at its epoch, and admitting it again gives back the same
+    // admission (same epoch, same holder), not a second plan
+    let (code, body) = kvd::daemon::status::http(ctl.addr, "GET", "/requests/77").unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"epoch\":1"), "{body}");
+    let (code, again) =
+        kvd::daemon::status::http_with_body(ctl.addr, "POST", "/admit", admit).unwrap();
+    assert_eq!(
+        (code, again),
+        (200, first),
+        "the same admission, not a second plan"
+    );
     drop((a, b, c2));
+}
+
+/// `/status` of a daemon in network namespace `ns` (through `kvd status` run there).
+fn status_in(ns: &str, d: &Daemon) -> kvd::daemon::admin::StatusReport {
+    let out = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            ns,
+            env!("CARGO_BIN_EXE_kvd"),
+            "status",
+            "--json",
+        ])
+        .args(["--admin", &d.admin.to_string()])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "kvd status in {ns}: {e}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+fn view_in(ns: &str, d: &Daemon) -> Vec<u64> {
+    status_in(ns, d)
+        .cluster
+        .map(|c| c.nodes.iter().map(|n| n.node_id).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_node_cut_off_from_etcd_stops_taking_new_work_once_its_lease_is_gone_and_the_others_drop_it() {
+    let hosts = support::TwoHosts::new();
+    let exec_a = ["ip", "netns", "exec", hosts.a.as_str()];
+    let etcd = Etcd::start_on(&exec_a, "10.77.0.1");
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = secret_file(tmp.path());
+    let (s, ttl) = (secret.to_str().unwrap().to_string(), TTL_MS.to_string());
+    let args = |id: &str, listen: &str| -> Vec<String> {
+        [
+            "--cluster-secret-file",
+            &s,
+            "--node-id",
+            id,
+            "--data-listen",
+            listen,
+            "--etcd",
+            &etcd.url,
+            "--etcd-lease-ttl-ms",
+            &ttl,
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .collect()
+    };
+    let start = |ns: &str, a: Vec<String>| {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        Daemon::start_in_netns(ns, &a)
+    };
+    // nodes 1 and 2 beside etcd; node 3 on the other host, reaching etcd over the veth
+    let n1 = start(&hosts.a, args("1", "10.77.0.1:0"));
+    let n2 = start(&hosts.a, args("2", "10.77.0.1:0"));
+    let n3 = start(&hosts.b, args("3", "10.77.0.2:0"));
+    support::wait_until(Duration::from_secs(30), "all three see all three", || {
+        view_in(&hosts.a, &n1) == [1, 2, 3]
+            && view_in(&hosts.a, &n2) == [1, 2, 3]
+            && view_in(&hosts.b, &n3) == [1, 2, 3]
+    });
+    let mut c3 = n3.client("engine-3", 60_000);
+    let r = c3.reserve(4096).unwrap();
+    c3.release_reservation(r).unwrap();
+
+    // cut node 3's host off (etcd stays reachable from nodes 1 and 2)
+    let cut = Instant::now();
+    support::ip(&["-n", &hosts.a, "link", "set", &hosts.dev_a(), "down"]);
+    support::wait_until(
+        Duration::from_millis(TTL_MS + 8_000),
+        "node 3 refuses new work",
+        || match c3.reserve(4096) {
+            Ok(r) => {
+                let _ = c3.release_reservation(r);
+                false
+            }
+            Err(e) => e.to_string().contains("registration lease"),
+        },
+    );
+    let refused = cut.elapsed();
+    support::wait_until(
+        Duration::from_millis(TTL_MS + 8_000),
+        "the others drop node 3",
+        || view_in(&hosts.a, &n1) == [1, 2] && view_in(&hosts.a, &n2) == [1, 2],
+    );
+    let dropped = cut.elapsed();
+    println!(
+        "cut off from etcd: node 3 refused new work {refused:?} after the cut; nodes 1 and 2 \
+         dropped it {dropped:?} after (TTL {TTL_MS} ms)"
+    );
+    let st = status_in(&hosts.b, &n3);
+    assert!(!st.ready, "node 3 is not ready");
+    assert!(st.cluster.unwrap().lease_problem.contains("keep-alive"));
+    drop((n1, n2, n3, etcd));
 }

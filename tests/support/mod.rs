@@ -617,12 +617,26 @@ fn free_port() -> u16 {
 impl Etcd {
     /// Start one and wait (at most 30 s) until it accepts clients.
     pub fn start() -> Etcd {
+        Etcd::start_on(&[], "127.0.0.1")
+    }
+
+    /// Start one behind the command `prefix` (for example `ip netns exec NS`), listening on
+    /// `host`, and wait (at most 30 s) until it accepts clients there.
+    pub fn start_on(prefix: &[&str], host: &str) -> Etcd {
         let dir = tempfile::tempdir().unwrap();
         let (client, peer) = (free_port(), free_port());
-        let url = format!("http://127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
+        let url = format!("http://{host}:{client}");
+        let peer_url = format!("http://{host}:{peer}");
         let log = std::fs::File::create(dir.path().join("etcd.log")).unwrap();
-        let child = Command::new("etcd")
+        let mut cmd = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg("etcd");
+                c
+            }
+            None => Command::new("etcd"),
+        };
+        let child = cmd
             .args(["--name", "kvd-test", "--data-dir"])
             .arg(dir.path().join("data"))
             .args([
@@ -644,8 +658,20 @@ impl Etcd {
             _dir: dir,
             url,
         };
+        let probe = format!("echo > /dev/tcp/{host}/{client}");
         wait_until(Duration::from_secs(30), "etcd accepts clients", || {
-            std::net::TcpStream::connect(("127.0.0.1", client)).is_ok()
+            let mut c = match prefix.split_first() {
+                Some((first, rest)) => {
+                    let mut c = Command::new(first);
+                    c.args(rest).arg("bash");
+                    c
+                }
+                None => Command::new("bash"),
+            };
+            c.args(["-c", &probe])
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
         });
         e
     }

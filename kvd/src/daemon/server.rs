@@ -316,6 +316,14 @@ async fn connection(
         refuse(&d, &mut stream, e).await;
         return;
     }
+    if !d.cluster.lease_held() {
+        let e = Error::Unavailable(format!(
+            "this node holds no registration lease ({}); connect to another node",
+            d.cluster.problem()
+        ));
+        refuse(&d, &mut stream, e).await;
+        return;
+    }
     if let Err(e) = slot.promote() {
         d.metrics.peer_refusals.inc();
         refuse(&d, &mut stream, e).await;

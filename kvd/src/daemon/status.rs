@@ -32,6 +32,19 @@ pub const MAX_HTTP_BODY_BYTES: usize = 16 << 20;
 /// # Errors
 /// [`Error::Io`] when the address cannot be reached or answers garbage within 5 s.
 pub fn http(addr: SocketAddr, method: &str, path: &str) -> Result<(u16, String)> {
+    http_with_body(addr, method, path, b"")
+}
+
+/// As [`http`], sending `body` as JSON (for `kvd control`'s endpoints).
+///
+/// # Errors
+/// As [`http`].
+pub fn http_with_body(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> Result<(u16, String)> {
     let timeout = Duration::from_secs(5);
     let mut s = TcpStream::connect_timeout(&addr, timeout)
         .map_err(|e| {
@@ -43,8 +56,11 @@ pub fn http(addr: SocketAddr, method: &str, path: &str) -> Result<(u16, String)>
     s.set_write_timeout(Some(timeout))?;
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
     )?;
+    s.write_all(body)?;
     let mut raw = Vec::new();
     s.take(MAX_HTTP_BODY_BYTES as u64).read_to_end(&mut raw)?;
     let text = String::from_utf8_lossy(&raw);
