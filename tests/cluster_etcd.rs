@@ -202,10 +202,34 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
     let all = vec![(1, a.generation), (2, b.generation)];
     wait_views(&[&a, &b], &all, Duration::from_secs(20), "both see both");
 
-    // an engine's session from before the outage
+    // an engine's session from before the outage, with blocks to move
     let mut ca = a.client("engine", 30_000);
+    let ns0 = ca.register_namespace(&support::namespace()).unwrap();
+    let moving = support::keys(ns0, 42, 16);
+    for (i, k) in moving.iter().enumerate() {
+        support::put_one(&mut ca, *k, &support::pattern(256 << 10, i as u8));
+    }
     let paused = Instant::now();
     support::signal(etcd.pid(), rustix::process::Signal::STOP);
+    // a transfer between the nodes does not need etcd: one started while etcd is paused (and
+    // the lease not yet run out) completes on the last view
+    let id = ca.push(2, &moving).unwrap();
+    let mut last = None;
+    support::wait_until(
+        Duration::from_secs(30),
+        "the push during the outage ends",
+        || {
+            let t = ca.transfers(&[id]).unwrap().remove(0);
+            let done = t.state != TransferState::InFlight;
+            last = Some(t);
+            done
+        },
+    );
+    assert_eq!(
+        last.unwrap().state,
+        TransferState::Done,
+        "completed with etcd paused"
+    );
     support::wait_until(
         Duration::from_millis(TTL_MS + 8_000),
         "both go not ready",
