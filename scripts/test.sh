@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 #   libibverbs-dev     RDMA verbs headers (the rdma feature is compiled, not run, here)
 #   fonts-dejavu-core  the font `kvd sim` renders plot text with (sim_cli test draws the PNGs)
 #   iproute2           `ip netns`, veth and `tc` for the transfer tests' two-host network
-APT_PACKAGES=(etcd-server protobuf-compiler libprotobuf-dev cmake libclang-dev pkg-config libibverbs-dev fonts-dejavu-core iproute2)
+#   openssl            certificates for the test of cluster mode over TLS
+APT_PACKAGES=(etcd-server protobuf-compiler libprotobuf-dev cmake libclang-dev pkg-config libibverbs-dev fonts-dejavu-core iproute2 openssl)
 
 install_missing() {
     [ "${KVD_SKIP_INSTALL:-0}" = 1 ] && return 0

@@ -535,3 +535,139 @@ fn a_node_cut_off_from_etcd_stops_taking_new_work_once_its_lease_is_gone_and_the
     assert!(st.cluster.unwrap().lease_problem.contains("keep-alive"));
     drop((n1, n2, n3, etcd));
 }
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl in
+/// `dir` (keys mode 0600).
+fn make_certs(dir: &Path) {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl (the test command installs it)");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvd-test-ca",
+    ]);
+    std::fs::write(
+        dir.join("server.ext"),
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
+    for (name, cn) in [("server", "127.0.0.1"), ("client", "kvd-node")] {
+        run(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.csr"),
+            "-subj",
+            &format!("/CN={cn}"),
+        ]);
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{name}.csr"),
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &format!("{name}.pem"),
+            "-days",
+            "2",
+            "-extfile",
+            &format!("{name}.ext"),
+        ]);
+    }
+    use std::os::unix::fs::PermissionsExt;
+    for k in ["ca.key", "server.key", "client.key"] {
+        std::fs::set_permissions(dir.join(k), std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+}
+
+#[test]
+fn over_tls_a_node_with_a_client_certificate_registers_and_one_without_cannot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let certs = tmp.path().join("certs");
+    std::fs::create_dir(&certs).unwrap();
+    make_certs(&certs);
+    let etcd = Etcd::start_tls(&certs);
+    assert!(etcd.url.starts_with("https://"));
+    let secret = secret_file(tmp.path());
+    let path = |f: &str| certs.join(f).to_str().unwrap().to_string();
+    let (s, ttl) = (secret.to_str().unwrap().to_string(), TTL_MS.to_string());
+    let mut args = vec![
+        "--cluster-secret-file",
+        &s,
+        "--data-listen",
+        "127.0.0.1:0",
+        "--etcd",
+        &etcd.url,
+        "--etcd-lease-ttl-ms",
+        &ttl,
+    ];
+    let (ca, cert, key) = (path("ca.pem"), path("client.pem"), path("client.key"));
+    let mut with_cert = args.clone();
+    with_cert.extend([
+        "--node-id",
+        "1",
+        "--etcd-ca-file",
+        &ca,
+        "--etcd-cert-file",
+        &cert,
+        "--etcd-key-file",
+        &key,
+    ]);
+    let n1 = Daemon::start(&with_cert);
+    support::wait_until(Duration::from_secs(20), "node 1 registers over TLS", || {
+        view(&n1) == [(1, n1.generation)]
+    });
+    assert_eq!(n1.get("/readyz").0, 200);
+    // the CA but no client certificate: etcd refuses it, so it never holds a lease
+    args.extend(["--node-id", "2", "--etcd-ca-file", &ca]);
+    let n2 = Daemon::start(&args);
+    std::thread::sleep(Duration::from_millis(TTL_MS + 1_000));
+    let (code, why) = n2.get("/readyz");
+    assert_eq!(code, 503, "{why}");
+    assert_eq!(view(&n1), [(1, n1.generation)], "node 2 never registered");
+    // plain http endpoints with a CA are refused at start
+    let e = support::command(
+        tmp.path(),
+        &[
+            "--cluster-secret-file",
+            &s,
+            "--etcd",
+            "http://127.0.0.1:1",
+            "--etcd-ca-file",
+            &ca,
+        ],
+    )
+    .stdout(std::process::Stdio::null())
+    .status()
+    .unwrap();
+    assert!(!e.success());
+}

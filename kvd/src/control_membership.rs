@@ -19,7 +19,18 @@ use std::time::{Duration, Instant};
 
 use crate::control::{ControllerSnapshot, Event, WorkerId};
 use crate::control_service::Shared;
-use crate::daemon::cluster::Registration;
+use crate::daemon::cluster::{Registration, connect_options};
+
+/// etcd authentication and TLS, as [`crate::daemon::cluster::etcd_security`] reads them.
+pub type Security = Arc<crate::daemon::cluster::EtcdSecurity>;
+
+fn options(security: &Security) -> etcd_client::ConnectOptions {
+    connect_options(
+        security.0.as_ref(),
+        security.1.as_ref(),
+        Duration::from_secs(5),
+    )
+}
 use crate::{Error, Result};
 
 fn etcd_err(what: &str, e: etcd_client::Error) -> Error {
@@ -38,11 +49,9 @@ fn snapshot_key(prefix: &str) -> String {
 pub async fn load_snapshot(
     endpoints: &[String],
     prefix: &str,
+    security: &Security,
 ) -> Result<Option<ControllerSnapshot>> {
-    let opts = etcd_client::ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(5))
-        .with_timeout(Duration::from_secs(5));
-    let mut c = etcd_client::Client::connect(endpoints, Some(opts))
+    let mut c = etcd_client::Client::connect(endpoints, Some(options(security)))
         .await
         .map_err(|e| etcd_err("connect", e))?;
     let r = c
@@ -68,11 +77,11 @@ struct Seen {
 
 /// Feed `shared` from the membership in etcd and keep its snapshot there, until the process
 /// ends (reconnecting with a bounded backoff).
-pub async fn run(endpoints: Vec<String>, prefix: String, shared: Arc<Shared>) {
+pub async fn run(endpoints: Vec<String>, prefix: String, security: Security, shared: Arc<Shared>) {
     let mut seen = Seen::default();
     let mut backoff = Duration::from_millis(100);
     loop {
-        if let Err(e) = session(&endpoints, &prefix, &shared, &mut seen).await {
+        if let Err(e) = session(&endpoints, &prefix, &security, &shared, &mut seen).await {
             tracing::warn!(error = %e, "control: etcd session ended; reconnecting");
         }
         tokio::time::sleep(backoff).await;
@@ -147,14 +156,12 @@ fn gone(shared: &Shared, seen: &mut Seen, node: u64) {
 async fn session(
     endpoints: &[String],
     prefix: &str,
+    security: &Security,
     shared: &Arc<Shared>,
     seen: &mut Seen,
 ) -> Result<()> {
     use etcd_client::{EventType, GetOptions, WatchOptions};
-    let opts = etcd_client::ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(5))
-        .with_timeout(Duration::from_secs(5));
-    let mut client = etcd_client::Client::connect(endpoints, Some(opts))
+    let mut client = etcd_client::Client::connect(endpoints, Some(options(security)))
         .await
         .map_err(|e| etcd_err("connect", e))?;
     let nodes_prefix = format!("{prefix}/nodes/");

@@ -82,6 +82,21 @@ pub struct ControlArgs {
     /// The cluster's key prefix in etcd (the nodes' `--etcd-prefix`).
     #[arg(long, default_value = "/kvd")]
     pub etcd_prefix: String,
+    /// etcd user (with --etcd-password-file), as for `kvd serve`.
+    #[arg(long)]
+    pub etcd_user: Option<String>,
+    /// A file holding the etcd user's password (owner-readable only).
+    #[arg(long)]
+    pub etcd_password_file: Option<PathBuf>,
+    /// TLS to etcd: the CA certificate (PEM); the endpoints are then https://.
+    #[arg(long)]
+    pub etcd_ca_file: Option<PathBuf>,
+    /// TLS to etcd: a client certificate (PEM).
+    #[arg(long)]
+    pub etcd_cert_file: Option<PathBuf>,
+    /// TLS to etcd: the client certificate's key (PEM, owner-readable only).
+    #[arg(long)]
+    pub etcd_key_file: Option<PathBuf>,
 }
 
 /// The shared state of the service: one controller and the clock that stamps events.
@@ -479,10 +494,27 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
     };
     let result: std::io::Result<()> = rt.block_on(async move {
         // in cluster mode the last snapshot in etcd, if any, wins over a fresh controller
+        let mut etcd_security = None;
         let (controller, offset) = if args.etcd.is_empty() {
             (controller, offset)
         } else {
-            match crate::control_membership::load_snapshot(&args.etcd, &args.etcd_prefix).await {
+            let security = crate::daemon::cluster::etcd_security(
+                &args.etcd,
+                args.etcd_user.clone(),
+                args.etcd_password_file.clone(),
+                args.etcd_ca_file.clone(),
+                args.etcd_cert_file.clone(),
+                args.etcd_key_file.clone(),
+            );
+            let security = match security {
+                Ok(s) => Arc::new(s),
+                Err(e) => {
+                    eprintln!("kvd control: {e}");
+                    return Err(std::io::Error::other(e.to_string()));
+                }
+            };
+            etcd_security = Some(Arc::clone(&security));
+            match crate::control_membership::load_snapshot(&args.etcd, &args.etcd_prefix, &security).await {
                 Ok(Some(snap)) => {
                     let offset = snapshot_offset(&snap);
                     match Controller::from_snapshot(snap) {
@@ -508,6 +540,7 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
             tokio::spawn(crate::control_membership::run(
                 args.etcd.clone(),
                 args.etcd_prefix.clone(),
+                etcd_security.unwrap_or_default(),
                 Arc::clone(&shared),
             ));
         }

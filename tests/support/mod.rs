@@ -216,20 +216,25 @@ pub fn command_in(prefix: &[&str], dir: &Path, extra: &[&str]) -> Command {
         .append(true)
         .open(dir.join("daemon.log"))
         .expect("a log file");
-    let mut cmd = match prefix.split_first() {
-        Some((first, rest)) => {
-            let mut c = Command::new(first);
-            c.args(rest).arg(env!("CARGO_BIN_EXE_kvd"));
-            c
-        }
-        None => Command::new(env!("CARGO_BIN_EXE_kvd")),
-    };
+    let mut cmd = prefixed(prefix, env!("CARGO_BIN_EXE_kvd"));
     cmd.args(&args)
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(stderr);
     cmd
+}
+
+/// `program` behind the command `prefix` (for example `ip netns exec NS`), or alone.
+pub fn prefixed(prefix: &[&str], program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match prefix.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
 }
 
 /// Make `cmd`'s process start with RLIMIT_NOFILE = `soft`, `hard`.
@@ -395,14 +400,7 @@ impl Helper {
     /// `ip netns exec NS`), with `envs`; its stderr goes to `log`.
     pub fn spawn(prefix: &[&str], name: &str, envs: &[(&str, &str)], log: PathBuf) -> Helper {
         let me = std::env::current_exe().unwrap();
-        let mut cmd = match prefix.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(&me);
-                c
-            }
-            None => Command::new(&me),
-        };
+        let mut cmd = prefixed(prefix, &me);
         cmd.args([
             "--exact",
             name,
@@ -623,21 +621,24 @@ impl Etcd {
     /// Start one behind the command `prefix` (for example `ip netns exec NS`), listening on
     /// `host`, and wait (at most 30 s) until it accepts clients there.
     pub fn start_on(prefix: &[&str], host: &str) -> Etcd {
+        Etcd::start_with(prefix, host, None)
+    }
+
+    /// Start one on loopback that speaks TLS to its clients and wants client certificates
+    /// signed by the CA in `certs` (`ca.pem`, `server.pem`, `server.key`).
+    pub fn start_tls(certs: &Path) -> Etcd {
+        Etcd::start_with(&[], "127.0.0.1", Some(certs))
+    }
+
+    fn start_with(prefix: &[&str], host: &str, tls: Option<&Path>) -> Etcd {
         let dir = tempfile::tempdir().unwrap();
         let (client, peer) = (free_port(), free_port());
-        let url = format!("http://{host}:{client}");
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://{host}:{client}");
         let peer_url = format!("http://{host}:{peer}");
         let log = std::fs::File::create(dir.path().join("etcd.log")).unwrap();
-        let mut cmd = match prefix.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg("etcd");
-                c
-            }
-            None => Command::new("etcd"),
-        };
-        let child = cmd
-            .args(["--name", "kvd-test", "--data-dir"])
+        let mut cmd = prefixed(prefix, "etcd");
+        cmd.args(["--name", "kvd-test", "--data-dir"])
             .arg(dir.path().join("data"))
             .args([
                 "--listen-client-urls",
@@ -647,7 +648,14 @@ impl Etcd {
             ])
             .args(["--listen-peer-urls", &peer_url])
             .args(["--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("kvd-test={peer_url}")])
+            .args(["--initial-cluster", &format!("kvd-test={peer_url}")]);
+        if let Some(c) = tls {
+            cmd.arg("--cert-file").arg(c.join("server.pem"));
+            cmd.arg("--key-file").arg(c.join("server.key"));
+            cmd.arg("--trusted-ca-file").arg(c.join("ca.pem"));
+            cmd.arg("--client-cert-auth");
+        }
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -660,14 +668,7 @@ impl Etcd {
         };
         let probe = format!("echo > /dev/tcp/{host}/{client}");
         wait_until(Duration::from_secs(30), "etcd accepts clients", || {
-            let mut c = match prefix.split_first() {
-                Some((first, rest)) => {
-                    let mut c = Command::new(first);
-                    c.args(rest).arg("bash");
-                    c
-                }
-                None => Command::new("bash"),
-            };
+            let mut c = prefixed(prefix, "bash");
             c.args(["-c", &probe])
                 .stderr(Stdio::null())
                 .status()

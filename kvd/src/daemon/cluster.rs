@@ -41,6 +41,130 @@ pub struct ClusterConfig {
     /// etcd user and password, if etcd has authentication on.
     #[serde(skip)]
     pub auth: Option<(String, String)>,
+    /// TLS to etcd: the CA's PEM, and this node's certificate and key PEMs if etcd wants a
+    /// client certificate.
+    #[serde(skip)]
+    pub tls: Option<EtcdTls>,
+}
+
+/// etcd user and password, and TLS material, as [`etcd_security`] reads them.
+pub type EtcdSecurity = (Option<(String, String)>, Option<EtcdTls>);
+
+/// TLS material for etcd (read at start; the endpoints are then `https://`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// The CA certificate(s) that sign etcd's certificate, PEM.
+    pub ca_pem: Vec<u8>,
+    /// This node's client certificate and key, PEM.
+    pub identity_pem: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdTls")
+            .field("client_certificate", &self.identity_pem.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A file that must be readable by its owner only (a password, a key); its bytes.
+fn owner_only(p: &std::path::Path, what: &str) -> Result<Vec<u8>> {
+    use std::os::unix::fs::PermissionsExt;
+    let shown = p.display();
+    let meta =
+        std::fs::metadata(p).map_err(|e| Error::InvalidArgument(format!("{what} {shown}: {e}")))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{what} {shown} is readable by others; `chmod 600 {shown}`"
+        )));
+    }
+    std::fs::read(p).map_err(|e| Error::InvalidArgument(format!("{what} {shown}: {e}")))
+}
+
+/// Authentication and TLS for etcd from the files named (all optional; user with password
+/// file, certificate with key, and a client certificate only with a CA; with a CA every
+/// endpoint must be `https://`).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for an incomplete pair, an unreadable file, a password or key
+/// file readable by others, or a plain endpoint with TLS.
+pub fn etcd_security(
+    endpoints: &[String],
+    user: Option<String>,
+    password_file: Option<std::path::PathBuf>,
+    ca_file: Option<std::path::PathBuf>,
+    cert_file: Option<std::path::PathBuf>,
+    key_file: Option<std::path::PathBuf>,
+) -> Result<EtcdSecurity> {
+    let auth = match (user, password_file) {
+        (Some(u), Some(p)) => {
+            let pw = String::from_utf8_lossy(&owner_only(&p, "etcd password file")?)
+                .trim_end_matches(['\n', '\r'])
+                .to_string();
+            Some((u, pw))
+        }
+        (None, None) => None,
+        _ => {
+            return Err(Error::InvalidArgument(
+                "--etcd-user and --etcd-password-file go together".into(),
+            ));
+        }
+    };
+    let read = |p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| Error::InvalidArgument(format!("{}: {e}", p.display())))
+    };
+    let tls = match (ca_file, cert_file, key_file) {
+        (None, None, None) => None,
+        (Some(ca), cert, key) => {
+            let identity_pem = match (cert, key) {
+                (Some(c), Some(k)) => Some((read(&c)?, owner_only(&k, "etcd client key")?)),
+                (None, None) => None,
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        "--etcd-cert-file and --etcd-key-file go together".into(),
+                    ));
+                }
+            };
+            if endpoints.iter().any(|u| !u.starts_with("https://")) {
+                return Err(Error::InvalidArgument(
+                    "with --etcd-ca-file every --etcd endpoint is https://".into(),
+                ));
+            }
+            Some(EtcdTls {
+                ca_pem: read(&ca)?,
+                identity_pem,
+            })
+        }
+        _ => {
+            return Err(Error::InvalidArgument(
+                "a client certificate for etcd needs --etcd-ca-file too".into(),
+            ));
+        }
+    };
+    Ok((auth, tls))
+}
+
+/// The connection options for `config`'s etcd (timeouts, auth, TLS).
+pub fn connect_options(
+    auth: Option<&(String, String)>,
+    tls: Option<&EtcdTls>,
+    timeout: Duration,
+) -> etcd_client::ConnectOptions {
+    let mut opts = etcd_client::ConnectOptions::new()
+        .with_connect_timeout(timeout)
+        .with_timeout(timeout);
+    if let Some((user, password)) = auth {
+        opts = opts.with_user(user.clone(), password.clone());
+    }
+    if let Some(t) = tls {
+        let mut tls = etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(&t.ca_pem));
+        if let Some((cert, key)) = &t.identity_pem {
+            tls = tls.identity(etcd_client::Identity::from_pem(cert, key));
+        }
+        opts = opts.with_tls(tls);
+    }
+    opts
 }
 
 /// One node's registration, as etcd holds it (JSON).
@@ -314,16 +438,13 @@ impl EtcdRegistry {
         registration: &impl Fn() -> Registration,
         stop: &mut tokio::sync::watch::Receiver<bool>,
     ) -> Result<()> {
-        use etcd_client::{
-            Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions,
-        };
+        use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
         let ttl = Duration::from_millis(self.config.lease_ttl_ms);
-        let mut opts = ConnectOptions::new()
-            .with_connect_timeout(ttl.min(Duration::from_secs(5)))
-            .with_timeout(ttl.min(Duration::from_secs(5)));
-        if let Some((user, password)) = &self.config.auth {
-            opts = opts.with_user(user.clone(), password.clone());
-        }
+        let opts = connect_options(
+            self.config.auth.as_ref(),
+            self.config.tls.as_ref(),
+            ttl.min(Duration::from_secs(5)),
+        );
         let mut client = Client::connect(&self.config.etcd, Some(opts))
             .await
             .map_err(|e| etcd_err("connect", e))?;

@@ -153,6 +153,15 @@ pub struct ServeArgs {
     /// A file holding the etcd user's password (readable by its owner only).
     #[arg(long)]
     pub etcd_password_file: Option<PathBuf>,
+    /// TLS to etcd: the CA certificate (PEM) that signs etcd's (use https:// endpoints).
+    #[arg(long)]
+    pub etcd_ca_file: Option<PathBuf>,
+    /// TLS to etcd: this node's client certificate (PEM), when etcd asks for one.
+    #[arg(long)]
+    pub etcd_cert_file: Option<PathBuf>,
+    /// TLS to etcd: the client certificate's key (PEM, readable by its owner only).
+    #[arg(long)]
+    pub etcd_key_file: Option<PathBuf>,
 }
 
 /// The same keys as a TOML file.
@@ -198,6 +207,9 @@ pub struct FileConfig {
     pub etcd_prefix: Option<String>,
     pub etcd_user: Option<String>,
     pub etcd_password_file: Option<PathBuf>,
+    pub etcd_ca_file: Option<PathBuf>,
+    pub etcd_cert_file: Option<PathBuf>,
+    pub etcd_key_file: Option<PathBuf>,
 }
 
 /// The data port's settings (present only with a cluster secret).
@@ -280,22 +292,6 @@ pub struct DaemonConfig {
 
 /// Where the data port listens by default (beside the admin port's 7460).
 pub const DEFAULT_DATA_LISTEN: &str = "127.0.0.1:7461";
-
-/// The etcd password from its file (owner-readable only; trailing newline dropped).
-fn read_password(p: &Path) -> Result<String> {
-    use std::os::unix::fs::PermissionsExt;
-    let shown = p.display();
-    let meta = std::fs::metadata(p)
-        .map_err(|e| Error::InvalidArgument(format!("etcd password file {shown}: {e}")))?;
-    if meta.permissions().mode() & 0o077 != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "etcd password file {shown} is readable by others; `chmod 600 {shown}`"
-        )));
-    }
-    let s = std::fs::read_to_string(p)
-        .map_err(|e| Error::InvalidArgument(format!("etcd password file {shown}: {e}")))?;
-    Ok(s.trim_end_matches(['\n', '\r']).to_string())
-}
 
 /// Parse `--peer NODE_ID=ADDR` entries into a table; `me` may not appear in it.
 fn parse_peers(entries: &[String], me: u64) -> Result<std::collections::BTreeMap<u64, SocketAddr>> {
@@ -490,19 +486,17 @@ impl DaemonConfig {
                      not {lease_ttl_ms}"
                 )));
             }
-            let user = args.etcd_user.clone().or(file.etcd_user);
-            let password_file = args.etcd_password_file.clone().or(file.etcd_password_file);
-            let auth = match (user, password_file) {
-                (Some(u), Some(p)) => Some((u, read_password(&p)?)),
-                (None, None) => None,
-                _ => {
-                    return Err(Error::InvalidArgument(
-                        "--etcd-user and --etcd-password-file go together".into(),
-                    ));
-                }
-            };
+            let (auth, tls) = super::cluster::etcd_security(
+                &etcd,
+                args.etcd_user.clone().or(file.etcd_user),
+                args.etcd_password_file.clone().or(file.etcd_password_file),
+                args.etcd_ca_file.clone().or(file.etcd_ca_file),
+                args.etcd_cert_file.clone().or(file.etcd_cert_file),
+                args.etcd_key_file.clone().or(file.etcd_key_file),
+            )?;
             Some(super::cluster::ClusterConfig {
                 etcd,
+                tls,
                 lease_ttl_ms,
                 prefix: args
                     .etcd_prefix
