@@ -283,6 +283,27 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
         a.status().cluster.unwrap().registrations >= 2,
         "registered again"
     );
+    // a push between the re-registered nodes works at once (no connection of the old
+    // generations is reused)
+    let after = support::keys(ns0, 43, 1);
+    support::put_one(&mut ca, after[0], &support::pattern(256 << 10, 9));
+    let id = ca.push(2, &after).unwrap();
+    let mut last = None;
+    support::wait_until(
+        Duration::from_secs(30),
+        "the push after the outage ends",
+        || {
+            let t = ca.transfers(&[id]).unwrap().remove(0);
+            let done = t.state != TransferState::InFlight;
+            last = Some(t);
+            done
+        },
+    );
+    assert_eq!(
+        last.unwrap().state,
+        TransferState::Done,
+        "after the re-registration"
+    );
     // a transfer bound to a node's old generation is refused now
     let r = raw_offer_to(&secret, &a, 2, b.generation, Some(a.generation));
     assert!(

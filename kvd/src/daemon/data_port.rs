@@ -240,6 +240,8 @@ impl DataPort {
     /// to the old one are refused from now on.
     pub fn set_generation(&self, g: u64) {
         let old = self.engine.target().set_node_generation(g);
+        // this node's idle control connections introduced it with the old generation
+        self.outgoing.retain_idle(|_, _| false);
         tracing::info!(old, new = g, "the node generation advanced");
     }
 
@@ -273,10 +275,18 @@ impl DataPort {
         self.incoming.follow(Arc::clone(membership));
         let outgoing = Arc::clone(&self.outgoing);
         let base = self.static_peers.clone();
+        let m = Arc::downgrade(membership);
         membership.on_change(Box::new(move |view| {
             let mut peers = base.clone();
             peers.extend(view);
             outgoing.set_peers(peers);
+            // idle control connections to a peer that re-registered under another generation
+            // speak for its old incarnation: drop them
+            if let Some(m) = m.upgrade() {
+                outgoing.retain_idle(|node, generation| {
+                    m.generation_of(node).is_none_or(|g| g == generation)
+                });
+            }
         }));
     }
 

@@ -472,6 +472,16 @@ impl Outgoing {
         Ok((s, bind, answer))
     }
 
+    /// Keep only the idle control connections `keep(peer node, its generation at the
+    /// handshake)` approves of.
+    pub fn retain_idle(&self, keep: impl Fn(u64, u64) -> bool) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        for (node, v) in idle.iter_mut() {
+            v.retain(|(_, bind)| keep(*node, bind.node_generation));
+        }
+        idle.retain(|_, v| !v.is_empty());
+    }
+
     /// Keep a control connection whose transfer ended cleanly for the next one (at most
     /// [`IDLE_CONTROL_PER_PEER`] per peer; more are closed).
     fn park(&self, peer: u64, s: std::net::TcpStream, bind: Bind) {
