@@ -174,6 +174,21 @@
 #define KVD_CORRUPTION_AT_SEAL 3
 
 /**
+ * A transfer is under way.
+ */
+#define KVD_TRANSFER_IN_FLIGHT 0
+
+/**
+ * Every block was published at the destination.
+ */
+#define KVD_TRANSFER_DONE 1
+
+/**
+ * It failed; nothing of it was published at the destination (`status` says why).
+ */
+#define KVD_TRANSFER_FAILED 2
+
+/**
  * `KvdBlockClass.kind`: a prefix-cache block (evictable, published with `kvd_publish`).
  */
 #define KVD_CLASS_CACHE 0
@@ -856,6 +871,44 @@ typedef struct {
 } KvdErrorInfo;
 
 /**
+ * A transfer started by this node's daemon, as `kvd_transfers` reports it.
+ */
+typedef struct {
+  /**
+   * Its id.
+   */
+  uint64_t id;
+  /**
+   * The peer node.
+   */
+  uint64_t peer;
+  /**
+   * `KVD_TRANSFER_IN_FLIGHT`, `KVD_TRANSFER_DONE` or `KVD_TRANSFER_FAILED`.
+   */
+  uint32_t state;
+  /**
+   * When failed: the `KVD_ERR_*` status of the failure (0 otherwise).
+   */
+  int32_t status;
+  /**
+   * Blocks published at the destination.
+   */
+  uint64_t blocks;
+  /**
+   * Their bytes.
+   */
+  uint64_t bytes;
+  /**
+   * A prefix fetch's tokens covered (0 otherwise).
+   */
+  uint64_t tokens;
+  /**
+   * Milliseconds from the request to its end (0 while in flight).
+   */
+  uint64_t elapsed_ms;
+} KvdTransferInfo;
+
+/**
  * A zero-copy view of a pinned block's bytes in the pool. Plain data owned by the caller:
  * there is nothing to free; the pin is released with `kvd_release`.
  */
@@ -1306,6 +1359,63 @@ int32_t kvd_last_error_info(KvdErrorInfo *out);
  * returns). Thread-safe.
  */
 const char *kvd_status_str(int32_t status);
+
+/**
+ * Push PUBLISHED blocks `keys[0..n]` (one namespace) to peer node `peer`; `*id` receives the
+ * transfer's id at once (poll it with `kvd_transfers`). The blocks stay pinned here until it
+ * ends; the peer publishes them as one group only when every byte arrived intact.
+ * `KVD_ERR_UNAVAILABLE` without a data port, `KVD_ERR_OVERLOADED` (retryable) past the
+ * bound on transfers in flight. Thread-safe (serialized per client).
+ */
+int32_t kvd_push(KvdClient *client, uint64_t peer, const KvdKey *keys_in, size_t n, uint64_t *id);
+
+/**
+ * Fetch PUBLISHED blocks `keys[0..n]` (one namespace) from peer node `peer`, published here
+ * as one group when every byte arrived intact (keys the peer lacks are skipped); `*id`
+ * receives the transfer's id at once. Thread-safe (serialized per client).
+ */
+int32_t kvd_fetch(KvdClient *client, uint64_t peer, const KvdKey *keys_in, size_t n, uint64_t *id);
+
+/**
+ * Stream one checkpoint step of `request` (its PUBLISHED checkpoint blocks `keys[0..n]` at
+ * `epoch`) to its holder `peer`, which extends its manifest with them and
+ * `committed_tokens` atomically (an older epoch is refused there); `*id` receives the
+ * transfer's id at once. Thread-safe (serialized per client).
+ */
+int32_t kvd_push_checkpoint(KvdClient *client,
+                            uint64_t peer,
+                            uint64_t request,
+                            uint64_t epoch,
+                            const KvdKey *keys_in,
+                            size_t n,
+                            uint64_t committed_tokens,
+                            uint64_t ttl_ms,
+                            uint64_t *id);
+
+/**
+ * The recovery read: fetch from holder `peer` the longest verified prefix of `request`'s
+ * checkpoint that `tokens[0..n_tokens]` continues (as PUBLISHED cache blocks here; the
+ * transfer's `tokens` says how many tokens they cover); `*id` receives the transfer's id at
+ * once. Thread-safe (serialized per client).
+ */
+int32_t kvd_fetch_prefix(KvdClient *client,
+                         uint64_t peer,
+                         uint64_t request,
+                         const uint32_t *tokens,
+                         size_t n_tokens,
+                         uint64_t *id);
+
+/**
+ * The states of transfers `ids[0..n]` started by this node's daemon, into `out` (which must
+ * hold `n`); `*found` receives how many were known (unknown or forgotten ids are left out;
+ * the known ones come first, in the order asked). Thread-safe (serialized per client).
+ */
+int32_t kvd_transfers(KvdClient *client,
+                      const uint64_t *ids,
+                      size_t n,
+                      KvdTransferInfo *out,
+                      size_t out_cap,
+                      size_t *found);
 
 /**
  * Take a view of a block this session pins (see the contract above). Errors as `kvd_read`:

@@ -16,7 +16,7 @@ use crate::types::{
     KvdNamespaceId, KvdRemoveItem, KvdSealItem, KvdTag, block_class, descriptor, reservation,
 };
 
-fn keys(p: *const KvdKey, n: usize) -> Result<Vec<BlockKey>> {
+pub(crate) fn keys(p: *const KvdKey, n: usize) -> Result<Vec<BlockKey>> {
     Ok(args::slice(p, n, "keys")?
         .iter()
         .map(|k| BlockKey::from(*k))

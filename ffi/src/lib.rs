@@ -38,6 +38,7 @@ mod events;
 mod handles;
 mod session;
 mod status;
+mod transfers;
 mod types;
 mod views;
 
@@ -50,6 +51,7 @@ pub use events::*;
 pub use handles::{KVD_MAX_CLIENTS, KvdClient};
 pub use session::*;
 pub use status::*;
+pub use transfers::*;
 pub use types::*;
 pub use views::*;
 

@@ -223,6 +223,24 @@ EVENT_STORED = 1
 EVENT_REMOVED = 2
 
 
+class TransferInfo(Structure):
+    _fields_ = [
+        ("id", c_uint64),
+        ("peer", c_uint64),
+        ("state", c_uint32),
+        ("status", c_int32),
+        ("blocks", c_uint64),
+        ("bytes", c_uint64),
+        ("tokens", c_uint64),
+        ("elapsed_ms", c_uint64),
+    ]
+
+
+TRANSFER_IN_FLIGHT = 0
+TRANSFER_DONE = 1
+TRANSFER_FAILED = 2
+
+
 class HealthReport(Structure):
     _fields_ = [("elapsed_us", c_uint64), ("bytes", c_uint64)]
 
@@ -350,6 +368,17 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
         [C, c_uint64, P(c_uint32), c_size_t, P(RestoreInfo), P(BlockInfo), c_size_t],
     ),
     "kvd_events": (I32, [C, c_uint64, P(BlockEvent), c_size_t, P(EventBatch)]),
+    "kvd_push": (I32, [C, c_uint64, P(Key), c_size_t, P(c_uint64)]),
+    "kvd_fetch": (I32, [C, c_uint64, P(Key), c_size_t, P(c_uint64)]),
+    "kvd_push_checkpoint": (
+        I32,
+        [C, c_uint64, c_uint64, c_uint64, P(Key), c_size_t, c_uint64, c_uint64, P(c_uint64)],
+    ),
+    "kvd_fetch_prefix": (I32, [C, c_uint64, c_uint64, P(c_uint32), c_size_t, P(c_uint64)]),
+    "kvd_transfers": (
+        I32,
+        [C, P(c_uint64), c_size_t, P(TransferInfo), c_size_t, P(c_size_t)],
+    ),
     "kvd_async_start": (I32, [C, c_uint32]),
     "kvd_async_fd": (I32, [C, P(c_int32)]),
     "kvd_async_lookup_prefix": (

@@ -126,6 +126,22 @@ class Restore:
 
 
 @dataclass(frozen=True)
+class Transfer:
+    """A transfer this node's daemon started: ``state`` is ``"in_flight"``, ``"done"`` (every
+    block published at the destination) or ``"failed"`` (nothing of it published; ``error``
+    says why)."""
+
+    id: int
+    peer: int
+    state: str
+    error: Optional[KvdError]
+    blocks: int
+    bytes: int
+    tokens: int
+    elapsed_ms: int
+
+
+@dataclass(frozen=True)
 class Event:
     """One entry of the node's block event log: ``kind`` is ``"stored"`` (the block became
     PUBLISHED) or ``"removed"`` (it left the index: removed, evicted, quarantined, or its
@@ -727,6 +743,70 @@ class Client:
         tags = (_lib.Tag * max(m.tag_count, 1))()
         check(L.kvd_manifest_get(self._c(), request, m, tags, m.tag_count))
         return self._manifest(m, (bytes(tags[i].bytes) for i in range(m.tag_count)))
+
+    def push(self, peer: int, keys: Sequence[bytes]) -> int:
+        """Push PUBLISHED blocks (one namespace) to peer node ``peer`` over the daemon's data
+        port; returns the transfer's id at once (poll it with :meth:`transfers`)."""
+        out = ctypes.c_uint64()
+        check(L.kvd_push(self._c(), peer, _keys(keys), len(keys), ctypes.byref(out)))
+        return out.value
+
+    def fetch(self, peer: int, keys: Sequence[bytes]) -> int:
+        """Fetch PUBLISHED blocks (one namespace) from peer node ``peer``; they are published
+        here as one group when every byte arrived intact. Returns the transfer's id at once."""
+        out = ctypes.c_uint64()
+        check(L.kvd_fetch(self._c(), peer, _keys(keys), len(keys), ctypes.byref(out)))
+        return out.value
+
+    def push_checkpoint(
+        self,
+        peer: int,
+        request: int,
+        epoch: int,
+        keys: Sequence[bytes],
+        committed_tokens: int,
+        ttl_ms: int,
+    ) -> int:
+        """Stream one checkpoint step of ``request`` to its holder ``peer`` (which extends its
+        manifest with the blocks and ``committed_tokens`` atomically); the transfer's id."""
+        out = ctypes.c_uint64()
+        check(
+            L.kvd_push_checkpoint(
+                self._c(), peer, request, epoch, _keys(keys), len(keys), committed_tokens,
+                ttl_ms, ctypes.byref(out),
+            )
+        )
+        return out.value
+
+    def fetch_prefix(self, peer: int, request: int, tokens: Sequence[int]) -> int:
+        """The recovery read: fetch from holder ``peer`` the longest verified checkpoint
+        prefix of ``request`` that ``tokens`` continues; the transfer's id."""
+        n = len(tokens)
+        arr = (ctypes.c_uint32 * max(n, 1))(*tokens)
+        out = ctypes.c_uint64()
+        check(L.kvd_fetch_prefix(self._c(), peer, request, arr, n, ctypes.byref(out)))
+        return out.value
+
+    def transfers(self, ids: Sequence[int]) -> list[Transfer]:
+        """The states of transfers started by this node's daemon (unknown ids left out)."""
+        n = len(ids)
+        arr = (ctypes.c_uint64 * max(n, 1))(*ids)
+        out = (_lib.TransferInfo * max(n, 1))()
+        found = ctypes.c_size_t()
+        check(L.kvd_transfers(self._c(), arr, n, out, max(n, 1), ctypes.byref(found)))
+        names = {
+            _lib.TRANSFER_IN_FLIGHT: "in_flight",
+            _lib.TRANSFER_DONE: "done",
+            _lib.TRANSFER_FAILED: "failed",
+        }
+        return [
+            Transfer(
+                t.id, t.peer, names.get(t.state, "unknown"),
+                for_status(t.status) if t.status != OK else None,
+                t.blocks, t.bytes, t.tokens, t.elapsed_ms,
+            )
+            for t in out[: found.value]
+        ]
 
     def restore_prefix(self, request: int, tokens: Sequence[int]) -> Restore:
         """The longest verified checkpoint prefix of ``tokens`` held here (not pinned)."""

@@ -35,6 +35,8 @@ class Daemon:
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline().decode()
             if line.startswith("kvd ready"):
+                fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
+                self.data = fields.get("data")
                 return
             if not line and self.proc.poll() is not None:
                 break
@@ -62,6 +64,20 @@ def small_pool_daemon() -> Iterator[Daemon]:
     d = Daemon(["--pool-mib", "1"])
     yield d
     d.stop()
+
+
+@pytest.fixture
+def two_nodes(tmp_path) -> Iterator[tuple[Daemon, Daemon]]:
+    """Node 1 and node 2 with data ports, node 2 in node 1's peer table."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(bytes([5]) * 32)
+    secret.chmod(0o600)
+    port = ["--cluster-secret-file", str(secret), "--data-listen", "127.0.0.1:0"]
+    b = Daemon([*port, "--node-id", "2"])
+    a = Daemon([*port, "--node-id", "1", "--peer", f"2={b.data}"])
+    yield a, b
+    a.stop()
+    b.stop()
 
 
 def wait_until(what: str, cond, timeout_s: float = 20.0) -> None:

@@ -281,3 +281,41 @@ def test_a_router_drains_stored_and_removed_events_and_learns_what_it_lost():
                 r.events(late.next_seq + 1)
     finally:
         d.stop()
+
+
+def _ended(c: kvd.Client, tid: int) -> kvd.Transfer:
+    out: list[kvd.Transfer] = []
+
+    def done() -> bool:
+        out[:] = c.transfers([tid])
+        return bool(out) and out[0].state != "in_flight"
+
+    wait_until("the transfer ends", done, timeout_s=30)
+    return out[0]
+
+
+def test_blocks_are_pushed_to_a_peer_and_fetched_back_between_two_daemons(two_nodes):
+    a, b = two_nodes
+    with kvd.Client(a.socket, name="py-node-1") as ca, kvd.Client(b.socket, name="py-node-2") as cb:
+        ns = ca.register_namespace(LAYOUT)
+        cb.register_namespace(LAYOUT)
+        pushed, fetched = keys(ns, 40, 4), keys(ns, 41, 2)
+        pages = [page(65536, 50 + i) for i in range(6)]
+        assert ca.put(pushed, pages[:4]) == [None] * 4
+        assert cb.put(fetched, pages[4:]) == [None] * 2
+
+        t = _ended(ca, ca.push(2, pushed))
+        assert (t.state, t.error, t.blocks, t.peer) == ("done", None, 4, 2)
+        dsts = [bytearray(65536) for _ in pushed]
+        assert cb.get(pushed, dsts) == [65536] * 4
+        assert [bytes(d) for d in dsts] == pages[:4]
+
+        t = _ended(ca, ca.fetch(2, fetched))
+        assert (t.state, t.blocks) == ("done", 2)
+        dsts = [bytearray(65536) for _ in fetched]
+        assert ca.get(fetched, dsts) == [65536] * 2
+        assert [bytes(d) for d in dsts] == pages[4:]
+
+        with pytest.raises(kvd.NotFound):
+            ca.push(9, pushed[:1])
+        assert ca.transfers([123456]) == []
