@@ -639,3 +639,41 @@ fn pushes_past_the_bound_are_refused_retryably_and_a_destination_out_of_space_sa
     }
     assert_eq!(a.status().stats.pins, 0);
 }
+
+#[test]
+fn a_transfer_left_open_past_its_deadline_is_aborted_and_its_pages_freed() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path());
+    let mut args = data_args(&secret, "2");
+    args.extend(["--transfer-deadline-ms", "1000"]);
+    let b = Daemon::start(&args);
+    let ns = support::namespace().id();
+    let keys = support::keys(ns, 8, 2);
+    let src = RawSource::new(&secret, &b, 2);
+    let free = b.status().stats.accounting.free;
+    let (mut s, generation) = src.control();
+    let r = ask(&mut s, &src.offer(&keys, generation, 0, 1));
+    assert!(matches!(r, PeerReply::Accepted { .. }), "{r:?}");
+    assert_eq!(
+        b.status().stats.accounting.free,
+        free - 2,
+        "two pages held for it"
+    );
+    // the source keeps its connection open and never commits
+    let t = std::time::Instant::now();
+    support::wait_until(
+        Duration::from_secs(10),
+        "the deadline frees the pages",
+        || b.status().stats.accounting.free == free,
+    );
+    println!(
+        "an uncommitted transfer was aborted {:?} after its offer (deadline 1 s)",
+        t.elapsed()
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(800),
+        "not before its deadline"
+    );
+    assert!(b.status().data_port.unwrap().transfers.aborted_incoming >= 1);
+    drop(s);
+}

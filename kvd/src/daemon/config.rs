@@ -135,6 +135,17 @@ pub struct ServeArgs {
     /// Pushes and fetches this node runs at once in all [default: 16].
     #[arg(long)]
     pub max_transfers: Option<u32>,
+    /// Transfers peers may have under way into or out of this node at once, per peer; more
+    /// are answered Overloaded [default: 8].
+    #[arg(long)]
+    pub max_incoming_transfers_per_peer: Option<u32>,
+    /// The same, in all [default: 32].
+    #[arg(long)]
+    pub max_incoming_transfers: Option<u32>,
+    /// How long a peer's transfer may take from offer to commit (or want to release) before
+    /// this node aborts it and frees its pages, ms [default: 30000].
+    #[arg(long)]
+    pub transfer_deadline_ms: Option<u64>,
     /// Cluster mode: etcd endpoints, comma-separated (`http://10.0.0.9:2379,...`). The node
     /// registers there under a TTL lease and takes its peers from what is registered; needs
     /// --cluster-secret-file. Without it the node is on its own (peers only from --peer).
@@ -202,6 +213,9 @@ pub struct FileConfig {
     pub peer: Option<Vec<String>>,
     pub max_transfers_per_peer: Option<u32>,
     pub max_transfers: Option<u32>,
+    pub max_incoming_transfers_per_peer: Option<u32>,
+    pub max_incoming_transfers: Option<u32>,
+    pub transfer_deadline_ms: Option<u64>,
     pub etcd: Option<Vec<String>>,
     pub etcd_lease_ttl_ms: Option<u64>,
     pub etcd_prefix: Option<String>,
@@ -225,6 +239,12 @@ pub struct DataPortConfig {
     pub max_transfers_per_peer: u32,
     /// Transfers started here at once, in all.
     pub max_transfers: u32,
+    /// Peers' transfers under way here at once, per peer.
+    pub max_incoming_per_peer: u32,
+    /// Peers' transfers under way here at once, in all.
+    pub max_incoming: u32,
+    /// A peer's transfer is aborted this long after its offer or want, ms.
+    pub transfer_deadline_ms: u64,
 }
 
 /// The resolved configuration.
@@ -443,6 +463,29 @@ impl DaemonConfig {
                          ({total}) <= 1024"
                     )));
                 }
+                let in_peer = args
+                    .max_incoming_transfers_per_peer
+                    .or(file.max_incoming_transfers_per_peer)
+                    .unwrap_or(8);
+                let in_total = args
+                    .max_incoming_transfers
+                    .or(file.max_incoming_transfers)
+                    .unwrap_or(32);
+                if in_peer == 0 || in_peer > in_total || in_total > 1024 {
+                    return Err(Error::InvalidArgument(format!(
+                        "incoming transfer bounds must satisfy 1 <= per peer ({in_peer}) <= in \
+                         all ({in_total}) <= 1024"
+                    )));
+                }
+                let deadline = args
+                    .transfer_deadline_ms
+                    .or(file.transfer_deadline_ms)
+                    .unwrap_or(30_000);
+                if !(1_000..=600_000).contains(&deadline) {
+                    return Err(Error::InvalidArgument(format!(
+                        "transfer_deadline_ms must be 1000 to 600000, not {deadline}"
+                    )));
+                }
                 Some(DataPortConfig {
                     listen: data_listen
                         .unwrap_or_else(|| DEFAULT_DATA_LISTEN.parse().expect("a valid literal")),
@@ -450,6 +493,9 @@ impl DaemonConfig {
                     peers: parse_peers(&peer_entries, node_id)?,
                     max_transfers_per_peer: per_peer,
                     max_transfers: total,
+                    max_incoming_per_peer: in_peer,
+                    max_incoming: in_total,
+                    transfer_deadline_ms: deadline,
                 })
             }
             None if data_listen.is_some() || !peer_entries.is_empty() => {

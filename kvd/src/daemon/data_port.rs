@@ -148,7 +148,12 @@ impl DataPort {
             incoming: Arc::new(Incoming::new(
                 store.clone(),
                 node_id,
-                IncomingLimits::default(),
+                IncomingLimits {
+                    per_peer: config.max_incoming_per_peer as usize,
+                    total: config.max_incoming as usize,
+                    deadline: Duration::from_millis(config.transfer_deadline_ms),
+                    ..IncomingLimits::default()
+                },
                 counters.clone(),
             )),
             outgoing: Arc::new(Outgoing::new(
