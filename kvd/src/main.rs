@@ -12,17 +12,23 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the block daemon: the pool, the local protocol on a Unix socket, the admin HTTP.
+    /// Run the block daemon: the pool, the local protocol on a Unix socket, the admin HTTP,
+    /// and (with a cluster secret) the data port to its peers.
     #[command(
         args_override_self = true,
         after_help = "Examples:
   kvd serve                                   single node, 256 MiB pool, socket kvd-data/kvd.sock
   kvd serve --pool-mib 65536 --socket /run/kvd/kvd.sock --socket-group vllm --data-dir /var/lib/kvd
   kvd serve --config /etc/kvd.toml            the same keys in TOML (flags win)
+  kvd serve --node-id 1 --cluster-secret-file secret --data-listen 10.0.0.1:7461 \\
+      --peer 2=10.0.0.2:7461                  two nodes, peers named by hand
+  kvd serve --node-id 1 --cluster-secret-file secret --data-listen 10.0.0.1:7461 \\
+      --etcd http://10.0.0.9:2379             a cluster: peers and leases from etcd
 
-Once serving it prints `kvd ready generation=N socket=PATH admin=ADDR`. Engines connect with
-kvd::client (or libkvd); operators use `kvd status` and the admin port (/metrics, /drain).
-SIGTERM or POST /drain drains gracefully and exits 0. See docs/DAEMON.md."
+Once serving it prints `kvd ready generation=N socket=PATH admin=ADDR [data=ADDR]`. Engines
+connect with kvd::client (or libkvd); operators use `kvd status` and the admin port (/metrics,
+/drain). SIGTERM or POST /drain drains gracefully (withdrawing from etcd first) and exits 0.
+See docs/DAEMON.md."
     )]
     Serve(Box<kvd::daemon::ServeArgs>),
     /// Print a running daemon's status (pool occupancy by state, sessions, rates).
