@@ -692,3 +692,42 @@ fn over_tls_a_node_with_a_client_certificate_registers_and_one_without_cannot() 
     .unwrap();
     assert!(!e.success());
 }
+
+#[test]
+fn a_brief_etcd_restart_within_the_ttl_causes_no_churn() {
+    let mut etcd = Etcd::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = secret_file(tmp.path());
+    let d = tmp.path().join("n1");
+    std::fs::create_dir(&d).unwrap();
+    // a long TTL, so that the restart surely fits in it
+    let (s, url) = (secret.to_str().unwrap(), etcd.url.clone());
+    let a = Daemon::start_in(
+        &d,
+        &[
+            "--cluster-secret-file",
+            s,
+            "--data-listen",
+            "127.0.0.1:0",
+            "--node-id",
+            "1",
+            "--etcd",
+            &url,
+            "--etcd-lease-ttl-ms",
+            "8000",
+        ],
+    );
+    support::wait_until(Duration::from_secs(20), "registered", || {
+        view(&a) == [(1, a.generation)]
+    });
+    let t = Instant::now();
+    etcd.restart();
+    let restarted = t.elapsed();
+    // it registers again (a new lease) under the same generation, and never went not ready
+    support::wait_until(Duration::from_secs(20), "registered again", || {
+        a.status().cluster.is_some_and(|c| c.registrations >= 2)
+    });
+    println!("etcd restarted in {restarted:?}; the node registered again without churn");
+    assert_eq!(view(&a), [(1, a.generation)], "the same generation");
+    assert_eq!(a.get("/readyz").0, 200);
+}

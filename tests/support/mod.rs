@@ -599,9 +599,12 @@ impl Drop for TwoHosts {
 #[derive(Debug)]
 pub struct Etcd {
     child: Child,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     /// Its client URL.
     pub url: String,
+    prefix: Vec<String>,
+    args: Vec<std::ffi::OsString>,
+    probe: String,
 }
 
 fn free_port() -> u16 {
@@ -636,45 +639,84 @@ impl Etcd {
         let scheme = if tls.is_some() { "https" } else { "http" };
         let url = format!("{scheme}://{host}:{client}");
         let peer_url = format!("http://{host}:{peer}");
-        let log = std::fs::File::create(dir.path().join("etcd.log")).unwrap();
-        let mut cmd = prefixed(prefix, "etcd");
-        cmd.args(["--name", "kvd-test", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .args([
-                "--listen-client-urls",
-                &url,
-                "--advertise-client-urls",
-                &url,
-            ])
-            .args(["--listen-peer-urls", &peer_url])
-            .args(["--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("kvd-test={peer_url}")]);
-        if let Some(c) = tls {
-            cmd.arg("--cert-file").arg(c.join("server.pem"));
-            cmd.arg("--key-file").arg(c.join("server.key"));
-            cmd.arg("--trusted-ca-file").arg(c.join("ca.pem"));
-            cmd.arg("--client-cert-auth");
+        let mut args: Vec<std::ffi::OsString> = ["--name", "kvd-test", "--data-dir"]
+            .iter()
+            .map(Into::into)
+            .collect();
+        args.push(dir.path().join("data").into());
+        for a in [
+            "--listen-client-urls",
+            &url,
+            "--advertise-client-urls",
+            &url,
+            "--listen-peer-urls",
+            &peer_url,
+            "--initial-advertise-peer-urls",
+            &peer_url,
+            "--initial-cluster",
+            &format!("kvd-test={peer_url}"),
+        ] {
+            args.push(a.into());
         }
-        let child = cmd
+        if let Some(c) = tls {
+            for (flag, file) in [
+                ("--cert-file", "server.pem"),
+                ("--key-file", "server.key"),
+                ("--trusted-ca-file", "ca.pem"),
+            ] {
+                args.push(flag.into());
+                args.push(c.join(file).into());
+            }
+            args.push("--client-cert-auth".into());
+        }
+        let prefix: Vec<String> = prefix.iter().map(|s| s.to_string()).collect();
+        let child = Etcd::spawn(&prefix, &args, dir.path());
+        let e = Etcd {
+            child,
+            dir,
+            url,
+            prefix,
+            args,
+            probe: format!("echo > /dev/tcp/{host}/{client}"),
+        };
+        e.wait_ready();
+        e
+    }
+
+    fn spawn(prefix: &[String], args: &[std::ffi::OsString], dir: &Path) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("etcd.log"))
+            .unwrap();
+        let prefix: Vec<&str> = prefix.iter().map(String::as_str).collect();
+        prefixed(&prefix, "etcd")
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .expect("etcd (Debian's etcd-server; the test command installs it)");
-        let e = Etcd {
-            child,
-            _dir: dir,
-            url,
-        };
-        let probe = format!("echo > /dev/tcp/{host}/{client}");
+            .expect("etcd (Debian's etcd-server; the test command installs it)")
+    }
+
+    fn wait_ready(&self) {
+        let prefix: Vec<&str> = self.prefix.iter().map(String::as_str).collect();
         wait_until(Duration::from_secs(30), "etcd accepts clients", || {
-            let mut c = prefixed(prefix, "bash");
-            c.args(["-c", &probe])
+            prefixed(&prefix, "bash")
+                .args(["-c", &self.probe])
                 .stderr(Stdio::null())
                 .status()
                 .is_ok_and(|s| s.success())
         });
-        e
+    }
+
+    /// Kill it and start it again on the same ports and data (a brief outage); waits until it
+    /// accepts clients again.
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Etcd::spawn(&self.prefix, &self.args, self.dir.path());
+        self.wait_ready();
     }
 
     /// Its process id.

@@ -397,35 +397,62 @@ impl EtcdRegistry {
 
     /// Keep `registration()` registered and the view current until `stop` turns true; then
     /// withdraw the registration (delete it and revoke the lease) and return.
-    /// Every registration after the first calls `advance` first: a node that re-registers
-    /// (after a lost lease or an etcd outage) does so under a new node generation, so that no
-    /// work of the old lease can be taken for the new one's.
+    /// A session that ends while the lease may still hold (no keep-alive answer missed for a
+    /// whole TTL yet: etcd restarted, a stream broke) is retried at once and the node stays
+    /// ready; once a whole TTL passed without an answer the lease counts as lost: the node is
+    /// not ready, and its next registration calls `advance` first, so that it re-registers
+    /// under a new node generation and no work of the old lease can be taken for the new
+    /// one's.
     pub async fn run(
         &self,
         registration: impl Fn() -> Registration,
         advance: impl Fn(),
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
+        let ttl = Duration::from_millis(self.config.lease_ttl_ms);
         let mut backoff = Duration::from_millis(100);
+        let mut answered = Instant::now();
+        let mut lost = false;
         while !*stop.borrow() {
             let started = Instant::now();
-            if self.membership.registrations.load(Ordering::Relaxed) > 0 {
+            if lost {
                 advance();
+                lost = false;
             }
-            match self.session(&registration, &mut stop).await {
+            match self.session(&registration, &mut answered, &mut stop).await {
                 Ok(()) => return,
                 Err(e) => {
                     let why = e.to_string();
                     tracing::warn!(error = %why, "etcd session ended; registering again after a backoff");
-                    self.membership.set_lease(false, &why);
+                    let registered = self.membership.registrations.load(Ordering::Relaxed) > 0;
+                    if !registered || answered.elapsed() >= ttl {
+                        self.membership.set_lease(false, &why);
+                        lost = registered;
+                    }
                 }
             }
             if started.elapsed() > Duration::from_secs(10) {
                 backoff = Duration::from_millis(100);
             }
+            // retry at once while the lease may still hold, with a backoff once it is lost
+            let wait = if self.membership.lease_held() {
+                Duration::from_millis(50)
+            } else {
+                backoff
+            };
             tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
+                _ = tokio::time::sleep(wait) => {}
                 _ = stop.changed() => {}
+            }
+            if self.membership.lease_held() && answered.elapsed() >= ttl {
+                self.membership.set_lease(
+                    false,
+                    &format!(
+                        "no keep-alive answer from etcd for {} ms (the lease's TTL)",
+                        answered.elapsed().as_millis()
+                    ),
+                );
+                lost = true;
             }
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }
@@ -436,6 +463,7 @@ impl EtcdRegistry {
     async fn session(
         &self,
         registration: &impl Fn() -> Registration,
+        answered: &mut Instant,
         stop: &mut tokio::sync::watch::Receiver<bool>,
     ) -> Result<()> {
         use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
@@ -472,7 +500,7 @@ impl EtcdRegistry {
             .registrations
             .fetch_add(1, Ordering::Relaxed);
         self.membership.set_lease(true, "");
-        let mut lease_answered = Instant::now();
+        *answered = Instant::now();
 
         // the view: a full read, then a watch from just after its revision
         let prefix = format!("{}/nodes/", self.config.prefix);
@@ -508,17 +536,17 @@ impl EtcdRegistry {
         loop {
             tokio::select! {
                 _ = beat.tick() => {
-                    if lease_answered.elapsed() > ttl {
+                    if answered.elapsed() > ttl {
                         return Err(Error::Unavailable(format!(
                             "no keep-alive answer from etcd for {} ms (the lease's TTL)",
-                            lease_answered.elapsed().as_millis()
+                            answered.elapsed().as_millis()
                         )));
                     }
                     // a keep-alive that cannot be sent is noticed by the TTL check above
                     let _ = tokio::time::timeout(ttl / 3, keeper.keep_alive()).await;
                 }
                 answer = answers.message() => match answer {
-                    Ok(Some(a)) if a.ttl() > 0 => lease_answered = Instant::now(),
+                    Ok(Some(a)) if a.ttl() > 0 => *answered = Instant::now(),
                     Ok(Some(_)) => {
                         return Err(Error::Unavailable("etcd says the lease is gone".into()));
                     }
