@@ -34,7 +34,7 @@
 //!   reading: the write blocks on a full socket, forever. A connection on which no byte moves
 //!   either way for `admin_idle_timeout_ms` is dropped, whatever it waits for. (Request bodies
 //!   are not a wait: no handler reads one, and hyper stops reading a body nobody wants.) hyper
-//!   has no such timer, so the connection's socket is wrapped in [`Metered`], which notes when
+//!   has no such timer, so the connection's socket is wrapped in `Metered`, which notes when
 //!   a byte last moved.
 //! - **Connection cap.** A semaphore around accept, one permit held by each connection for its
 //!   whole life. A connection over the cap is not left to wait: it is answered at once with a

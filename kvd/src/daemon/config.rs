@@ -20,7 +20,7 @@ pub struct ServeArgs {
     /// [default: kvd-data].
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// The local protocol's Unix socket (default: <data-dir>/kvd.sock).
+    /// The local protocol's Unix socket (default: DATA_DIR/kvd.sock).
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// Group (name or numeric id) given access to the socket (mode 0660); default: the

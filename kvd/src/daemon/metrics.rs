@@ -4,7 +4,7 @@
 //!
 //! - the daemon's own counters, gauges and per-operation latency histograms, which the server
 //!   updates as it works (lock-free atomics inside the client's metric types);
-//! - the block store's counts, read once per scrape by [`StoreCollector`] from
+//! - the block store's counts, read once per scrape by `StoreCollector` from
 //!   [`Store::stats`], which already keeps them exact behind its lock: mirroring them into
 //!   registered metrics would only add a second copy that could drift.
 //!

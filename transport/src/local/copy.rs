@@ -87,7 +87,7 @@ pub fn crc32c(crc: u32, data: &[u8]) -> u32 {
 }
 
 /// The CRC-32C of `A ‖ B` from the CRC-32C of `A` (`crc1`), of `B` (`crc2`) and the length of
-/// `B`: a multiplication by `x^(8·len2)` in GF(2)[x] modulo the Castagnoli polynomial, with
+/// `B`: a multiplication by `x^(8·len2)` in GF(2)\[x\] modulo the Castagnoli polynomial, with
 /// `x^(2^k)` precomputed, so it costs at most one product per set bit of `len2` (well under a
 /// microsecond; the matrix method of the `crc32c` crate takes 10-17 µs).
 pub fn crc32c_combine(crc1: u32, crc2: u32, len2: usize) -> u32 {
