@@ -3,9 +3,9 @@
 //! The store appends one [`BlockEvent`] per visibility change of a key, under the same lock as
 //! the change itself, so the log's order is the order in which lookups began to hit or miss:
 //!
-//! - `Stored` when a block becomes PUBLISHED ([`Inner::publish_slot`], the one step that both
+//! - `Stored` when a block becomes PUBLISHED (`Inner::publish_slot`, the one step that both
 //!   group publish and `manifest_extend` go through);
-//! - `Removed` when a PUBLISHED block leaves the key index ([`Inner::unlink`], the one step that
+//! - `Removed` when a PUBLISHED block leaves the key index (`Inner::unlink`, the one step that
 //!   compare-and-delete, LRU eviction, quarantine and a manifest's end, expiry or supersession
 //!   all go through). Unfinished blocks (aborted, or dropped with their session) were never
 //!   visible and log nothing.

@@ -2,12 +2,12 @@
 //!
 //! A manifest is `(request id, request epoch, namespace, ordered block tags, committed token
 //! count)`. The writer streams checkpoint blocks and, at each step, publishes a group of them
-//! and the new committed count atomically ([`Inner::manifest_extend`]). A newer epoch supersedes
+//! and the new committed count atomically (`Inner::manifest_extend`). A newer epoch supersedes
 //! an older one (the older one's blocks are released) and writes from an older epoch are
 //! refused. Finishing, cancelling or expiring the request (manifests carry a TTL the writer
 //! renews) releases its blocks and its reservation.
 //!
-//! Recovery asks one question ([`Inner::restore_prepare`]): for this request and token history,
+//! Recovery asks one question (`Inner::restore_prepare`): for this request and token history,
 //! what is the longest contiguous verified prefix held here?
 
 use std::collections::VecDeque;

@@ -2,7 +2,7 @@
 //!
 //! Each tick closes sessions whose lease expired, drops pins whose TTL passed, releases
 //! manifests whose TTL passed, and returns quarantined pages after their hold, at most `budget`
-//! items in all; what is left waits for the next tick. [`Inner::audit`] recounts every slot and
+//! items in all; what is left waits for the next tick. `Inner::audit` recounts every slot and
 //! checks the accounting invariant (free + each state + quarantined = total).
 
 use crate::error::BlockState;
