@@ -677,3 +677,68 @@ fn a_transfer_left_open_past_its_deadline_is_aborted_and_its_pages_freed() {
     assert!(b.status().data_port.unwrap().transfers.aborted_incoming >= 1);
     drop(s);
 }
+
+#[test]
+fn a_burst_past_the_bound_is_absorbed_by_bounded_jittered_retries_without_amplifying_the_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path());
+    let b = Daemon::start(&data_args(&secret, "2"));
+    let peer = format!("2={}", data_addr(&b));
+    let mut args = data_args(&secret, "1");
+    args.extend([
+        "--peer",
+        &peer,
+        "--max-transfers-per-peer",
+        "1",
+        "--pool-mib",
+        "64",
+    ]);
+    let a = Daemon::start(&args);
+    let retrying = kvd::client::ClientOptions {
+        retry: Some(kvd::client::RetryPolicy {
+            max_attempts: 16,
+            base_delay_ms: 2,
+            max_delay_ms: 50,
+            budget_ms: 10_000,
+        }),
+        ..support::options("burst", 30_000)
+    };
+    let mut ca = kvd::client::Client::connect(&a.socket, &retrying).unwrap();
+    let ns = ca.register_namespace(&support::namespace()).unwrap();
+    // a burst of 12 pushes of 4 blocks each, one allowed in flight at a time
+    let sets: Vec<Vec<BlockKey>> = (0..12).map(|i| support::keys(ns, 100 + i, 4)).collect();
+    for (i, set) in sets.iter().enumerate() {
+        for (j, k) in set.iter().enumerate() {
+            support::put_one(&mut ca, *k, &support::pattern(BLOCK, (i * 4 + j) as u8));
+        }
+    }
+    let before = ca.retry_stats();
+    let mut ids = Vec::new();
+    for set in &sets {
+        ids.push(ca.push(2, set).expect("admitted after bounded retries"));
+    }
+    let s = ca.retry_stats();
+    let (calls, sends) = (s.calls - before.calls, s.sends - before.sends);
+    let amplification = sends as f64 / calls as f64;
+    println!(
+        "burst of {calls} pushes against a bound of 1 in flight: {sends} sends, retry \
+         amplification {amplification:.2}, {} gave up",
+        s.gave_up
+    );
+    assert_eq!(s.gave_up, 0);
+    assert!(sends > calls, "the bound was reached and retried");
+    assert!(sends <= calls * 16, "never more than the attempt bound");
+    for id in ids {
+        assert_eq!(wait_done(&mut ca, id).state, TransferState::Done);
+    }
+    // without retries the same burst is refused at once, with a hint
+    let mut plain = a.client("plain", 30_000);
+    let fresh = support::keys(ns, 200, 16);
+    for (j, k) in fresh.iter().enumerate() {
+        support::put_one(&mut plain, *k, &support::pattern(BLOCK, j as u8));
+    }
+    let first = plain.push(2, &fresh).unwrap();
+    let e = plain.push(2, &sets[1]).unwrap_err();
+    assert!(matches!(e, kvd::Error::Overloaded { retry_after_ms, .. } if retry_after_ms > 0));
+    wait_done(&mut plain, first);
+}

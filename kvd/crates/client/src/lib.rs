@@ -83,18 +83,73 @@ pub struct ClientOptions {
     pub io_timeout_ms: u64,
     /// Pre-fault the pool mapping at connect (faster first writes; costs time at connect).
     pub populate: bool,
+    /// Retry calls the daemon refused as `Overloaded` (nothing was done), with backoff and
+    /// jitter; `None` (the default) returns the refusal at once.
+    pub retry: Option<RetryPolicy>,
 }
 
 impl ClientOptions {
-    /// Defaults with a name: a 10 s lease, a 30 s I/O timeout, a populated mapping.
+    /// Defaults with a name: a 10 s lease, a 30 s I/O timeout, a populated mapping, no
+    /// retries.
     pub fn named(name: &str) -> ClientOptions {
         ClientOptions {
             name: name.to_owned(),
             lease_ttl_ms: 10_000,
             io_timeout_ms: 30_000,
             populate: true,
+            retry: None,
         }
     }
+}
+
+/// How a client retries a call the daemon refused as `Overloaded` (a bound was reached and
+/// nothing was done, so the call can be sent again as it was). Waits grow exponentially from
+/// `base_delay_ms` up to `max_delay_ms`, each drawn at random below its ceiling ("full
+/// jitter", so that many clients refused at once do not come back at once) but never shorter
+/// than the daemon's retry-after hint; a call stops retrying after `max_attempts` sends in all
+/// or when the next wait would end past `budget_ms` from its first send (the caller's
+/// deadline), and then returns the last refusal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Sends of one call at most (the first one included), 1 to 64.
+    pub max_attempts: u32,
+    /// The first wait's ceiling, ms.
+    pub base_delay_ms: u64,
+    /// The largest wait's ceiling, ms.
+    pub max_delay_ms: u64,
+    /// The time one call may spend from its first send to its last, ms.
+    pub budget_ms: u64,
+}
+
+impl Default for RetryPolicy {
+    /// 8 sends within 2 s, waits from 5 ms up to 200 ms.
+    fn default() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 8,
+            base_delay_ms: 5,
+            max_delay_ms: 200,
+            budget_ms: 2_000,
+        }
+    }
+}
+
+/// What a client's retries cost, for the retry amplification factor (`sends / calls`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RetryStats {
+    /// Calls made.
+    pub calls: u64,
+    /// Requests sent for them (a call refused and retried twice counts three).
+    pub sends: u64,
+    /// Calls that gave up retrying and returned the refusal.
+    pub gave_up: u64,
+}
+
+/// A random wait in `[floor, ceiling]` ms (the kernel's random source: retries are rare).
+fn jittered_ms(floor: u64, ceiling: u64) -> u64 {
+    let mut b = [0u8; 8];
+    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
+    let ceiling = ceiling.max(floor);
+    floor + u64::from_le_bytes(b) % (ceiling - floor + 1)
 }
 
 /// A session with the local daemon and its mapped pool.
@@ -119,6 +174,8 @@ pub struct Client {
     broken: std::cell::OnceCell<String>,
     /// The session's lease holds at least until then, by this client's reckoning.
     lease_until: Instant,
+    /// What retries cost so far.
+    retries: RetryStats,
 }
 
 impl Client {
@@ -179,6 +236,7 @@ impl Client {
             path: path.to_owned(),
             opts: opts.clone(),
             broken: std::cell::OnceCell::new(),
+            retries: RetryStats::default(),
         })
     }
 
@@ -192,6 +250,7 @@ impl Client {
     pub fn reconnect(&mut self) -> Result<()> {
         let fresh = Client::connect(&self.path, &self.opts)?;
         let old = std::mem::replace(self, fresh);
+        self.retries = old.retries;
         if old.broken.get().is_none() {
             let _ = old.close();
         }
@@ -273,8 +332,9 @@ impl Client {
         self.request = request;
     }
 
-    /// Send one operation and wait for its answer. The typed methods below are built on this;
-    /// it is public for tools and tests.
+    /// Send one operation and wait for its answer, retrying an `Overloaded` refusal as the
+    /// client's [`RetryPolicy`] says (if it has one). The typed methods below are built on
+    /// this; it is public for tools and tests.
     ///
     /// # Errors
     /// The daemon's error for the call, or [`Error::Io`] / [`Error::Protocol`] when the
@@ -283,6 +343,42 @@ impl Client {
     /// A failed connection (timeout, closed socket, an answer to another request) makes the
     /// client broken: this and every later call return [`Error::Disconnected`].
     pub fn call(&mut self, op: Op) -> Result<Reply> {
+        self.retries.calls += 1;
+        let Some(policy) = self.opts.retry else {
+            self.retries.sends += 1;
+            return self.call_once(op);
+        };
+        let started = Instant::now();
+        let budget = Duration::from_millis(policy.budget_ms);
+        let mut ceiling = policy.base_delay_ms.max(1);
+        let mut sends = 0u32;
+        loop {
+            self.retries.sends += 1;
+            sends += 1;
+            let refusal = match self.call_once(op.clone()) {
+                Err(e @ Error::Overloaded { .. }) => e,
+                other => return other,
+            };
+            let Error::Overloaded { retry_after_ms, .. } = &refusal else {
+                unreachable!("matched above")
+            };
+            let wait = Duration::from_millis(jittered_ms(*retry_after_ms, ceiling));
+            if sends >= policy.max_attempts.clamp(1, 64) || started.elapsed() + wait > budget {
+                self.retries.gave_up += 1;
+                return Err(refusal);
+            }
+            std::thread::sleep(wait);
+            ceiling = (ceiling * 2).min(policy.max_delay_ms.max(1));
+        }
+    }
+
+    /// What this client's retries cost so far.
+    pub fn retry_stats(&self) -> RetryStats {
+        self.retries
+    }
+
+    /// One send and its answer.
+    fn call_once(&mut self, op: Op) -> Result<Reply> {
         self.ensure_connected()?;
         let id = self.next_id;
         self.next_id += 1;
@@ -833,6 +929,16 @@ fn read_handshake(stream: &UnixStream) -> Result<(HelloReply, Vec<OwnedFd>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_retry_wait_is_drawn_between_the_hint_and_its_ceiling_and_spreads_over_it() {
+        let draws: Vec<u64> = (0..2000).map(|_| jittered_ms(10, 50)).collect();
+        assert!(draws.iter().all(|&d| (10..=50).contains(&d)));
+        let (lo, hi) = (draws.iter().min().unwrap(), draws.iter().max().unwrap());
+        assert!(*lo <= 15 && *hi >= 45, "spread over the range: {lo}..{hi}");
+        // a hint above the ceiling wins: never sooner than the daemon asked
+        assert!((0..100).all(|_| jittered_ms(80, 50) == 80));
+    }
 
     #[test]
     fn a_closed_peer_is_seen_without_waiting() {
