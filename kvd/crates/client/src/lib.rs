@@ -42,9 +42,18 @@
 //! Identities are per daemon incarnation: handles and [`BlockVersion`]s carry the node
 //! generation and are refused by a restarted daemon; session and reservation ids are never
 //! accepted from another session.
+//!
+//! Where things are: this file holds the connection (handshake, calls, failure) and the store's
+//! block calls; `remote` the transfers between daemons; `manifests` reservations and checkpoint
+//! manifests; `retry` the retry policy for `Overloaded`; `views` the checked reads and writes
+//! of the mapped pool; `submit` the pipelined submitter; `health` the pool canary; `raw` what a
+//! binding in another language needs (the mapping's address, the view check by handle).
 
 mod health;
+mod manifests;
 mod raw;
+mod remote;
+mod retry;
 mod submit;
 mod views;
 
@@ -56,17 +65,16 @@ use std::time::{Duration, Instant};
 
 use kvd_core::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
 use kvd_core::protocol::frame::{self, FRAME_HEADER_BYTES, MAX_FRAME_BYTES};
-use kvd_core::protocol::{
-    Hello, HelloReply, Op, Reply, Request, Response, SealItem, TransferInfo, Welcome, bit,
-};
+use kvd_core::protocol::{Hello, HelloReply, Op, Reply, Request, Response, SealItem, Welcome, bit};
 use kvd_core::types::{
-    Allocation, BlockClass, BlockInfo, BlockVersion, EventBatch, Handle, ManifestInfo, PrefixHit,
-    RequestId, ReservationId, RestorePrefix, StoreStats,
+    Allocation, BlockClass, BlockInfo, BlockVersion, EventBatch, Handle, PrefixHit, ReservationId,
+    StoreStats,
 };
 use kvd_core::{Error, Result};
 
 pub use health::{CANARY_BYTES, HealthReport};
 pub use raw::PoolMapping;
+pub use retry::{RetryPolicy, RetryStats};
 pub use submit::{AsyncOp, AsyncReply, Completion, MAX_INFLIGHT, SharedClient, Submitter};
 use transport::local::{PageGenerations, SharedRegion};
 pub use views::BlockView;
@@ -100,56 +108,6 @@ impl ClientOptions {
             retry: None,
         }
     }
-}
-
-/// How a client retries a call the daemon refused as `Overloaded` (a bound was reached and
-/// nothing was done, so the call can be sent again as it was). Waits grow exponentially from
-/// `base_delay_ms` up to `max_delay_ms`, each drawn at random below its ceiling ("full
-/// jitter", so that many clients refused at once do not come back at once) but never shorter
-/// than the daemon's retry-after hint; a call stops retrying after `max_attempts` sends in all
-/// or when the next wait would end past `budget_ms` from its first send (the caller's
-/// deadline), and then returns the last refusal.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RetryPolicy {
-    /// Sends of one call at most (the first one included), 1 to 64.
-    pub max_attempts: u32,
-    /// The first wait's ceiling, ms.
-    pub base_delay_ms: u64,
-    /// The largest wait's ceiling, ms.
-    pub max_delay_ms: u64,
-    /// The time one call may spend from its first send to its last, ms.
-    pub budget_ms: u64,
-}
-
-impl Default for RetryPolicy {
-    /// 8 sends within 2 s, waits from 5 ms up to 200 ms.
-    fn default() -> RetryPolicy {
-        RetryPolicy {
-            max_attempts: 8,
-            base_delay_ms: 5,
-            max_delay_ms: 200,
-            budget_ms: 2_000,
-        }
-    }
-}
-
-/// What a client's retries cost, for the retry amplification factor (`sends / calls`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RetryStats {
-    /// Calls made.
-    pub calls: u64,
-    /// Requests sent for them (a call refused and retried twice counts three).
-    pub sends: u64,
-    /// Calls that gave up retrying and returned the refusal.
-    pub gave_up: u64,
-}
-
-/// A random wait in `[floor, ceiling]` ms (the kernel's random source: retries are rare).
-fn jittered_ms(floor: u64, ceiling: u64) -> u64 {
-    let mut b = [0u8; 8];
-    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
-    let ceiling = ceiling.max(floor);
-    floor + u64::from_le_bytes(b) % (ceiling - floor + 1)
 }
 
 /// A session with the local daemon and its mapped pool.
@@ -343,33 +301,11 @@ impl Client {
     /// A failed connection (timeout, closed socket, an answer to another request) makes the
     /// client broken: this and every later call return [`Error::Disconnected`].
     pub fn call(&mut self, op: Op) -> Result<Reply> {
-        self.retries.calls += 1;
-        let Some(policy) = self.opts.retry else {
-            self.retries.sends += 1;
-            return self.call_once(op);
-        };
-        let started = Instant::now();
-        let budget = Duration::from_millis(policy.budget_ms);
-        let mut ceiling = policy.base_delay_ms.max(1);
-        let mut sends = 0u32;
-        loop {
-            self.retries.sends += 1;
-            sends += 1;
-            let refusal = match self.call_once(op.clone()) {
-                Err(e @ Error::Overloaded { .. }) => e,
-                other => return other,
-            };
-            let Error::Overloaded { retry_after_ms, .. } = &refusal else {
-                unreachable!("matched above")
-            };
-            let wait = Duration::from_millis(jittered_ms(*retry_after_ms, ceiling));
-            if sends >= policy.max_attempts.clamp(1, 64) || started.elapsed() + wait > budget {
-                self.retries.gave_up += 1;
-                return Err(refusal);
-            }
-            std::thread::sleep(wait);
-            ceiling = (ceiling * 2).min(policy.max_delay_ms.max(1));
-        }
+        let policy = self.opts.retry;
+        let mut stats = self.retries;
+        let r = retry::with_retries(policy.as_ref(), &mut stats, || self.call_once(op.clone()));
+        self.retries = stats;
+        r
     }
 
     /// What this client's retries cost so far.
@@ -651,201 +587,6 @@ impl Client {
         }
     }
 
-    /// Ask the daemon to push PUBLISHED blocks (of one namespace) to peer node `peer` over its
-    /// data port; returns at once with the transfer's id (poll it with
-    /// [`Client::transfers`]). The blocks stay pinned on this node until the push ends; the
-    /// peer publishes them as one group only when every byte arrived intact.
-    ///
-    /// # Errors
-    /// `Unavailable` without a data port; `Overloaded` (retryable, with a hint) past the
-    /// daemon's bound on pushes in flight; `InvalidArgument` for an empty or oversized batch.
-    pub fn push(&mut self, peer: u64, keys: &[BlockKey]) -> Result<u64> {
-        self.check_batch(keys.len())?;
-        match self.call(Op::Push {
-            peer,
-            keys: keys.to_vec(),
-        })? {
-            Reply::Transfer(id) => Ok(id),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Ask the daemon to fetch PUBLISHED blocks (of one namespace) from peer node `peer` over
-    /// its data port; returns at once with the transfer's id (poll it with
-    /// [`Client::transfers`]). The blocks are published here as one group only when every
-    /// byte arrived intact; keys the peer lacks are skipped (the transfer's `blocks` says how
-    /// many arrived).
-    ///
-    /// # Errors
-    /// As [`Client::push`].
-    pub fn fetch(&mut self, peer: u64, keys: &[BlockKey]) -> Result<u64> {
-        self.check_batch(keys.len())?;
-        match self.call(Op::Fetch {
-            peer,
-            keys: keys.to_vec(),
-        })? {
-            Reply::Transfer(id) => Ok(id),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Stream one checkpoint step of `request` (its PUBLISHED checkpoint blocks `keys`, at
-    /// `epoch`) to its holder `peer`, which extends its manifest with them and
-    /// `committed_tokens` atomically; returns at once with the transfer's id.
-    ///
-    /// # Errors
-    /// As [`Client::push`].
-    pub fn push_checkpoint(
-        &mut self,
-        peer: u64,
-        request: RequestId,
-        epoch: u64,
-        keys: &[BlockKey],
-        committed_tokens: u64,
-        ttl_ms: u64,
-    ) -> Result<u64> {
-        self.check_batch(keys.len())?;
-        match self.call(Op::PushCheckpoint {
-            peer,
-            request,
-            epoch,
-            keys: keys.to_vec(),
-            committed_tokens,
-            ttl_ms,
-        })? {
-            Reply::Transfer(id) => Ok(id),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// The recovery read: fetch from holder `peer` the longest verified prefix of `request`'s
-    /// checkpoint that `tokens` continues; the blocks land here as PUBLISHED cache blocks (the
-    /// transfer's `tokens` says how many tokens they cover). Returns at once with the
-    /// transfer's id.
-    ///
-    /// # Errors
-    /// As [`Client::push`].
-    pub fn fetch_prefix(&mut self, peer: u64, request: RequestId, tokens: &[u32]) -> Result<u64> {
-        match self.call(Op::FetchPrefix {
-            peer,
-            request,
-            tokens: tokens.to_vec(),
-        })? {
-            Reply::Transfer(id) => Ok(id),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// The states of transfers this daemon started (any session's); unknown or forgotten ids
-    /// are left out.
-    pub fn transfers(&mut self, ids: &[u64]) -> Result<Vec<TransferInfo>> {
-        self.check_batch(ids.len())?;
-        match self.call(Op::Transfers { ids: ids.to_vec() })? {
-            Reply::Transfers(v) => Ok(v),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Reserve `bytes` for this session's future allocations (fails fast with the retryable
-    /// `NoSpace` when they do not fit).
-    pub fn reserve(&mut self, bytes: u64) -> Result<ReservationId> {
-        match self.call(Op::Reserve { bytes })? {
-            Reply::Reservation(r) => Ok(r),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Give a reservation's unused space back.
-    pub fn release_reservation(&mut self, reservation: ReservationId) -> Result<()> {
-        match self.call(Op::ReleaseReservation { reservation })? {
-            Reply::Done => Ok(()),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Begin (or supersede with a newer epoch) a request's checkpoint manifest; allocate its
-    /// blocks with `BlockClass::Checkpoint { request, epoch }`.
-    pub fn manifest_begin(
-        &mut self,
-        request: RequestId,
-        epoch: u64,
-        namespace: &NamespaceId,
-        reserve_bytes: u64,
-        ttl_ms: u64,
-    ) -> Result<ManifestInfo> {
-        match self.call(Op::ManifestBegin {
-            request,
-            epoch,
-            namespace: *namespace,
-            reserve_bytes,
-            ttl_ms,
-        })? {
-            Reply::Manifest(m) => Ok(m),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Publish SEALED checkpoint blocks into the manifest with the new committed token count,
-    /// atomically.
-    pub fn manifest_extend(
-        &mut self,
-        request: RequestId,
-        epoch: u64,
-        handles: &[Handle],
-        committed_tokens: u64,
-    ) -> Result<ManifestInfo> {
-        self.check_batch(handles.len())?;
-        match self.call(Op::ManifestExtend {
-            request,
-            epoch,
-            handles: handles.to_vec(),
-            committed_tokens,
-        })? {
-            Reply::Manifest(m) => Ok(m),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// Renew a manifest's TTL; returns the milliseconds until it expires.
-    pub fn manifest_renew(&mut self, request: RequestId, epoch: u64, ttl_ms: u64) -> Result<u64> {
-        match self.call(Op::ManifestRenew {
-            request,
-            epoch,
-            ttl_ms,
-        })? {
-            Reply::Lease { expires_in_ms } => Ok(expires_in_ms),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// The request ended or was cancelled: release its checkpoint and reservation.
-    pub fn manifest_end(&mut self, request: RequestId, epoch: u64) -> Result<()> {
-        match self.call(Op::ManifestEnd { request, epoch })? {
-            Reply::Done => Ok(()),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// A request's manifest as published.
-    pub fn manifest(&mut self, request: RequestId) -> Result<ManifestInfo> {
-        match self.call(Op::ManifestGet { request })? {
-            Reply::Manifest(m) => Ok(m),
-            r => Err(unexpected(&r)),
-        }
-    }
-
-    /// The longest verified checkpoint prefix of `tokens` held here for `request` (the blocks
-    /// are not pinned: acquire their keys to read them).
-    pub fn restore_prefix(&mut self, request: RequestId, tokens: &[u32]) -> Result<RestorePrefix> {
-        match self.call(Op::RestorePrefix {
-            request,
-            tokens: tokens.to_vec(),
-        })? {
-            Reply::Restore(r) => Ok(r),
-            r => Err(unexpected(&r)),
-        }
-    }
-
     /// Close the session cleanly: the daemon aborts unfinished blocks and drops pins.
     pub fn close(mut self) -> Result<()> {
         self.call(Op::Goodbye).map(|_| ())
@@ -929,16 +670,6 @@ fn read_handshake(stream: &UnixStream) -> Result<(HelloReply, Vec<OwnedFd>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_retry_wait_is_drawn_between_the_hint_and_its_ceiling_and_spreads_over_it() {
-        let draws: Vec<u64> = (0..2000).map(|_| jittered_ms(10, 50)).collect();
-        assert!(draws.iter().all(|&d| (10..=50).contains(&d)));
-        let (lo, hi) = (draws.iter().min().unwrap(), draws.iter().max().unwrap());
-        assert!(*lo <= 15 && *hi >= 45, "spread over the range: {lo}..{hi}");
-        // a hint above the ceiling wins: never sooner than the daemon asked
-        assert!((0..100).all(|_| jittered_ms(80, 50) == 80));
-    }
 
     #[test]
     fn a_closed_peer_is_seen_without_waiting() {
