@@ -2,7 +2,7 @@
 //! engine.
 //!
 //! ```text
-//!  caller threads                         the ring thread (ring.rs)
+//!  caller threads                         the ring thread (ring/)
 //!  open()  connect N sockets, auth, bind ──▶ Attach ─┐
 //!  submit() check, admit, cut into chunks ─▶ Submit ─┤  commands (bounded by the in-flight
 //!  cancel()/close()                        ─▶ ...   ─┘  limits), eventfd wakes the ring

@@ -1,0 +1,234 @@
+//! The ring's target side: a request header read, its grant checked before anything is
+//! touched, a write's payload received straight into the window (or drained when refused)
+//! and its CRC checked, a read's payload sent straight from the window, answers in order.
+
+use super::*;
+use crate::grant::{Access, Direction, SegmentId, TransferId};
+use crate::local::crc32c;
+use crate::tcp::wire::{self, FLAG_CHECKSUM, Kind, Status};
+
+impl Ring {
+    pub(super) fn pump_target(&mut self, slot: usize) {
+        let conn = self.conns[slot].as_mut().expect("live");
+        if !conn.send.busy && !conn.replies.is_empty() {
+            conn.send.parts = 0;
+            // header-only replies go together; a reply with a payload goes alone
+            while conn.send.parts < MAX_GATHER {
+                let alone = conn.replies.front().is_some_and(|r| r.window.is_some());
+                if alone && conn.send.parts > 0 {
+                    break;
+                }
+                let Some(reply) = conn.replies.pop_front() else {
+                    break;
+                };
+                let (payload, len) = match &reply.window {
+                    Some(w) => (w.ptr.cast_const(), w.len),
+                    None => (std::ptr::null(), 0),
+                };
+                let held = Held {
+                    batch: None,
+                    window: reply.window,
+                };
+                conn.send.add(&reply.response.encode(), payload, len, held);
+                if alone {
+                    break;
+                }
+            }
+            self.start_send(slot);
+        }
+        let conn = self.conns[slot].as_mut().expect("live");
+        if !conn.recv.busy && conn.serving.is_none() && conn.replies.len() < MAX_REPLIES {
+            conn.recv.stage = Stage::Header;
+            conn.recv.want = Request::WIRE_BYTES;
+            conn.recv.filled = 0;
+            conn.recv.ptr = conn.recv.hdr.as_mut_ptr();
+            self.post_recv(slot);
+        }
+    }
+
+    /// A full unit arrived on a target connection (a request header, a write's payload, or a
+    /// piece of a refused write's payload being drained).
+    pub(super) fn target_received(&mut self, slot: usize) -> std::result::Result<(), OpFailure> {
+        let chunk_bytes = self.shared.config.chunk_bytes;
+        let conn = self.conn_mut(slot).expect("live");
+        match conn.recv.stage {
+            Stage::Header => {
+                let hdr: &[u8; Request::WIRE_BYTES] = conn.recv.hdr[..Request::WIRE_BYTES]
+                    .try_into()
+                    .expect("64 bytes");
+                let req = Request::decode(hdr).map_err(|_| OpFailure::Protocol)?;
+                if req.len > chunk_bytes {
+                    return Err(OpFailure::Protocol);
+                }
+                let access = Access {
+                    segment: SegmentId(req.segment),
+                    offset: req.offset,
+                    len: u64::from(req.len),
+                    direction: match req.kind {
+                        Kind::Write => Direction::RemoteWrite,
+                        Kind::Read => Direction::RemoteRead,
+                    },
+                    transfer: TransferId(req.transfer),
+                    epoch: req.epoch,
+                };
+                let verdict = self.shared.target.begin(&access, req.node_generation);
+                if verdict.is_err() {
+                    self.shared.counters.refused.fetch_add(1, Ordering::Relaxed);
+                }
+                match req.kind {
+                    Kind::Write => self.receive_write(slot, req, verdict),
+                    Kind::Read => self.answer_read(slot, req, verdict),
+                }
+                Ok(())
+            }
+            Stage::Payload => {
+                let serving = conn.serving.take().ok_or(OpFailure::Protocol)?;
+                let w = serving.window.expect("a payload stage has a window");
+                let req = serving.request;
+                let intact = req.flags & FLAG_CHECKSUM == 0 || {
+                    // SAFETY: the window's len bytes just arrived; the grant keeps others off.
+                    let got = unsafe { std::slice::from_raw_parts(w.ptr, w.len) };
+                    crc32c(0, got) == req.crc
+                };
+                if !intact {
+                    self.shared.target.end_corrupt(w);
+                } else if req.flags & FLAG_CHECKSUM != 0 {
+                    self.shared.target.end_verified(w, req.offset, req.crc);
+                } else {
+                    self.shared.target.end(w);
+                }
+                let status = if intact {
+                    self.shared
+                        .counters
+                        .chunks_served
+                        .fetch_add(1, Ordering::Relaxed);
+                    Status::Ok
+                } else {
+                    self.shared
+                        .counters
+                        .checksum_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    Status::Corrupt
+                };
+                self.reply(slot, req.tag, status, 0, None, 0, 0);
+                Ok(())
+            }
+            Stage::Drain => {
+                let serving = conn.serving.as_mut().ok_or(OpFailure::Protocol)?;
+                serving.left -= conn.recv.want;
+                let left = serving.left;
+                if left > 0 {
+                    let piece = left.min(DRAIN_BYTES);
+                    conn.recv.want = piece;
+                    conn.recv.filled = 0;
+                    conn.recv.ptr = conn.scratch.as_mut_ptr();
+                    self.post_recv(slot);
+                    return Ok(());
+                }
+                let s = conn.serving.take().expect("checked");
+                self.reply(slot, s.request.tag, Status::Refused, 0, None, 0, s.refusal);
+                Ok(())
+            }
+        }
+    }
+
+    pub(super) fn receive_write(
+        &mut self,
+        slot: usize,
+        req: Request,
+        verdict: std::result::Result<Window, u8>,
+    ) {
+        let conn = self.conn_mut(slot).expect("live");
+        match verdict {
+            Ok(w) => {
+                conn.recv.stage = Stage::Payload;
+                conn.recv.ptr = w.ptr;
+                conn.recv.want = w.len;
+                conn.recv.filled = 0;
+                conn.serving = Some(Serving {
+                    request: req,
+                    window: Some(w),
+                    refusal: 0,
+                    left: 0,
+                });
+            }
+            Err(code) => {
+                if conn.scratch.is_empty() {
+                    conn.scratch = vec![0; DRAIN_BYTES];
+                }
+                let piece = (req.len as usize).min(DRAIN_BYTES);
+                conn.recv.stage = Stage::Drain;
+                conn.recv.ptr = conn.scratch.as_mut_ptr();
+                conn.recv.want = piece;
+                conn.recv.filled = 0;
+                conn.serving = Some(Serving {
+                    request: req,
+                    window: None,
+                    refusal: code,
+                    left: req.len as usize,
+                });
+            }
+        }
+        self.post_recv(slot);
+    }
+
+    pub(super) fn answer_read(
+        &mut self,
+        slot: usize,
+        req: Request,
+        verdict: std::result::Result<Window, u8>,
+    ) {
+        match verdict {
+            Ok(w) => {
+                let crc = if req.flags & FLAG_CHECKSUM != 0 {
+                    let known = self.shared.target.known_checksum(
+                        TransferId(req.transfer),
+                        SegmentId(req.segment),
+                        req.offset,
+                        u64::from(req.len),
+                    );
+                    let crc = known.unwrap_or_else(|| {
+                        // SAFETY: the window lies inside a live read grant, which nobody
+                        // writes.
+                        let bytes = unsafe { std::slice::from_raw_parts(w.ptr, w.len) };
+                        crc32c(0, bytes)
+                    });
+                    crc ^ u32::from(self.corrupt_this_one())
+                } else {
+                    0
+                };
+                self.shared
+                    .counters
+                    .chunks_served
+                    .fetch_add(1, Ordering::Relaxed);
+                let len = w.len as u32;
+                self.reply(slot, req.tag, Status::Ok, len, Some(w), crc, 0);
+            }
+            Err(code) => self.reply(slot, req.tag, Status::Refused, 0, None, 0, code),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn reply(
+        &mut self,
+        slot: usize,
+        tag: u64,
+        status: Status,
+        len: u32,
+        window: Option<Window>,
+        crc: u32,
+        refusal: u8,
+    ) {
+        let conn = self.conn_mut(slot).expect("live");
+        conn.replies.push_back(Reply {
+            response: wire::Response {
+                status,
+                len,
+                tag,
+                crc,
+                refusal,
+            },
+            window,
+        });
+    }
+}
