@@ -177,14 +177,8 @@ fn a_killed_node_leaves_every_view_within_the_ttl_and_comes_back_with_a_higher_g
         support::put_one(&mut ca, *k, &support::pattern(256 << 10, i as u8));
     }
     let id = ca.push(3, &keys).unwrap();
-    let mut last = None;
-    support::wait_until(Duration::from_secs(30), "the push ends", || {
-        let t = ca.transfers(&[id]).unwrap().remove(0);
-        let done = t.state != TransferState::InFlight;
-        last = Some(t);
-        done
-    });
-    assert_eq!(last.unwrap().state, TransferState::Done);
+    let last = support::wait_transfer(&mut ca, id, Duration::from_secs(30));
+    assert_eq!(last.state, TransferState::Done);
     drop(c);
 }
 
@@ -214,19 +208,9 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
     // a transfer between the nodes does not need etcd: one started while etcd is paused (and
     // the lease not yet run out) completes on the last view
     let id = ca.push(2, &moving).unwrap();
-    let mut last = None;
-    support::wait_until(
-        Duration::from_secs(30),
-        "the push during the outage ends",
-        || {
-            let t = ca.transfers(&[id]).unwrap().remove(0);
-            let done = t.state != TransferState::InFlight;
-            last = Some(t);
-            done
-        },
-    );
+    let last = support::wait_transfer(&mut ca, id, Duration::from_secs(30));
     assert_eq!(
-        last.unwrap().state,
+        last.state,
         TransferState::Done,
         "completed with etcd paused"
     );
@@ -288,22 +272,8 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
     let after = support::keys(ns0, 43, 1);
     support::put_one(&mut ca, after[0], &support::pattern(256 << 10, 9));
     let id = ca.push(2, &after).unwrap();
-    let mut last = None;
-    support::wait_until(
-        Duration::from_secs(30),
-        "the push after the outage ends",
-        || {
-            let t = ca.transfers(&[id]).unwrap().remove(0);
-            let done = t.state != TransferState::InFlight;
-            last = Some(t);
-            done
-        },
-    );
-    assert_eq!(
-        last.unwrap().state,
-        TransferState::Done,
-        "after the re-registration"
-    );
+    let last = support::wait_transfer(&mut ca, id, Duration::from_secs(30));
+    assert_eq!(last.state, TransferState::Done, "after the re-registration");
     // a transfer bound to a node's old generation is refused now
     let r = raw_offer_to(&secret, &a, 2, b.generation, Some(a.generation));
     assert!(

@@ -44,15 +44,9 @@ fn data_addr(d: &Daemon) -> String {
     d.status().data_port.expect("the data port is on").listen
 }
 
+/// Transfers of these tests end within a minute.
 fn wait_done(c: &mut kvd::client::Client, id: u64) -> kvd::protocol::TransferInfo {
-    let mut last = None;
-    support::wait_until(Duration::from_secs(60), "the push ends", || {
-        let t = c.transfers(&[id]).unwrap().remove(0);
-        let done = t.state != TransferState::InFlight;
-        last = Some(t);
-        done
-    });
-    last.unwrap()
+    support::wait_transfer(c, id, Duration::from_secs(60))
 }
 
 #[test]

@@ -293,6 +293,19 @@ pub fn wait_until(timeout: Duration, what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// Poll transfer `id` (started by `c`'s daemon) until it is no longer in flight, within
+/// `timeout`; its last state.
+pub fn wait_transfer(c: &mut Client, id: u64, timeout: Duration) -> kvd::protocol::TransferInfo {
+    let mut last = None;
+    wait_until(timeout, &format!("transfer {id} ends"), || {
+        let t = c.transfers(&[id]).unwrap().remove(0);
+        let done = t.state != kvd::protocol::TransferState::InFlight;
+        last = Some(t);
+        done
+    });
+    last.expect("polled at least once")
+}
+
 /// A small test layout: blocks of 64 KiB (the test daemon's pages are 256 KiB).
 pub fn namespace() -> NamespaceDescriptor {
     NamespaceDescriptor {
