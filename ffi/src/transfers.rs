@@ -2,6 +2,8 @@
 //! this node's daemon (its data port), started without waiting and polled with
 //! `kvd_transfers`, so that an event loop can drive them.
 
+use kvd_client::Client;
+use kvd_core::keys::BlockKey;
 use kvd_core::protocol::{TransferInfo, TransferState};
 
 use crate::args;
@@ -73,12 +75,7 @@ pub extern "C" fn kvd_push(
     n: usize,
     id: *mut u64,
 ) -> i32 {
-    with_client("kvd_push", client, |c| {
-        let ks = keys(keys_in, n)?;
-        let out = args::out_ref(id, "id")?;
-        *out = c.push(peer, &ks)?;
-        Ok(())
-    })
+    start_keyed("kvd_push", client, keys_in, n, id, |c, ks| c.push(peer, ks))
 }
 
 /// Fetch PUBLISHED blocks `keys[0..n]` (one namespace) from peer node `peer`, published here
@@ -92,11 +89,8 @@ pub extern "C" fn kvd_fetch(
     n: usize,
     id: *mut u64,
 ) -> i32 {
-    with_client("kvd_fetch", client, |c| {
-        let ks = keys(keys_in, n)?;
-        let out = args::out_ref(id, "id")?;
-        *out = c.fetch(peer, &ks)?;
-        Ok(())
+    start_keyed("kvd_fetch", client, keys_in, n, id, |c, ks| {
+        c.fetch(peer, ks)
     })
 }
 
@@ -116,11 +110,8 @@ pub extern "C" fn kvd_push_checkpoint(
     ttl_ms: u64,
     id: *mut u64,
 ) -> i32 {
-    with_client("kvd_push_checkpoint", client, |c| {
-        let ks = keys(keys_in, n)?;
-        let out = args::out_ref(id, "id")?;
-        *out = c.push_checkpoint(peer, request, epoch, &ks, committed_tokens, ttl_ms)?;
-        Ok(())
+    start_keyed("kvd_push_checkpoint", client, keys_in, n, id, |c, ks| {
+        c.push_checkpoint(peer, request, epoch, ks, committed_tokens, ttl_ms)
     })
 }
 
@@ -167,6 +158,24 @@ pub extern "C" fn kvd_transfers(
             *slot = t.into();
         }
         *found = got.len();
+        Ok(())
+    })
+}
+
+/// The body of a call that starts a transfer of blocks `keys_in[0..n]` with `start`: the
+/// keys and the out-pointer checked, the transfer's id into `*id`.
+fn start_keyed(
+    name: &str,
+    client: *mut KvdClient,
+    keys_in: *const KvdKey,
+    n: usize,
+    id: *mut u64,
+    start: impl FnOnce(&mut Client, &[BlockKey]) -> kvd_core::Result<u64>,
+) -> i32 {
+    with_client(name, client, |c| {
+        let ks = keys(keys_in, n)?;
+        let out = args::out_ref(id, "id")?;
+        *out = start(c, &ks)?;
         Ok(())
     })
 }

@@ -51,6 +51,15 @@ impl Default for IncomingLimits {
     }
 }
 
+/// Which end of a transfer's binding this node is.
+#[derive(Debug, Clone, Copy)]
+enum End {
+    /// An offer: the blocks come here.
+    Destination,
+    /// A fetch: the blocks are read from here.
+    Source,
+}
+
 #[derive(Debug)]
 struct InFlight {
     source_node: u64,
@@ -189,7 +198,7 @@ impl Incoming {
                 self.want(engine, connection, peer, binding, &keys)
             }
             PeerRequest::WantPrefix { binding, tokens } => {
-                self.check_fetch_binding(engine, peer, &binding)?;
+                self.check_binding(engine, peer, &binding, End::Source)?;
                 // every block of the answer had its checksum checked just now
                 let prefix = self.store.restore_prefix(binding.request, &tokens)?;
                 let keys: Vec<BlockKey> = prefix.blocks.iter().map(|b| b.key).collect();
@@ -250,31 +259,47 @@ impl Incoming {
         }
     }
 
-    /// Check what the offer is bound to against what this node knows.
-    fn check_binding(&self, engine: &TcpTransport, peer: &Bind, b: &Binding) -> Result<()> {
+    /// Check what a transfer is bound to against what this node knows: this node's end (the
+    /// destination of an offer, the source of a fetch) must name this node in this
+    /// incarnation, the other end the peer on this connection in its own.
+    fn check_binding(
+        &self,
+        engine: &TcpTransport,
+        peer: &Bind,
+        b: &Binding,
+        here: End,
+    ) -> Result<()> {
+        let ((node, generation), (their_node, their_generation), asks) = match here {
+            End::Destination => (
+                (b.destination_node, b.destination_generation),
+                (b.source_node, b.source_generation),
+                "the transfer is for node",
+            ),
+            End::Source => (
+                (b.source_node, b.source_generation),
+                (b.destination_node, b.destination_generation),
+                "the fetch asks node",
+            ),
+        };
+        let stale = |had: u64, current: u64| Error::StaleGeneration {
+            handle_node: had,
+            handle_slot: 0,
+            current_node: current,
+            current_slot: 0,
+        };
         // the node's generation as its peers know it (cluster mode advances it at every
         // re-registration; the store's own handles keep theirs)
         let mine = engine.target().node_generation();
-        let refused = if b.destination_generation != mine {
+        let refused = if generation != mine {
             // an earlier incarnation's transfer (this node restarted since)
-            Some(Error::StaleGeneration {
-                handle_node: b.destination_generation,
-                handle_slot: 0,
-                current_node: mine,
-                current_slot: 0,
-            })
-        } else if b.destination_node != self.node_id {
+            Some(stale(generation, mine))
+        } else if node != self.node_id {
             Some(Error::InvalidArgument(format!(
-                "the transfer is for node {}, this is node {}",
-                b.destination_node, self.node_id
+                "{asks} {node}, this is node {}",
+                self.node_id
             )))
-        } else if (b.source_node, b.source_generation) != (peer.node_id, peer.node_generation) {
-            Some(Error::StaleGeneration {
-                handle_node: b.source_generation,
-                handle_slot: 0,
-                current_node: peer.node_generation,
-                current_slot: 0,
-            })
+        } else if (their_node, their_generation) != (peer.node_id, peer.node_generation) {
+            Some(stale(their_generation, peer.node_generation))
         } else {
             None
         };
@@ -357,52 +382,8 @@ impl Incoming {
         binding: Binding,
         keys: &[BlockKey],
     ) -> Result<PeerReply> {
-        self.check_fetch_binding(engine, peer, &binding)?;
+        self.check_binding(engine, peer, &binding, End::Source)?;
         self.serve_keys(engine, connection, peer, binding, keys)
-    }
-
-    /// A fetch's binding names this node (this incarnation) as source and the asker as
-    /// destination.
-    fn check_fetch_binding(
-        &self,
-        engine: &TcpTransport,
-        peer: &Bind,
-        binding: &Binding,
-    ) -> Result<()> {
-        // the node's generation as its peers know it (cluster mode advances it at every
-        // re-registration; the store's own handles keep theirs)
-        let mine = engine.target().node_generation();
-        let refused = if binding.source_generation != mine {
-            Some(Error::StaleGeneration {
-                handle_node: binding.source_generation,
-                handle_slot: 0,
-                current_node: mine,
-                current_slot: 0,
-            })
-        } else if binding.source_node != self.node_id {
-            Some(Error::InvalidArgument(format!(
-                "the fetch asks node {}, this is node {}",
-                binding.source_node, self.node_id
-            )))
-        } else if (binding.destination_node, binding.destination_generation)
-            != (peer.node_id, peer.node_generation)
-        {
-            Some(Error::StaleGeneration {
-                handle_node: binding.destination_generation,
-                handle_slot: 0,
-                current_node: peer.node_generation,
-                current_slot: 0,
-            })
-        } else {
-            None
-        };
-        if let Some(e) = refused {
-            self.counters
-                .binding_mismatches
-                .fetch_add(1, Ordering::Relaxed);
-            return Err(e);
-        }
-        Ok(())
     }
 
     /// Pin `keys` and grant their pages for reading by `peer`.
@@ -518,7 +499,7 @@ impl Incoming {
         blocks: &[Offered],
         checkpoint: Option<CheckpointStep>,
     ) -> Result<PeerReply> {
-        self.check_binding(engine, peer, &binding)?;
+        self.check_binding(engine, peer, &binding, End::Destination)?;
         if checkpoint.is_some() && binding.request == 0 {
             return Err(Error::InvalidArgument(
                 "a checkpoint step names its request (0 is none)".into(),
