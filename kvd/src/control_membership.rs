@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use crate::control::{ControllerSnapshot, Event, WorkerId};
 use crate::control_service::Shared;
-use crate::daemon::cluster::{Registration, connect_options};
+use crate::daemon::cluster::{
+    NodeChange, Registration, connect_options, etcd_err, node_changes, read_and_watch,
+};
 
 /// etcd authentication and TLS, as [`crate::daemon::cluster::etcd_security`] reads them.
 pub type Security = Arc<crate::daemon::cluster::EtcdSecurity>;
@@ -32,10 +34,6 @@ fn options(security: &Security) -> etcd_client::ConnectOptions {
     )
 }
 use crate::{Error, Result};
-
-fn etcd_err(what: &str, e: etcd_client::Error) -> Error {
-    Error::Unavailable(format!("etcd {what}: {e}"))
-}
 
 fn snapshot_key(prefix: &str) -> String {
     format!("{prefix}/control/snapshot")
@@ -160,21 +158,12 @@ async fn session(
     shared: &Arc<Shared>,
     seen: &mut Seen,
 ) -> Result<()> {
-    use etcd_client::{EventType, GetOptions, WatchOptions};
     let mut client = etcd_client::Client::connect(endpoints, Some(options(security)))
         .await
         .map_err(|e| etcd_err("connect", e))?;
     let nodes_prefix = format!("{prefix}/nodes/");
-    let all = client
-        .get(nodes_prefix.clone(), Some(GetOptions::new().with_prefix()))
-        .await
-        .map_err(|e| etcd_err("read the nodes", e))?;
-    let revision = all.header().map_or(0, |h| h.revision());
-    let registered_now: Vec<Registration> = all
-        .kvs()
-        .iter()
-        .filter_map(|kv| serde_json::from_slice(kv.value()).ok())
-        .collect();
+    let (registered_now, _, _watcher, mut events) =
+        read_and_watch(&mut client, &nodes_prefix).await?;
     // reconcile from the full read: what the controller holds as live but etcd does not fails
     let live: Vec<WorkerId> = registered_now
         .iter()
@@ -192,50 +181,19 @@ async fn session(
     for r in &registered_now {
         registered(shared, seen, r);
     }
-    let (_watcher, mut events) = client
-        .watch(
-            nodes_prefix.clone(),
-            Some(
-                WatchOptions::new()
-                    .with_prefix()
-                    .with_start_revision(revision + 1),
-            ),
-        )
-        .await
-        .map_err(|e| etcd_err("watch", e))?;
     let mut last_written = String::new();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            event = events.message() => match event {
-                Ok(Some(w)) => {
-                    if w.canceled() {
-                        return Err(Error::Unavailable("etcd cancelled the watch".into()));
-                    }
-                    for e in w.events() {
-                        let Some(kv) = e.kv() else { continue };
-                        match e.event_type() {
-                            EventType::Put => {
-                                if let Ok(r) = serde_json::from_slice::<Registration>(kv.value()) {
-                                    registered(shared, seen, &r);
-                                }
-                            }
-                            EventType::Delete => {
-                                let node = std::str::from_utf8(kv.key())
-                                    .ok()
-                                    .and_then(|k| k.rsplit('/').next())
-                                    .and_then(|n| n.parse::<u64>().ok());
-                                if let Some(node) = node {
-                                    gone(shared, seen, node);
-                                }
-                            }
-                        }
+            event = events.message() => {
+                for c in node_changes(event)?.1 {
+                    match c {
+                        NodeChange::Registered(r) => registered(shared, seen, &r),
+                        NodeChange::Withdrawn(node) => gone(shared, seen, node),
                     }
                 }
-                Ok(None) => return Err(Error::Unavailable("the watch ended".into())),
-                Err(e) => return Err(etcd_err("watch", e)),
-            },
+            }
             _ = tick.tick() => {
                 // the snapshot, when it changed (one write a second at most)
                 let snap = serde_json::to_string(&shared.snapshot())

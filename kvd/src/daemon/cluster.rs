@@ -369,8 +369,89 @@ fn node_key(prefix: &str, id: u64) -> String {
     format!("{prefix}/nodes/{id:020}")
 }
 
-fn etcd_err(what: &str, e: etcd_client::Error) -> Error {
+pub(crate) fn etcd_err(what: &str, e: etcd_client::Error) -> Error {
     Error::Unavailable(format!("etcd {what}: {e}"))
+}
+
+/// A change to the registrations, as a watch reports it.
+pub(crate) enum NodeChange {
+    /// A node registered or refreshed its registration.
+    Registered(Registration),
+    /// A node's registration is gone (withdrawn, or its lease ran out).
+    Withdrawn(u64),
+}
+
+/// The registrations under `nodes_prefix` as one read, its revision, and a watch of them from
+/// just after it (so that no change falls between the two).
+pub(crate) async fn read_and_watch(
+    client: &mut etcd_client::Client,
+    nodes_prefix: &str,
+) -> Result<(
+    Vec<Registration>,
+    i64,
+    etcd_client::Watcher,
+    etcd_client::WatchStream,
+)> {
+    use etcd_client::{GetOptions, WatchOptions};
+    let all = client
+        .get(nodes_prefix, Some(GetOptions::new().with_prefix()))
+        .await
+        .map_err(|e| etcd_err("read the nodes", e))?;
+    let revision = all.header().map_or(0, |h| h.revision());
+    let nodes = all
+        .kvs()
+        .iter()
+        .filter_map(|kv| serde_json::from_slice::<Registration>(kv.value()).ok())
+        .collect();
+    let (watcher, events) = client
+        .watch(
+            nodes_prefix,
+            Some(
+                WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(revision + 1),
+            ),
+        )
+        .await
+        .map_err(|e| etcd_err("watch", e))?;
+    Ok((nodes, revision, watcher, events))
+}
+
+/// What one message of a watch from [`read_and_watch`] says: its revision and the changes
+/// (keys or values that are not a registration are skipped).
+///
+/// # Errors
+/// `Unavailable` when the watch failed, ended or was cancelled (start a new session).
+pub(crate) fn node_changes(
+    message: std::result::Result<Option<etcd_client::WatchResponse>, etcd_client::Error>,
+) -> Result<(i64, Vec<NodeChange>)> {
+    let w = match message {
+        Ok(Some(w)) => w,
+        Ok(None) => return Err(Error::Unavailable("the watch ended".into())),
+        Err(e) => return Err(etcd_err("watch", e)),
+    };
+    if w.canceled() {
+        return Err(Error::Unavailable("etcd cancelled the watch".into()));
+    }
+    let revision = w.header().map_or(0, |h| h.revision());
+    let changes = w
+        .events()
+        .iter()
+        .filter_map(|e| {
+            let kv = e.kv()?;
+            match e.event_type() {
+                etcd_client::EventType::Put => serde_json::from_slice(kv.value())
+                    .ok()
+                    .map(NodeChange::Registered),
+                etcd_client::EventType::Delete => std::str::from_utf8(kv.key())
+                    .ok()
+                    .and_then(|k| k.rsplit('/').next())
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .map(NodeChange::Withdrawn),
+            }
+        })
+        .collect();
+    Ok((revision, changes))
 }
 
 /// The etcd registry: a membership view fed by etcd, and the task that keeps this node
@@ -466,7 +547,7 @@ impl EtcdRegistry {
         answered: &mut Instant,
         stop: &mut tokio::sync::watch::Receiver<bool>,
     ) -> Result<()> {
-        use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+        use etcd_client::{Client, PutOptions};
         let ttl = Duration::from_millis(self.config.lease_ttl_ms);
         let opts = connect_options(
             self.config.auth.as_ref(),
@@ -504,29 +585,11 @@ impl EtcdRegistry {
 
         // the view: a full read, then a watch from just after its revision
         let prefix = format!("{}/nodes/", self.config.prefix);
-        let all = client
-            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
-            .await
-            .map_err(|e| etcd_err("read the nodes", e))?;
-        let revision = all.header().map_or(0, |h| h.revision());
-        let nodes = all
-            .kvs()
-            .iter()
-            .filter_map(|kv| serde_json::from_slice::<Registration>(kv.value()).ok())
-            .map(|r| (r.node_id, r))
-            .collect();
-        self.membership.replace(nodes, revision);
-        let (_watcher, mut events) = client
-            .watch(
-                prefix.clone(),
-                Some(
-                    WatchOptions::new()
-                        .with_prefix()
-                        .with_start_revision(revision + 1),
-                ),
-            )
-            .await
-            .map_err(|e| etcd_err("watch", e))?;
+        let (nodes, revision, _watcher, mut events) = read_and_watch(&mut client, &prefix).await?;
+        self.membership.replace(
+            nodes.into_iter().map(|r| (r.node_id, r)).collect(),
+            revision,
+        );
 
         let mut beat = tokio::time::interval(ttl / 3);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -553,33 +616,15 @@ impl EtcdRegistry {
                     Ok(None) => return Err(Error::Unavailable("the keep-alive stream ended".into())),
                     Err(e) => return Err(etcd_err("keep-alive", e)),
                 },
-                event = events.message() => match event {
-                    Ok(Some(w)) => {
-                        if w.canceled() {
-                            return Err(Error::Unavailable("etcd cancelled the watch".into()));
-                        }
-                        let rev = w.header().map_or(0, |h| h.revision());
-                        for e in w.events() {
-                            let Some(kv) = e.kv() else { continue };
-                            match e.event_type() {
-                                EventType::Put => {
-                                    if let Ok(r) = serde_json::from_slice::<Registration>(kv.value()) {
-                                        self.membership.apply(Some(r), None, rev);
-                                    }
-                                }
-                                EventType::Delete => {
-                                    let id = std::str::from_utf8(kv.key())
-                                        .ok()
-                                        .and_then(|k| k.rsplit('/').next())
-                                        .and_then(|n| n.parse::<u64>().ok());
-                                    self.membership.apply(None, id, rev);
-                                }
-                            }
+                event = events.message() => {
+                    let (rev, changes) = node_changes(event)?;
+                    for c in changes {
+                        match c {
+                            NodeChange::Registered(r) => self.membership.apply(Some(r), None, rev),
+                            NodeChange::Withdrawn(id) => self.membership.apply(None, Some(id), rev),
                         }
                     }
-                    Ok(None) => return Err(Error::Unavailable("the watch ended".into())),
-                    Err(e) => return Err(etcd_err("watch", e)),
-                },
+                }
                 _ = refresh.tick() => {
                     // keep the load figures fresh (bounded: one write per refresh)
                     let _ = client
