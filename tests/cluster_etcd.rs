@@ -97,6 +97,15 @@ fn view(d: &Daemon) -> Vec<(u64, u64)> {
         .unwrap_or_default()
 }
 
+/// `n` empty state directories under `root`, one per node: `n1`, `n2`, …
+fn node_dirs(root: &Path, n: u64) -> Vec<PathBuf> {
+    let dirs: Vec<PathBuf> = (1..=n).map(|i| root.join(format!("n{i}"))).collect();
+    for d in &dirs {
+        std::fs::create_dir(d).unwrap();
+    }
+    dirs
+}
+
 fn wait_views(nodes: &[&Daemon], want: &[(u64, u64)], timeout: Duration, what: &str) -> Duration {
     let t = Instant::now();
     support::wait_until(timeout, what, || nodes.iter().all(|d| view(d) == want));
@@ -108,10 +117,7 @@ fn a_killed_node_leaves_every_view_within_the_ttl_and_comes_back_with_a_higher_g
     let etcd = Etcd::start();
     let tmp = tempfile::tempdir().unwrap();
     let secret = secret_file(tmp.path());
-    let dirs: Vec<PathBuf> = (1..=3).map(|i| tmp.path().join(format!("n{i}"))).collect();
-    for d in &dirs {
-        std::fs::create_dir(d).unwrap();
-    }
+    let dirs = node_dirs(tmp.path(), 3);
     let a = node(&dirs[0], &secret, &etcd, 1);
     let b = node(&dirs[1], &secret, &etcd, 2);
     let mut c = node(&dirs[2], &secret, &etcd, 3);
@@ -187,10 +193,7 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
     let etcd = Etcd::start();
     let tmp = tempfile::tempdir().unwrap();
     let secret = secret_file(tmp.path());
-    let dirs: Vec<PathBuf> = (1..=2).map(|i| tmp.path().join(format!("n{i}"))).collect();
-    for d in &dirs {
-        std::fs::create_dir(d).unwrap();
-    }
+    let dirs = node_dirs(tmp.path(), 2);
     let a = node(&dirs[0], &secret, &etcd, 1);
     let b = node(&dirs[1], &secret, &etcd, 2);
     let all = vec![(1, a.generation), (2, b.generation)];
@@ -350,10 +353,7 @@ fn kvd_control_turns_registrations_into_worker_events_and_resumes_from_its_snaps
     let etcd = Etcd::start();
     let tmp = tempfile::tempdir().unwrap();
     let secret = secret_file(tmp.path());
-    let dirs: Vec<PathBuf> = (1..=3).map(|i| tmp.path().join(format!("n{i}"))).collect();
-    for d in &dirs {
-        std::fs::create_dir(d).unwrap();
-    }
+    let dirs = node_dirs(tmp.path(), 3);
     let a = node(&dirs[0], &secret, &etcd, 1);
     let b = node(&dirs[1], &secret, &etcd, 2);
     let mut c = node(&dirs[2], &secret, &etcd, 3);
@@ -668,8 +668,7 @@ fn a_brief_etcd_restart_within_the_ttl_causes_no_churn() {
     let mut etcd = Etcd::start();
     let tmp = tempfile::tempdir().unwrap();
     let secret = secret_file(tmp.path());
-    let d = tmp.path().join("n1");
-    std::fs::create_dir(&d).unwrap();
+    let d = node_dirs(tmp.path(), 1).remove(0);
     // a long TTL, so that the restart surely fits in it
     let (s, url) = (secret.to_str().unwrap(), etcd.url.clone());
     let a = Daemon::start_in(

@@ -308,16 +308,7 @@ fn a_checkpoint_is_published_into_its_manifest_and_restored_by_another_client() 
         .into_iter()
         .map(|r| r.unwrap())
         .collect();
-    let mut seals = Vec::new();
-    for (i, a) in allocs.iter().enumerate() {
-        let data = pattern(65_536, 40 + i as u8);
-        let crc = holder.write_with_crc(&a.handle, 0, &data, 0).unwrap();
-        seals.push(SealItem {
-            handle: a.handle,
-            len: data.len() as u64,
-            checksum: Some(crc),
-        });
-    }
+    let seals = support::write_all(&mut holder, &allocs, |i| pattern(65_536, 40 + i as u8));
     assert!(holder.seal(&seals).unwrap().iter().all(|r| r.is_ok()));
     let handles: Vec<Handle> = allocs.iter().map(|a| a.handle).collect();
     let committed = 2 * desc.tokens_per_block as u64;

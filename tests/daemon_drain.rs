@@ -6,7 +6,6 @@ mod support;
 use std::time::{Duration, Instant};
 
 use kvd::Error;
-use kvd::protocol::SealItem;
 use kvd::store::BlockClass;
 use support::*;
 
@@ -45,17 +44,7 @@ fn drain_lets_in_flight_work_finish_refuses_new_sessions_and_exits_0() {
         .unwrap_err();
     assert!(matches!(e, Error::Unavailable(_)), "{e}");
     // The work in flight finishes.
-    let mut seals = Vec::new();
-    for (i, x) in inflight.iter().enumerate() {
-        let crc = w
-            .write_with_crc(&x.handle, 0, &pattern(4096, i as u8), 0)
-            .unwrap();
-        seals.push(SealItem {
-            handle: x.handle,
-            len: 4096,
-            checksum: Some(crc),
-        });
-    }
+    let seals = support::write_all(&mut w, &inflight, |i| pattern(4096, i as u8));
     assert!(w.seal(&seals).unwrap().iter().all(|r| r.is_ok()));
     w.publish(&seals.iter().map(|s| s.handle).collect::<Vec<_>>())
         .unwrap();

@@ -40,6 +40,16 @@ fn data_args<'a>(secret: &'a Path, node: &'a str) -> Vec<&'a str> {
     ]
 }
 
+/// Node `node` with a data port, knowing node `peer_id` at `peer`'s data address, with
+/// `extra` flags.
+fn node_to(secret: &Path, node: &str, peer_id: u64, peer: &Daemon, extra: &[&str]) -> Daemon {
+    let to = format!("{peer_id}={}", data_addr(peer));
+    let mut args = data_args(secret, node);
+    args.extend(["--peer", &to]);
+    args.extend(extra);
+    Daemon::start(&args)
+}
+
 fn data_addr(d: &Daemon) -> String {
     d.status().data_port.expect("the data port is on").listen
 }
@@ -54,10 +64,7 @@ fn a_push_of_many_blocks_lands_byte_exact_and_published_on_the_peer() {
     let dir = tempfile::tempdir().unwrap();
     let secret = secret_file(dir.path());
     let b = Daemon::start(&data_args(&secret, "2"));
-    let peer = format!("2={}", data_addr(&b));
-    let mut args = data_args(&secret, "1");
-    args.extend(["--peer", &peer]);
-    let a = Daemon::start(&args);
+    let a = node_to(&secret, "1", 2, &b, &[]);
 
     let mut ca = a.client("engine-a", 30_000);
     let ns = ca.register_namespace(&support::namespace()).unwrap();
@@ -110,10 +117,7 @@ fn a_push_of_many_blocks_lands_byte_exact_and_published_on_the_peer() {
     assert!(e.to_string().contains("peer table"), "{e}");
 
     // a third node fetches them from A (one key A lacks is skipped)
-    let peer_a = format!("1={}", data_addr(&a));
-    let mut args = data_args(&secret, "3");
-    args.extend(["--peer", &peer_a]);
-    let c = Daemon::start(&args);
+    let c = node_to(&secret, "3", 1, &a, &[]);
     let mut cc = c.client("engine-c", 30_000);
     let mut wanted = keys.clone();
     wanted.push(support::keys(ns, 99, 1)[0]);
@@ -464,18 +468,12 @@ fn a_push_whose_link_is_cut_publishes_nothing_frees_the_destinations_pages_and_u
 #[test]
 fn a_checkpoint_streamed_step_by_step_to_its_holder_restores_there_and_by_a_recovery_read() {
     use kvd::keys::block_tags;
-    use kvd::protocol::SealItem;
     use kvd::store::{BlockClass, Handle};
     let dir = tempfile::tempdir().unwrap();
     let secret = secret_file(dir.path());
     let holder = Daemon::start(&data_args(&secret, "2"));
-    let to_holder = format!("2={}", data_addr(&holder));
-    let mut args = data_args(&secret, "1");
-    args.extend(["--peer", &to_holder]);
-    let worker = Daemon::start(&args);
-    let mut args = data_args(&secret, "3");
-    args.extend(["--peer", &to_holder]);
-    let successor = Daemon::start(&args);
+    let worker = node_to(&secret, "1", 2, &holder, &[]);
+    let successor = node_to(&secret, "3", 2, &holder, &[]);
 
     let desc = support::namespace();
     let mut w = worker.client("worker", 30_000);
@@ -502,16 +500,9 @@ fn a_checkpoint_streamed_step_by_step_to_its_holder_restores_there_and_by_a_reco
             .into_iter()
             .map(|r| r.unwrap())
             .collect();
-        let mut seals = Vec::new();
-        for (i, a) in allocs.iter().enumerate() {
-            let data = support::pattern(BLOCK, (2 * step + i) as u8);
-            let crc = w.write_with_crc(&a.handle, 0, &data, 0).unwrap();
-            seals.push(SealItem {
-                handle: a.handle,
-                len: data.len() as u64,
-                checksum: Some(crc),
-            });
-        }
+        let seals = support::write_all(&mut w, &allocs, |i| {
+            support::pattern(BLOCK, (2 * step + i) as u8)
+        });
         assert!(w.seal(&seals).unwrap().iter().all(|r| r.is_ok()));
         let handles: Vec<Handle> = allocs.iter().map(|a| a.handle).collect();
         let committed = ((2 * step + 2) as u32 * tpb) as u64;
@@ -585,17 +576,13 @@ fn pushes_past_the_bound_are_refused_retryably_and_a_destination_out_of_space_sa
     let dir = tempfile::tempdir().unwrap();
     let secret = secret_file(dir.path());
     let b = Daemon::start(&data_args(&secret, "2"));
-    let peer = format!("2={}", data_addr(&b));
-    let mut args = data_args(&secret, "1");
-    args.extend([
-        "--peer",
-        &peer,
-        "--pool-mib",
-        "64",
-        "--max-transfers-per-peer",
+    let a = node_to(
+        &secret,
         "1",
-    ]);
-    let a = Daemon::start(&args);
+        2,
+        &b,
+        &["--pool-mib", "64", "--max-transfers-per-peer", "1"],
+    );
     let mut ca = a.client("engine-a", 30_000);
     let ns = ca.register_namespace(&support::namespace()).unwrap();
 
@@ -677,17 +664,13 @@ fn a_burst_past_the_bound_is_absorbed_by_bounded_jittered_retries_without_amplif
     let dir = tempfile::tempdir().unwrap();
     let secret = secret_file(dir.path());
     let b = Daemon::start(&data_args(&secret, "2"));
-    let peer = format!("2={}", data_addr(&b));
-    let mut args = data_args(&secret, "1");
-    args.extend([
-        "--peer",
-        &peer,
-        "--max-transfers-per-peer",
+    let a = node_to(
+        &secret,
         "1",
-        "--pool-mib",
-        "64",
-    ]);
-    let a = Daemon::start(&args);
+        2,
+        &b,
+        &["--max-transfers-per-peer", "1", "--pool-mib", "64"],
+    );
     let retrying = kvd::client::ClientOptions {
         retry: Some(kvd::client::RetryPolicy {
             max_attempts: 16,

@@ -350,6 +350,28 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
+/// Write `data(i)` into the `i`th of `allocs` from offset 0, its CRC-32C computed on the way;
+/// the seal items that carry those checksums.
+pub fn write_all(
+    c: &mut Client,
+    allocs: &[kvd::store::Allocation],
+    data: impl Fn(usize) -> Vec<u8>,
+) -> Vec<kvd::protocol::SealItem> {
+    allocs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let bytes = data(i);
+            let crc = c.write_with_crc(&a.handle, 0, &bytes, 0).unwrap();
+            kvd::protocol::SealItem {
+                handle: a.handle,
+                len: bytes.len() as u64,
+                checksum: Some(crc),
+            }
+        })
+        .collect()
+}
+
 /// Allocate, write, seal (the daemon computes the checksum) and publish one cache block.
 pub fn put_one(c: &mut Client, key: BlockKey, data: &[u8]) -> kvd::store::Allocation {
     let a = c
