@@ -581,6 +581,16 @@ fn engine_case(
             .collect()
     };
     let halves = [make(0), make(1)];
+    // wait for a batch, check it moved everything, let it go
+    let finish = |b| -> Result<(), String> {
+        let s = engine
+            .wait(b, Duration::from_secs(30))
+            .map_err(|e| e.to_string())?;
+        if !s.succeeded() {
+            return Err(format!("a batch failed: {s:?}"));
+        }
+        engine.release(b).map_err(|e| e.to_string())
+    };
     let cpu0 = cpu_seconds() + child.cpu()?;
     let t = Instant::now();
     let mut moved = 0u64;
@@ -595,23 +605,11 @@ fn engine_case(
             next += 1;
         }
         let b = in_flight.pop_front().expect("two in flight");
-        let s = engine
-            .wait(b, Duration::from_secs(30))
-            .map_err(|e| e.to_string())?;
-        if !s.succeeded() {
-            return Err(format!("a batch failed: {s:?}"));
-        }
-        engine.release(b).map_err(|e| e.to_string())?;
+        finish(b)?;
         moved += half;
     }
     for b in in_flight {
-        let s = engine
-            .wait(b, Duration::from_secs(30))
-            .map_err(|e| e.to_string())?;
-        if !s.succeeded() {
-            return Err(format!("a batch failed: {s:?}"));
-        }
-        engine.release(b).map_err(|e| e.to_string())?;
+        finish(b)?;
         moved += half;
     }
     let secs = t.elapsed().as_secs_f64();
