@@ -6,7 +6,8 @@
 //! - [`auth`]: peer authentication by challenge-response over the cluster secret (blake3's
 //!   keyed hash over both ends' nonces; the secret never crosses the wire).
 //! - [`engine`]: the transfer interface every backend implements ([`engine::Transport`]),
-//!   with the bookkeeping they share; backends: [`local::LocalTransport`], [`tcp::TcpTransport`].
+//!   with the bookkeeping they share; backends: [`local::LocalTransport`], [`tcp::TcpTransport`],
+//!   and with the `rdma` feature `rdma::RdmaTransport` (RC queue pairs over sideway).
 //! - [`grant`]: the ranges of local memory a remote peer may touch, per transfer, checked
 //!   before any byte moves (the first piece of the one-sided transfer engine).
 //! - [`segment`]: segment descriptors, the small versioned wire form by which a node tells a
@@ -17,6 +18,8 @@ pub mod engine;
 pub mod error;
 pub mod grant;
 pub mod local;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod segment;
 pub mod tcp;
 

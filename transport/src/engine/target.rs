@@ -465,6 +465,11 @@ impl Target {
         [g[0], g[1], g[2], g[3], g[4], g[5], g[6], s.stale_generation]
     }
 
+    /// Live grants of one transfer.
+    pub fn grants_of(&self, transfer: TransferId) -> usize {
+        self.lock().grants.grants_of(transfer)
+    }
+
     /// Live grants.
     pub fn live_grants(&self) -> usize {
         self.lock().grants.live()

@@ -152,7 +152,11 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                         s.send(Command::Serve { stream });
                     }
                     Ok((stream, bind)) => {
-                        let handler = s.control.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                        let slot = match bind.purpose {
+                            Purpose::Rdma => &s.rdma,
+                            _ => &s.control,
+                        };
+                        let handler = slot.lock().unwrap_or_else(|p| p.into_inner()).clone();
                         match handler {
                             Some(h) => h(stream, bind),
                             // nobody takes control connections here: close it

@@ -233,6 +233,9 @@ struct EndpointInfo {
 /// should hand the stream on quickly.
 pub type ControlHandler = Arc<dyn Fn(TcpStream, wire::Bind) + Send + Sync>;
 
+/// Opens authenticated connections of one purpose to peers ([`TcpTransport::opener`]).
+pub type Opener = Arc<dyn Fn(&TcpPeer) -> Result<(TcpStream, wire::Bind)> + Send + Sync>;
+
 struct ControlSlot(Mutex<Option<ControlHandler>>);
 
 impl std::fmt::Debug for ControlSlot {
@@ -263,6 +266,7 @@ struct Shared {
     target_connections: AtomicUsize,
     stop: AtomicBool,
     control: ControlSlot,
+    rdma: ControlSlot,
 }
 
 impl Shared {
@@ -340,6 +344,7 @@ impl TcpTransport {
             target_connections: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
             control: ControlSlot(Mutex::new(None)),
+            rdma: ControlSlot(Mutex::new(None)),
             config,
         });
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
@@ -411,6 +416,32 @@ impl TcpTransport {
             .control
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = Some(handler);
+    }
+
+    /// The memory side, to share with another backend of the same node (the RDMA engine
+    /// serves the same grants and segments).
+    pub fn target_arc(&self) -> Arc<Target> {
+        Arc::clone(&self.shared.target)
+    }
+
+    /// Take the RDMA side connections peers open to this engine (see
+    /// [`crate::tcp::wire::Purpose::Rdma`]); without a handler they are closed after the
+    /// handshake, which a peer reads as "no RDMA here".
+    pub fn set_rdma_handler(&self, handler: ControlHandler) {
+        *self.shared.rdma.lock().unwrap_or_else(|p| p.into_inner()) = Some(handler);
+    }
+
+    /// Something that opens authenticated connections of `purpose` to peers, as
+    /// [`TcpTransport::open_control`] does (for the RDMA backend's side channel). It holds the
+    /// engine's state, not the engine: it works while the engine runs.
+    pub fn opener(&self, purpose: wire::Purpose) -> Opener {
+        let shared = Arc::downgrade(&self.shared);
+        Arc::new(move |peer: &TcpPeer| {
+            let s = shared
+                .upgrade()
+                .ok_or_else(|| Error::PeerUnavailable("the TCP engine stopped".into()))?;
+            handshake::connect(&s.config, s.target.node_generation(), peer, purpose)
+        })
     }
 
     /// Open an authenticated control connection to `peer` (blocking, with the connect

@@ -42,6 +42,9 @@ pub enum Purpose {
     Data = 0,
     /// The owner's own messages (handed to its control handler, authenticated).
     Control = 1,
+    /// The RDMA backend's side channel (queue-pair exchange, keys), handed to its handler;
+    /// closed at once by an engine without one.
+    Rdma = 2,
 }
 
 /// A connection's introduction, after authentication.
@@ -171,6 +174,7 @@ impl Bind {
         let purpose = match b[3] {
             0 => Purpose::Data,
             1 => Purpose::Control,
+            2 => Purpose::Rdma,
             p => return Err(protocol(format!("unknown connection purpose {p}"))),
         };
         Ok(Bind {
