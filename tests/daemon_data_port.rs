@@ -66,6 +66,18 @@ fn a_missing_or_world_readable_secret_or_a_data_port_without_one_is_a_clear_star
         "2-127.0.0.1:1",
     ]);
     assert!(log.contains("NODE_ID=ADDR"), "{log}");
+
+    // RDMA asked for where it cannot be had (no device here; or a build without it)
+    let log = refused_start(&[
+        "--cluster-secret-file",
+        good.to_str().unwrap(),
+        "--transport",
+        "rdma",
+    ]);
+    assert!(
+        log.contains("--transport rdma:") && log.contains("use --transport auto"),
+        "says why and what to do: {log}"
+    );
 }
 
 #[test]

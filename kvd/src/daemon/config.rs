@@ -124,6 +124,24 @@ pub struct ServeArgs {
     /// --cluster-secret-file [default: 127.0.0.1:7461].
     #[arg(long)]
     pub data_listen: Option<SocketAddr>,
+    /// What peers' blocks move over: `auto` uses RDMA where this kvd was built with it
+    /// (feature `rdma`), a device is usable and the peer serves RDMA too, and TCP otherwise;
+    /// `rdma` refuses to start without a usable device; `tcp` never tries RDMA. Control
+    /// messages always go over TCP [default: auto].
+    #[arg(long, value_enum)]
+    pub transport: Option<TransportChoice>,
+    /// The RDMA device (`ibv_devices` lists them) [default: the one nearest --rdma-near-gpu,
+    /// else the first].
+    #[arg(long)]
+    pub rdma_device: Option<String>,
+    /// Use the RDMA device nearest this GPU on the PCIe tree: its PCI bus id, as
+    /// `nvidia-smi --query-gpu=pci.bus_id --format=csv` prints it (0000:3b:00.0).
+    #[arg(long, value_name = "PCI_BUS_ID")]
+    pub rdma_near_gpu: Option<String>,
+    /// The RDMA port's GID index (RoCE v2 is usually 1 or 3; `show_gids` lists them)
+    /// [default: 0].
+    #[arg(long)]
+    pub rdma_gid_index: Option<u32>,
     /// A peer's data port, as NODE_ID=ADDR (repeat for each peer); needs
     /// --cluster-secret-file. Cluster mode will fill the same table from etcd.
     #[arg(long = "peer", value_name = "NODE_ID=ADDR")]
@@ -210,6 +228,10 @@ pub struct FileConfig {
     pub node_id: Option<u64>,
     pub cluster_secret_file: Option<PathBuf>,
     pub data_listen: Option<SocketAddr>,
+    pub transport: Option<TransportChoice>,
+    pub rdma_device: Option<String>,
+    pub rdma_near_gpu: Option<String>,
+    pub rdma_gid_index: Option<u32>,
     pub peer: Option<Vec<String>>,
     pub max_transfers_per_peer: Option<u32>,
     pub max_transfers: Option<u32>,
@@ -224,6 +246,32 @@ pub struct FileConfig {
     pub etcd_ca_file: Option<PathBuf>,
     pub etcd_cert_file: Option<PathBuf>,
     pub etcd_key_file: Option<PathBuf>,
+}
+
+/// What the data port moves peers' blocks over.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportChoice {
+    /// RDMA where it can be used (built in, a device, a peer that serves it), TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP only.
+    Tcp,
+    /// RDMA; refuse to start without a usable device.
+    Rdma,
+}
+
+/// How the RDMA device is chosen.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+pub struct RdmaSettings {
+    /// By name.
+    pub device: Option<String>,
+    /// Nearest this GPU (PCI bus id).
+    pub near_gpu: Option<String>,
+    /// The port's GID index.
+    pub gid_index: u32,
 }
 
 /// The data port's settings (present only with a cluster secret).
@@ -245,6 +293,10 @@ pub struct DataPortConfig {
     pub max_incoming: u32,
     /// A peer's transfer is aborted this long after its offer or want, ms.
     pub transfer_deadline_ms: u64,
+    /// What blocks move over.
+    pub transport: TransportChoice,
+    /// How the RDMA device is chosen.
+    pub rdma: RdmaSettings,
 }
 
 /// The resolved configuration.
@@ -496,6 +548,12 @@ impl DaemonConfig {
                     max_incoming_per_peer: in_peer,
                     max_incoming: in_total,
                     transfer_deadline_ms: deadline,
+                    transport: args.transport.or(file.transport).unwrap_or_default(),
+                    rdma: RdmaSettings {
+                        device: args.rdma_device.clone().or(file.rdma_device),
+                        near_gpu: args.rdma_near_gpu.clone().or(file.rdma_near_gpu),
+                        gid_index: args.rdma_gid_index.or(file.rdma_gid_index).unwrap_or(0),
+                    },
                 })
             }
             None if data_listen.is_some() || !peer_entries.is_empty() => {

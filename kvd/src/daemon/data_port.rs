@@ -1,5 +1,6 @@
-//! The data port: this daemon's transfer engine (`transport::tcp`), on which peers' transfer
-//! connections are accepted and from which this daemon opens its own. It is on only with a
+//! The data port: this daemon's transfer engines (`transport::tcp`, and `transport::rdma` where
+//! built in and usable: [`super::engines`]), on which peers' transfer connections are accepted
+//! and from which this daemon opens its own. It is on only with a
 //! cluster secret (`--cluster-secret-file`): a single node needs nothing but itself.
 //!
 //! The whole pool is registered as one segment ([`POOL_SEGMENT`]); nothing of it is granted
@@ -22,6 +23,7 @@ use transport::segment::SegmentDescriptor;
 use transport::tcp::{TcpConfig, TcpStats, TcpTransport};
 
 use super::config::DataPortConfig;
+use super::engines::{Engines, TransportReport};
 use super::transfer::incoming::{Incoming, IncomingLimits};
 use super::transfer::outgoing::{Kind, Outgoing, OutgoingLimits};
 use super::transfer::{Counters, TransferCounters};
@@ -39,7 +41,7 @@ pub const CHUNK_BYTES: u32 = 4 << 20;
 /// The running data port.
 #[derive(Debug)]
 pub struct DataPort {
-    engine: TcpTransport,
+    engine: Engines,
     pool: SegmentDescriptor,
     static_peers: BTreeMap<u64, SocketAddr>,
     incoming: Arc<Incoming>,
@@ -80,6 +82,8 @@ pub struct DataPortReport {
     pub incoming_in_flight: u64,
     /// The transfers' counters.
     pub transfers: TransferCounters,
+    /// What blocks move over (TCP or RDMA), and why; per peer.
+    pub transport: TransportReport,
 }
 
 /// The engine's counters, as `/status` and `/metrics` show them.
@@ -133,13 +137,16 @@ impl DataPort {
         // instead of computing one (and the receiver's check is end to end). Every daemon uses
         // the same size: it is also the largest chunk one accepts.
         tcp.chunk_bytes = CHUNK_BYTES;
-        let engine = TcpTransport::start(tcp)
+        let tcp = TcpTransport::start(tcp)
             .map_err(|e| Error::Io(format!("the data port {}: {e}", config.listen)))?;
         let region = store.pool_region();
         let len = region.len() as u64;
-        let pool = engine
-            .register(POOL_SEGMENT, region as Arc<dyn Memory>, 0, len)?
+        let pool = tcp
+            .register(POOL_SEGMENT, region.clone() as Arc<dyn Memory>, 0, len)?
             .descriptor();
+        let engine = Engines::start(tcp, config.transport, &config.rdma)?;
+        engine.register_pool(region as Arc<dyn Memory>, len)?;
+        tracing::info!(transport = %engine.describe(), "the data port's byte mover");
         let counters = Arc::new(Counters::default());
         let port = Arc::new(DataPort {
             engine,
@@ -173,6 +180,7 @@ impl DataPort {
         // peers' control connections: one thread each (Incoming bounds how many)
         let weak: Weak<DataPort> = Arc::downgrade(&port);
         port.engine
+            .tcp()
             .set_control_handler(Arc::new(move |stream, bind| {
                 let Some(port) = weak.upgrade() else { return };
                 let spawned = std::thread::Builder::new()
@@ -297,12 +305,12 @@ impl DataPort {
 
     /// The address peers connect to.
     pub fn local_addr(&self) -> SocketAddr {
-        self.engine.local_addr()
+        self.engine.tcp().local_addr()
     }
 
     /// The engine's counters.
     pub fn counters(&self) -> EngineCounters {
-        self.engine.stats().into()
+        self.engine.tcp().stats().into()
     }
 
     /// What `/status` shows.
@@ -330,6 +338,7 @@ impl DataPort {
             pushes_in_flight: self.outgoing.in_flight() as u64,
             incoming_in_flight: self.incoming.in_flight() as u64,
             transfers: self.counters.snapshot(),
+            transport: self.engine.report(),
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod admin;
 pub mod cluster;
 pub mod config;
 pub mod data_port;
+pub mod engines;
 pub mod datadir;
 pub mod drain;
 pub mod limits;

@@ -171,6 +171,20 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
                 e.connections_failed,
                 e.handshakes_refused
             );
+            let t = &dp.transport;
+            let per_peer: Vec<String> = t
+                .peers
+                .iter()
+                .map(|(id, b)| format!("{id}={}", format!("{b:?}").to_lowercase()))
+                .collect();
+            let _ = writeln!(
+                o,
+                "transport: {} ({}); --transport {}; by peer [{}]",
+                t.preferred,
+                t.reason,
+                t.requested,
+                per_peer.join(", ")
+            );
         }
         None => {
             let _ = writeln!(o, "data port: off (no --cluster-secret-file)");

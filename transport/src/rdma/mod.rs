@@ -145,6 +145,17 @@ impl RdmaConfig {
     }
 }
 
+/// How an [`RdmaTransport::open`] error begins when the peer has no RDMA engine (it took the
+/// authenticated side connection and closed it at once: built without RDMA, or no device).
+/// See [`peer_lacks_rdma`].
+pub const NO_RDMA: &str = "the peer serves no RDMA";
+
+/// Whether an [`RdmaTransport::open`] error means the peer has no RDMA engine, so that its
+/// blocks should go over TCP (rather than a failure to report).
+pub fn peer_lacks_rdma(e: &Error) -> bool {
+    matches!(e, Error::PeerUnavailable(m) if m.starts_with(NO_RDMA))
+}
+
 /// Opens an authenticated side connection to a peer (the TCP engine's handshake).
 pub type SideOpener = crate::tcp::Opener;
 
@@ -455,11 +466,18 @@ impl<V: Verbs> Shared<V> {
         side.set_read_timeout(Some(self.config.side_timeout))
             .map_err(|e| Error::PeerUnavailable(e.to_string()))?;
         Message::Connect(v.qp_info(&qp)).send(side)?;
-        let theirs = match Message::recv(side)? {
+        let answer = Message::recv(side).map_err(|e| match e {
+            // the connection was taken and closed unanswered: nobody serves RDMA there
+            Error::PeerUnavailable(m) if m.contains("without RDMA") => {
+                Error::PeerUnavailable(format!("{NO_RDMA} ({m})"))
+            }
+            e => e,
+        })?;
+        let theirs = match answer {
             Message::Connected(q) => q,
             Message::Refused(why) => {
                 return Err(Error::PeerUnavailable(format!(
-                    "the peer serves no RDMA queue pair: {why}"
+                    "the peer refused an RDMA queue pair: {why}"
                 )));
             }
             m => {

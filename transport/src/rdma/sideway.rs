@@ -33,6 +33,16 @@ fn io(what: &str, e: impl std::fmt::Display) -> Error {
 /// # Errors
 /// [`Error::Io`] when libibverbs cannot be loaded or listed.
 pub fn devices() -> Result<Vec<Found>> {
+    // libibverbs answers "no device list" without saying why; the kernel's view says it
+    let sys = std::path::Path::new("/sys/class/infiniband");
+    let listed = std::fs::read_dir(sys).map(|d| d.count()).unwrap_or(0);
+    if listed == 0 {
+        return Err(Error::NotFound(format!(
+            "no RDMA devices: {} is {} (no RDMA NIC driver is loaded on this host; `ibv_devices` lists devices, `rdma link` their ports)",
+            sys.display(),
+            if sys.exists() { "empty" } else { "absent" }
+        )));
+    }
     let list = DeviceList::new().map_err(|e| {
         io(
             "list RDMA devices (is rdma-core's libibverbs installed?)",

@@ -457,8 +457,16 @@ fn a_peer_without_rdma_is_told_apart_so_the_caller_can_use_tcp() {
             node_id: 3,
         })
         .unwrap_err();
-    assert!(matches!(e, Error::PeerUnavailable(_)), "{e}");
-    assert!(e.to_string().contains("without RDMA"), "{e}");
+    assert!(peer_lacks_rdma(&e), "{e}");
+    // a peer that is simply not there is a failure, not a reason to use TCP quietly
+    let gone = a
+        .rdma
+        .open(&TcpPeer {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            node_id: 3,
+        })
+        .unwrap_err();
+    assert!(!peer_lacks_rdma(&gone), "{gone}");
     assert!(
         f.qp_states(1).is_empty(),
         "the half-made queue pair was destroyed"

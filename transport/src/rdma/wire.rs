@@ -246,9 +246,13 @@ impl Message {
     pub fn recv(r: &mut impl Read) -> Result<Message> {
         let mut h = [0u8; 8];
         r.read_exact(&mut h).map_err(|e| {
-            protocol(format!(
-                "receive: {e} (a peer without RDMA closes the side channel at once)"
-            ))
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                protocol(format!(
+                    "receive: {e} (a peer without RDMA closes the side channel at once)"
+                ))
+            } else {
+                protocol(format!("receive: {e}"))
+            }
         })?;
         let len = u32_at(&h, 4) as usize;
         if len > MAX_FRAME_BYTES {

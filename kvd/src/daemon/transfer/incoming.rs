@@ -14,9 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use transport::engine::Transport;
+use crate::daemon::engines::Engines;
 use transport::grant::{Direction, Grant, TransferId};
-use transport::tcp::TcpTransport;
 use transport::tcp::wire::Bind;
 
 use super::Counters;
@@ -134,7 +133,7 @@ impl Incoming {
 
     /// Serve one peer's control connection until it closes; whatever it left unfinished is
     /// aborted then. Runs on its own thread.
-    pub fn serve(self: &Arc<Self>, engine: &TcpTransport, mut s: TcpStream, peer: Bind) {
+    pub fn serve(self: &Arc<Self>, engine: &Engines, mut s: TcpStream, peer: Bind) {
         if self.connections.fetch_add(1, Ordering::AcqRel) >= self.limits.connections as u64 {
             self.connections.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(
@@ -174,7 +173,7 @@ impl Incoming {
 
     fn handle(
         &self,
-        engine: &TcpTransport,
+        engine: &Engines,
         connection: u64,
         peer: &Bind,
         req: PeerRequest,
@@ -262,13 +261,7 @@ impl Incoming {
     /// Check what a transfer is bound to against what this node knows: this node's end (the
     /// destination of an offer, the source of a fetch) must name this node in this
     /// incarnation, the other end the peer on this connection in its own.
-    fn check_binding(
-        &self,
-        engine: &TcpTransport,
-        peer: &Bind,
-        b: &Binding,
-        here: End,
-    ) -> Result<()> {
+    fn check_binding(&self, engine: &Engines, peer: &Bind, b: &Binding, here: End) -> Result<()> {
         let ((node, generation), (their_node, their_generation), asks) = match here {
             End::Destination => (
                 (b.destination_node, b.destination_generation),
@@ -376,7 +369,7 @@ impl Incoming {
     /// A fetch: pin the wanted blocks and grant their pages for reading.
     fn want(
         &self,
-        engine: &TcpTransport,
+        engine: &Engines,
         connection: u64,
         peer: &Bind,
         binding: Binding,
@@ -389,7 +382,7 @@ impl Incoming {
     /// Pin `keys` and grant their pages for reading by `peer`.
     fn serve_keys(
         &self,
-        engine: &TcpTransport,
+        engine: &Engines,
         connection: u64,
         peer: &Bind,
         binding: Binding,
@@ -491,7 +484,7 @@ impl Incoming {
     #[allow(clippy::too_many_arguments)]
     fn offer(
         &self,
-        engine: &TcpTransport,
+        engine: &Engines,
         connection: u64,
         peer: &Bind,
         binding: Binding,
@@ -643,7 +636,7 @@ impl Incoming {
 
     fn commit(
         &self,
-        engine: &TcpTransport,
+        engine: &Engines,
         connection: u64,
         peer: &Bind,
         transfer: u64,
@@ -729,7 +722,7 @@ impl Incoming {
     }
 
     /// Abort a transfer: revoke its grants (waiting for chunks in flight), free its pages.
-    pub fn abort(&self, engine: &TcpTransport, transfer: u64) {
+    pub fn abort(&self, engine: &Engines, transfer: u64) {
         let Some(t) = self.lock().transfers.remove(&transfer) else {
             return;
         };
@@ -739,7 +732,7 @@ impl Incoming {
     }
 
     /// Abort transfers past their deadline (at most `budget`); how many.
-    pub fn reap(&self, engine: &TcpTransport, budget: usize) -> usize {
+    pub fn reap(&self, engine: &Engines, budget: usize) -> usize {
         let now = Instant::now();
         let late: Vec<u64> = self
             .lock()
@@ -759,7 +752,7 @@ impl Incoming {
     }
 }
 
-fn engine_segment(engine: &TcpTransport) -> Vec<u8> {
+fn engine_segment(engine: &Engines) -> Vec<u8> {
     engine
         .target()
         .descriptor(POOL_SEGMENT)

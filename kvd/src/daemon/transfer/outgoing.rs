@@ -11,11 +11,13 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use transport::engine::{EndpointId, Op as TransferOp, OpKind, Transport};
+use transport::engine::{Op as TransferOp, OpKind};
 use transport::grant::TransferId;
 use transport::segment::SegmentDescriptor;
+use transport::tcp::TcpPeer;
 use transport::tcp::wire::Bind;
-use transport::tcp::{TcpPeer, TcpTransport};
+
+use crate::daemon::engines::Engines;
 
 use super::Counters;
 use super::wire::{Binding, CheckpointStep, Offered, PeerReply, PeerRequest, Served};
@@ -99,7 +101,6 @@ pub struct Outgoing {
     peers: std::sync::RwLock<BTreeMap<u64, SocketAddr>>,
     limits: OutgoingLimits,
     table: Mutex<Table>,
-    endpoints: Mutex<HashMap<u64, EndpointId>>,
     /// Control connections whose transfer ended cleanly, per peer, for the next transfer.
     idle: Mutex<HashMap<u64, Vec<(std::net::TcpStream, Bind)>>>,
     counters: Arc<Counters>,
@@ -129,7 +130,6 @@ impl Outgoing {
                 next: 1,
                 ..Table::default()
             }),
-            endpoints: Mutex::new(HashMap::new()),
             idle: Mutex::new(HashMap::new()),
             counters,
         }
@@ -234,7 +234,7 @@ impl Outgoing {
     }
 
     /// Run admitted transfer `id` to its end (blocking) and record the outcome.
-    pub fn run(&self, engine: &TcpTransport, id: u64, kind: Kind, peer: u64, keys: &[BlockKey]) {
+    pub fn run(&self, engine: &Engines, id: u64, kind: Kind, peer: u64, keys: &[BlockKey]) {
         let started = Instant::now();
         let kind_label = match kind {
             Kind::Fetch | Kind::FetchPrefix { .. } => "fetch",
@@ -315,7 +315,7 @@ impl Outgoing {
     /// The push itself: pinned, offered, written, committed; the pins go whatever happens.
     fn push(
         &self,
-        engine: &TcpTransport,
+        engine: &Engines,
         peer: u64,
         keys: &[BlockKey],
         checkpoint: Option<(u64, u64, CheckpointStep)>,
@@ -339,7 +339,7 @@ impl Outgoing {
 
     fn offer_and_send(
         &self,
-        engine: &TcpTransport,
+        engine: &Engines,
         peer: u64,
         blocks: &[BlockInfo],
         checkpoint: Option<(u64, u64, CheckpointStep)>,
@@ -451,7 +451,7 @@ impl Outgoing {
     /// (its node generation). The connection, the introduction and the answer.
     fn first_ask(
         &self,
-        engine: &TcpTransport,
+        engine: &Engines,
         peer: &TcpPeer,
         request: impl Fn(&Bind) -> PeerRequest,
     ) -> Result<(std::net::TcpStream, Bind, PeerReply)> {
@@ -466,7 +466,7 @@ impl Outgoing {
         {
             return Ok((s, bind, answer));
         }
-        let (mut s, bind) = engine.open_control(peer)?;
+        let (mut s, bind) = engine.tcp().open_control(peer)?;
         let _ = s.set_read_timeout(Some(self.limits.timeout));
         let answer = ask(&mut s, &request(&bind))?;
         Ok((s, bind, answer))
@@ -496,7 +496,7 @@ impl Outgoing {
     /// peer's pins go whatever happens, and so do our pages unless published.
     fn fetch(
         &self,
-        engine: &TcpTransport,
+        engine: &Engines,
         peer: u64,
         keys: &[BlockKey],
         prefix: Option<(u64, Vec<u32>)>,
@@ -592,7 +592,7 @@ impl Outgoing {
     #[allow(clippy::too_many_arguments)]
     fn receive(
         &self,
-        engine: &TcpTransport,
+        engine: &Engines,
         peer: u64,
         tcp_peer: TcpPeer,
         binding: &Binding,
@@ -708,85 +708,21 @@ impl Outgoing {
         r
     }
 
-    /// One batch of reads or writes with `peer`, on its cached endpoint (reopened once if it failed).
+    /// One batch of reads or writes with `peer` (over RDMA where both ends have it, else
+    /// TCP; see [`Engines::run_batch`]).
     fn send(
         &self,
-        engine: &TcpTransport,
+        engine: &Engines,
         peer: u64,
         tcp_peer: TcpPeer,
         ops: &[TransferOp],
         checksums: &[Option<u32>],
     ) -> Result<Vec<Option<u32>>> {
-        let mut reopened = false;
-        loop {
-            let ep = {
-                let mut eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
-                match eps.get(&peer) {
-                    Some(&ep) => ep,
-                    None => {
-                        let ep = engine.open(&tcp_peer)?;
-                        eps.insert(peer, ep);
-                        ep
-                    }
-                }
-            };
-            // SAFETY: every local range is either a PUBLISHED block pinned by this push's
-            // session (immutable, its page not reused while pinned), read only; or a WRITING
-            // page of this fetch's own session, which nothing else touches and which is not
-            // reused before the session ends, after the batch settles (we wait for it below).
-            let submitted = unsafe { engine.submit_with_checksums(ep, ops, checksums) };
-            let batch = match submitted {
-                Ok(b) => b,
-                Err(transport::Error::PeerUnavailable(_)) if !reopened => {
-                    self.forget_endpoint(engine, peer, ep);
-                    reopened = true;
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
-            };
-            let mut st = engine.wait(batch, self.limits.timeout)?;
-            if !st.settled {
-                // The engine's stall timeout is far shorter; this is only a backstop. Closing
-                // the endpoint fails what is left, and the batch settles once the kernel lets
-                // go of its buffers: until then its pages must not be freed, so wait for it.
-                self.forget_endpoint(engine, peer, ep);
-                while !st.settled {
-                    tracing::warn!(peer, "a transfer batch has not settled; waiting for it");
-                    st = engine.wait(batch, self.limits.timeout)?;
-                }
-            }
-            let mut crcs = vec![None; ops.len()];
-            let _ = engine.checksums(batch, &mut crcs);
-            let _ = engine.release(batch);
-            if st.succeeded() {
-                return Ok(crcs);
-            }
-            if st.first_failure.is_some_and(|f| {
-                matches!(
-                    f,
-                    transport::engine::OpFailure::PeerClosed
-                        | transport::engine::OpFailure::Timeout
-                        | transport::engine::OpFailure::Protocol
-                )
-            }) {
-                self.forget_endpoint(engine, peer, ep);
-            }
-            return Err(Error::Disconnected(format!(
-                "the push to node {peer} failed: {} of {} blocks not delivered ({})",
-                st.ops - st.done,
-                st.ops,
-                st.first_failure
-                    .map_or_else(|| "cancelled".to_string(), |f| f.to_string())
-            )));
-        }
-    }
-
-    fn forget_endpoint(&self, engine: &TcpTransport, peer: u64, ep: EndpointId) {
-        let mut eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
-        if eps.get(&peer) == Some(&ep) {
-            eps.remove(&peer);
-            engine.close(ep);
-        }
+        // SAFETY: every local range is either a PUBLISHED block pinned by this push's session
+        // (immutable, its page not reused while pinned), read only; or a WRITING page of this
+        // fetch's own session, which nothing else touches and which is not reused before the
+        // session ends, after the batch settles (run_batch returns only then).
+        unsafe { engine.run_batch(peer, tcp_peer, ops, checksums, self.limits.timeout) }
     }
 }
 
