@@ -224,6 +224,25 @@ struct LocalSegment<M> {
     chunk: u64,
     regions: Vec<(Arc<M>, u32)>,
     owned: bool,
+    /// Device memory: only the NIC reaches it (no CPU mapping, not in the grant table).
+    device: bool,
+}
+
+/// How device (GPU) memory is made reachable by the NIC.
+#[derive(Debug, Clone, Copy)]
+pub enum DeviceMemory<'a> {
+    /// A dma-buf its driver exported (`cuMemGetHandleForAddressRange`), from `offset`:
+    /// `ibv_reg_dmabuf_mr`. Needs Linux 5.12+, a NIC driver with dma-buf (mlx5) and the
+    /// open GPU kernel module.
+    DmaBuf {
+        /// The dma-buf.
+        fd: std::os::fd::BorrowedFd<'a>,
+        /// Where the range starts in it.
+        offset: u64,
+    },
+    /// `ibv_reg_mr` of the device address itself, which works where the nvidia-peermem
+    /// module is loaded.
+    PeerMem,
 }
 
 impl<M> LocalSegment<M> {
@@ -399,6 +418,91 @@ impl<V: Verbs> RdmaTransport<V> {
     /// Ops and bytes in flight.
     pub fn in_flight(&self) -> (usize, u64) {
         lock(&self.shared.batches).in_flight()
+    }
+
+    /// Register `len` bytes of device memory at device address `dptr` as local segment
+    /// `segment`, so that a batch moves GPU pages to or from a peer's pool with no host
+    /// bounce (GPUDirect RDMA). Local only: peers never name it, and the TCP engine cannot
+    /// serve it. Registered in chunks as host segments are.
+    ///
+    /// # Safety
+    /// `[dptr, dptr + len)` is device memory that stays allocated until the segment is
+    /// unregistered and every batch naming it has settled; the posting contract applies to
+    /// it as to host memory.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an id in use or an empty range, the device's error when
+    /// it refuses the registration (nothing is left registered).
+    pub unsafe fn register_device(
+        &self,
+        segment: SegmentId,
+        dptr: u64,
+        len: u64,
+        how: DeviceMemory<'_>,
+    ) -> Result<RdmaRegistration> {
+        let s = &self.shared;
+        if len == 0 || dptr == 0 || dptr.checked_add(len).is_none() {
+            return Err(Error::InvalidArgument(
+                "device memory: a non-null address and at least one byte".into(),
+            ));
+        }
+        if lock(&s.locals).contains_key(&segment) || s.target.descriptor(segment).is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "segment {} is registered already",
+                segment.0
+            )));
+        }
+        let chunk = s
+            .config
+            .mr_chunk_bytes
+            .min(s.verbs.device().max_mr_bytes)
+            .max(1 << 20);
+        let mut regions = Vec::new();
+        let mut at = 0u64;
+        while at < len {
+            let n = chunk.min(len - at);
+            // SAFETY: the caller's contract: the device range stays allocated while the
+            // segment is registered; the region is local-only.
+            let r = unsafe {
+                match how {
+                    DeviceMemory::DmaBuf { fd, offset } => s.verbs.reg_dmabuf_mr(
+                        fd,
+                        offset + at,
+                        n as usize,
+                        dptr + at,
+                        MrAccess::Local,
+                    ),
+                    DeviceMemory::PeerMem => {
+                        s.verbs
+                            .reg_mr((dptr + at) as *mut u8, n as usize, MrAccess::Local)
+                    }
+                }
+            };
+            let mr = r?;
+            let lkey = s.verbs.keys(&mr).lkey;
+            regions.push((Arc::new(mr), lkey));
+            at += n;
+        }
+        lock(&s.locals).insert(
+            segment,
+            LocalSegment {
+                addr: dptr,
+                len,
+                chunk,
+                regions,
+                owned: false,
+                device: true,
+            },
+        );
+        Ok(RdmaRegistration {
+            descriptor: SegmentDescriptor {
+                backend: crate::segment::BackendKind::Rdma,
+                segment,
+                len,
+                node_id: s.target.node_id(),
+                node_generation: s.target.node_generation(),
+            },
+        })
     }
 
     /// Serve a peer's side connection (already authenticated; `peer` introduced it) on a
@@ -969,6 +1073,7 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
                 chunk,
                 regions,
                 owned,
+                device: false,
             },
         );
         Ok(RdmaRegistration { descriptor })
@@ -1089,7 +1194,12 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
                     region_len: op.remote.len,
                 });
             }
-            locals.push(s.target.local(op.local, op.local_offset, op.len)?);
+            let device = lock(&s.locals).get(&op.local).is_some_and(|l| l.device);
+            locals.push(if device {
+                None
+            } else {
+                Some(s.target.local(op.local, op.local_offset, op.len)?)
+            });
         }
         // the work requests of each op: chunks, cut again where a local region ends
         let mut pieces: Vec<Vec<Piece<V::Mr>>> = Vec::with_capacity(ops.len());
@@ -1102,9 +1212,26 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
                         op.local.0
                     ))
                 })?;
+                let base = match local {
+                    Some(l) => l.ptr as u64,
+                    None => {
+                        let inside = op
+                            .local_offset
+                            .checked_add(op.len)
+                            .is_some_and(|end| end <= seg.len);
+                        if !inside {
+                            return Err(Error::OutOfRange {
+                                offset: op.local_offset,
+                                len: op.len,
+                                region_len: seg.len,
+                            });
+                        }
+                        seg.addr + op.local_offset
+                    }
+                };
                 let mut v = Vec::new();
                 for piece in chunk::split(op.len, s.config.chunk_bytes) {
-                    let mut addr = local.ptr as u64 + piece.offset;
+                    let mut addr = base + piece.offset;
                     let mut left = u64::from(piece.len);
                     while left > 0 {
                         let (mr, lkey, end) = seg.region_at(addr).ok_or(Error::OutOfRange {
@@ -1129,7 +1256,11 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
             .zip(&pieces)
             .map(|(op, p)| (op.len, p.len() as u32))
             .collect();
-        let keep = locals.iter().map(|l| Arc::clone(&l.memory)).collect();
+        let keep = locals
+            .iter()
+            .flatten()
+            .map(|l| Arc::clone(&l.memory))
+            .collect();
         let batch = lock(&s.batches).admit(endpoint, &sizes, keep)?;
         let keys = match s.resolve_remote(&e, ops) {
             Ok(k) => k,

@@ -199,6 +199,30 @@ impl Verbs for SidewayVerbs {
         Ok(SidewayMr(mr))
     }
 
+    unsafe fn reg_dmabuf_mr(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: MrAccess,
+    ) -> Result<SidewayMr> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the caller's contract (the exported memory stays allocated while the region
+        // lives); the fd is borrowed for the call, the kernel takes its own reference.
+        let mr = unsafe {
+            self.pd
+                .reg_dmabuf_mr(offset, len, iova, fd.as_raw_fd(), access_flags(access))
+        }
+        .map_err(|e| {
+            io(
+                "ibv_reg_dmabuf_mr (does the NIC driver support dma-buf?)",
+                e,
+            )
+        })?;
+        Ok(SidewayMr(mr))
+    }
+
     fn keys(&self, mr: &SidewayMr) -> MrKeys {
         MrKeys {
             lkey: mr.0.lkey(),

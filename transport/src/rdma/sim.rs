@@ -43,6 +43,7 @@ struct State {
     /// Work requests executed, and doorbells rung.
     executed: u64,
     doorbells: u64,
+    dmabuf_regs: u64,
 }
 
 /// The fabric every simulated NIC of a test is on.
@@ -122,6 +123,11 @@ impl Fabric {
             .filter(|q| q.node == node)
             .map(|q| q.state)
             .collect()
+    }
+
+    /// dma-buf registrations so far.
+    pub fn dmabuf_registrations(&self) -> u64 {
+        self.lock().dmabuf_regs
     }
 
     /// Work requests executed and doorbells rung so far.
@@ -289,6 +295,19 @@ impl Verbs for SimVerbs {
             fabric: Arc::clone(&self.fabric),
             key,
         })
+    }
+
+    unsafe fn reg_dmabuf_mr(
+        &self,
+        _fd: std::os::fd::BorrowedFd<'_>,
+        _offset: u64,
+        len: usize,
+        iova: u64,
+        access: MrAccess,
+    ) -> Result<SimMrHandle> {
+        self.fabric.lock().dmabuf_regs += 1;
+        // SAFETY: the caller's contract; in the double, "device memory" is host memory at iova.
+        unsafe { self.reg_mr(iova as *mut u8, len, access) }
     }
 
     fn keys(&self, mr: &SimMrHandle) -> MrKeys {

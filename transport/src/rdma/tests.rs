@@ -495,3 +495,88 @@ fn closing_an_endpoint_fails_its_work_and_destroys_its_queue_pair() {
     }
     assert!(f.qp_states(1).is_empty(), "{:?}", f.qp_states(1));
 }
+
+#[test]
+fn gpu_pages_go_to_a_remote_pool_and_back_without_a_host_bounce() {
+    use std::os::fd::AsFd;
+    let (f, a, b, ep) = pair(8 * MIB, |c| c.mr_chunk_bytes = 2 * MIB);
+    // "device memory": in the double, any memory at the registered address
+    let gpu = HeapMemory::zeroed(4 * MIB as usize);
+    fill(&gpu, 11);
+    let dptr = gpu.as_ptr() as u64;
+    let devnull = std::fs::File::open("/dev/null").unwrap();
+    // SAFETY: gpu outlives the segment and every batch naming it.
+    let reg = unsafe {
+        a.rdma.register_device(
+            SegmentId(9),
+            dptr,
+            4 * MIB,
+            DeviceMemory::DmaBuf {
+                fd: devnull.as_fd(),
+                offset: 0,
+            },
+        )
+    }
+    .unwrap();
+    assert_eq!(f.dmabuf_registrations(), 2, "4 MiB in 2 MiB registrations");
+    grant(&b, 1, 1, 0, 4 * MIB, Direction::RemoteWrite, 60_000);
+    let ops: Vec<Op> = (0..4)
+        .map(|i| Op {
+            local: SegmentId(9),
+            ..op(OpKind::Write, b.desc, i * MIB, MIB, 1)
+        })
+        .collect();
+    let (st, _) = run(&a, ep, &ops);
+    assert!(st.succeeded(), "{st:?}");
+    assert_eq!(bytes(&gpu), bytes(&b.mem)[..4 * MIB as usize]);
+    // and back from the pool into a second device range, registered the peermem way
+    let gpu2 = HeapMemory::zeroed(4 * MIB as usize);
+    // SAFETY: as above.
+    unsafe {
+        a.rdma.register_device(
+            SegmentId(10),
+            gpu2.as_ptr() as u64,
+            4 * MIB,
+            DeviceMemory::PeerMem,
+        )
+    }
+    .unwrap();
+    grant(&b, 2, 1, 0, 4 * MIB, Direction::RemoteRead, 60_000);
+    let ops: Vec<Op> = (0..4)
+        .map(|i| Op {
+            local: SegmentId(10),
+            ..op(OpKind::Read, b.desc, i * MIB, MIB, 2)
+        })
+        .collect();
+    let (st, _) = run(&a, ep, &ops);
+    assert!(st.succeeded(), "{st:?}");
+    assert_eq!(bytes(&gpu2), bytes(&gpu));
+    // a device segment's range is checked like any other, and ids are not reused
+    let past = Op {
+        local: SegmentId(9),
+        local_offset: 3 * MIB + 1,
+        ..op(OpKind::Write, b.desc, 0, MIB, 1)
+    };
+    // SAFETY: refused before anything is posted.
+    assert!(matches!(
+        unsafe { a.rdma.submit(ep, &[past]) },
+        Err(Error::OutOfRange { .. })
+    ));
+    // SAFETY: refused.
+    assert!(
+        unsafe {
+            a.rdma
+                .register_device(SegmentId(9), dptr, MIB, DeviceMemory::PeerMem)
+        }
+        .is_err()
+    );
+    // SAFETY: refused.
+    assert!(
+        unsafe {
+            a.rdma
+                .register_device(SegmentId(11), 0, MIB, DeviceMemory::PeerMem)
+        }
+        .is_err()
+    );
+    a.rdma.unregister(reg).unwrap();
+}

@@ -152,6 +152,21 @@ pub trait Verbs: Send + Sync + 'static {
     /// holding the rkey may read or write it until then.
     unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: MrAccess) -> Result<Self::Mr>;
 
+    /// Register `len` bytes of a dma-buf (`fd`, from `offset`), which work requests name at
+    /// addresses from `iova`: device memory exported by its driver (GPUDirect RDMA without
+    /// nvidia-peermem).
+    ///
+    /// # Safety
+    /// As [`Verbs::reg_mr`], for the exported memory.
+    unsafe fn reg_dmabuf_mr(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: MrAccess,
+    ) -> Result<Self::Mr>;
+
     /// A region's keys.
     fn keys(&self, mr: &Self::Mr) -> MrKeys;
 
