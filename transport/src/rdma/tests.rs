@@ -558,25 +558,19 @@ fn gpu_pages_go_to_a_remote_pool_and_back_without_a_host_bounce() {
         ..op(OpKind::Write, b.desc, 0, MIB, 1)
     };
     // SAFETY: refused before anything is posted.
-    assert!(matches!(
-        unsafe { a.rdma.submit(ep, &[past]) },
-        Err(Error::OutOfRange { .. })
-    ));
-    // SAFETY: refused.
-    assert!(
-        unsafe {
-            a.rdma
-                .register_device(SegmentId(9), dptr, MIB, DeviceMemory::PeerMem)
-        }
-        .is_err()
-    );
-    // SAFETY: refused.
-    assert!(
-        unsafe {
-            a.rdma
-                .register_device(SegmentId(11), 0, MIB, DeviceMemory::PeerMem)
-        }
-        .is_err()
-    );
+    let r = unsafe { a.rdma.submit(ep, &[past]) };
+    assert!(matches!(r, Err(Error::OutOfRange { .. })), "{r:?}");
+    // SAFETY: refused (the id is in use).
+    let r = unsafe {
+        a.rdma
+            .register_device(SegmentId(9), dptr, MIB, DeviceMemory::PeerMem)
+    };
+    assert!(r.is_err());
+    // SAFETY: refused (a null address).
+    let r = unsafe {
+        a.rdma
+            .register_device(SegmentId(11), 0, MIB, DeviceMemory::PeerMem)
+    };
+    assert!(r.is_err());
     a.rdma.unregister(reg).unwrap();
 }
