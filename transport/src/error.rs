@@ -35,6 +35,11 @@ pub enum Error {
     /// closed and its operations failed. Open a new endpoint to try again.
     #[error("peer unavailable: {0}")]
     PeerUnavailable(String),
+    /// What was asked needs something this host or build does not have (no CUDA driver, a
+    /// driver that refuses the operation, a feature compiled out). Nothing was done; retrying
+    /// here cannot succeed.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
 }
 
 impl Error {

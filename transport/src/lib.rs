@@ -12,8 +12,14 @@
 //!   before any byte moves (the first piece of the one-sided transfer engine).
 //! - [`segment`]: segment descriptors, the small versioned wire form by which a node tells a
 //!   peer about memory it may name (never an address).
+//! - `cuda` (feature `cuda`): the pool mapping registered as pinned memory in chunks, copies
+//!   between device memory and pool blocks (whole or one slice per layer) on the engine's
+//!   stream with completion events, and dma-buf export of device memory for GPUDirect RDMA;
+//!   the driver is loaded at run time (an error, not a crash, where there is none).
 
 pub mod auth;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod grant;
