@@ -57,6 +57,16 @@
 #define KVD_MAX_STRING_BYTES 4096
 
 /**
+ * The most layers (device slices) one CUDA copy takes.
+ */
+#define KVD_CUDA_MAX_LAYERS 1024
+
+/**
+ * `kvd_cuda_event_wait`'s timeout meaning "as long as it takes".
+ */
+#define KVD_CUDA_WAIT_FOREVER UINT64_MAX
+
+/**
  * Clients a process may have open at once.
  */
 #define KVD_MAX_CLIENTS 4096
@@ -145,6 +155,12 @@
  * this until `kvd_reconnect`. Retryable after reconnecting.
  */
 #define KVD_ERR_DISCONNECTED 15
+
+/**
+ * This libkvd or host cannot do it: a library built without CUDA (the `cuda` feature), no CUDA
+ * driver on the host, or a driver that refuses the operation. Nothing changed; not retryable.
+ */
+#define KVD_ERR_UNSUPPORTED 16
 
 /**
  * A bug inside libkvd (a caught panic). The client it happened on refuses further calls:
@@ -1243,6 +1259,78 @@ int32_t kvd_restore_prefix(KvdClient *client,
                            KvdRestoreInfo *out,
                            KvdBlockInfo *blocks,
                            size_t blocks_cap);
+
+/**
+ * Register this client's mapping of the pool as pinned memory for CUDA copies (in chunks of
+ * at most 64 GiB; all or nothing). Idempotent per session. `KVD_ERR_UNSUPPORTED` without CUDA
+ * in this libkvd or a driver on the host; `KVD_ERR_IO` when the driver fails. Thread-safe
+ * (serialized per client).
+ */
+int32_t kvd_cuda_register_pool(KvdClient *client);
+
+/**
+ * Enqueue copies from device memory into a block this session allocated and has not sealed:
+ * `n_layers` slices (`dev_ptrs[i]`, `lens[i]` bytes), in order from the block's first byte,
+ * on `stream`; `*event_out` receives the completion event. The slices may cover less than the
+ * page (seal with the length written). Wait for the event before `kvd_seal`.
+ *
+ * Errors, all before anything is enqueued: `KVD_ERR_INVALID_ARGUMENT` for NULL arguments,
+ * `n_layers` 0 or above `KVD_CUDA_MAX_LAYERS`, an empty slice, a null device address, more
+ * bytes than the page, a block this session is not writing, or an unregistered pool;
+ * `KVD_ERR_STALE_GENERATION` if its page moved on; `KVD_ERR_OVERLOADED` when too many events
+ * are unreleased (retry after releasing some). `KVD_ERR_IO` when the driver fails (the block's
+ * bytes are undefined; the stream was synchronized). `KVD_ERR_UNSUPPORTED` without CUDA.
+ * The caller's contract: until the event is done, the device slices stay allocated and nothing
+ * else touches them, the block is not sealed, aborted or written otherwise, and `stream` is a
+ * live stream of the calling thread's current context. Thread-safe (serialized per client).
+ */
+int32_t kvd_cuda_copy_to_block(KvdClient *client,
+                               const KvdHandle *handle,
+                               const uint64_t *dev_ptrs,
+                               const uint64_t *lens,
+                               size_t n_layers,
+                               uint64_t stream,
+                               uint64_t *event_out);
+
+/**
+ * Enqueue copies of a block this session pins into device memory: `n_layers` slices
+ * (`dev_ptrs[i]`, `lens[i]` bytes) from the block's first byte, on `stream`; `*event_out`
+ * receives the completion event. Keep the pin until the event is released; until the event is
+ * done nothing else touches the device slices and `stream` is live. Errors as
+ * `kvd_cuda_copy_to_block`, for a pinned block (more bytes than the block's length is
+ * `KVD_ERR_INVALID_ARGUMENT`, past the pin's TTL `KVD_ERR_LEASE_EXPIRED`). Thread-safe
+ * (serialized per client).
+ */
+int32_t kvd_cuda_copy_from_block(KvdClient *client,
+                                 const KvdHandle *handle,
+                                 const uint64_t *dev_ptrs,
+                                 const uint64_t *lens,
+                                 size_t n_layers,
+                                 uint64_t stream,
+                                 uint64_t *event_out);
+
+/**
+ * Whether the copies of `event` are done, without blocking: `*done_out` is true once they
+ * are. `KVD_ERR_NOT_FOUND` for a released or unknown event; `KVD_ERR_STALE_GENERATION` when a
+ * copy out of a block is done but its page moved on meanwhile (discard the bytes);
+ * `KVD_ERR_IO` when a copy failed on the device. Thread-safe (serialized per client).
+ */
+int32_t kvd_cuda_event_query(KvdClient *client, uint64_t event, bool *done_out);
+
+/**
+ * Wait up to `timeout_ms` (`KVD_CUDA_WAIT_FOREVER`: as long as it takes) for the copies of
+ * `event`: `KVD_OK` once done, `KVD_ERR_DEADLINE` if they are still running at the timeout
+ * (wait again). Otherwise errors as `kvd_cuda_event_query`. Blocks the calling thread and the
+ * client. Thread-safe (serialized per client).
+ */
+int32_t kvd_cuda_event_wait(KvdClient *client, uint64_t event, uint64_t timeout_ms);
+
+/**
+ * Hand `event` back (waiting for its copies first if they are still running); its value is
+ * dead from here on. `KVD_ERR_NOT_FOUND` for a released or unknown event. Thread-safe
+ * (serialized per client).
+ */
+int32_t kvd_cuda_event_release(KvdClient *client, uint64_t event);
 
 /**
  * Drain the node's block events: those with `seq >= since` (0: the oldest the daemon still

@@ -147,6 +147,11 @@ fn the_whole_lifecycle_runs_from_c() {
 }
 
 #[test]
+fn cuda_calls_without_cuda_say_so_and_bad_arguments_are_errors_from_c() {
+    passes("cuda", &[]);
+}
+
+#[test]
 fn every_status_code_c_can_provoke_comes_back_with_its_detail() {
     passes(
         "status_codes",

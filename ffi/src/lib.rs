@@ -26,7 +26,12 @@
 //! This crate depends on `kvd-client` and `kvd-core` only; `scripts/check-deps.py` fails the
 //! test suite if what it links ever includes a daemon dependency.
 //!
-//! All of its `unsafe` (turning the caller's pointers into references) is in `args.rs`.
+//! - CUDA copies (`kvd_cuda_*`, `cuda`): in every build; without the `cuda` feature (or a
+//!   driver) they answer `KVD_ERR_UNSUPPORTED`.
+//!
+//! All of its `unsafe` (turning the caller's pointers into references) is in `args.rs`, except
+//! the two CUDA copy calls in `cuda.rs`, whose device pointers and stream are the caller's
+//! contract.
 
 #![cfg(target_pointer_width = "64")]
 
@@ -34,6 +39,7 @@ mod args;
 mod asynchronous;
 mod blocks;
 mod checkpoints;
+mod cuda;
 mod events;
 mod handles;
 mod session;
@@ -47,6 +53,7 @@ use std::ffi::c_char;
 pub use asynchronous::*;
 pub use blocks::*;
 pub use checkpoints::*;
+pub use cuda::*;
 pub use events::*;
 pub use handles::{KVD_MAX_CLIENTS, KvdClient};
 pub use session::*;

@@ -49,6 +49,9 @@ pub const KVD_ERR_IO: i32 = 14;
 /// The connection failed (timeout, the daemon died or restarted); every later call fails with
 /// this until `kvd_reconnect`. Retryable after reconnecting.
 pub const KVD_ERR_DISCONNECTED: i32 = 15;
+/// This libkvd or host cannot do it: a library built without CUDA (the `cuda` feature), no CUDA
+/// driver on the host, or a driver that refuses the operation. Nothing changed; not retryable.
+pub const KVD_ERR_UNSUPPORTED: i32 = 16;
 /// A bug inside libkvd (a caught panic). The client it happened on refuses further calls:
 /// close it.
 pub const KVD_ERR_INTERNAL: i32 = 100;
@@ -82,6 +85,7 @@ pub(crate) fn status_of(e: &Error) -> i32 {
         Error::Protocol(_) => KVD_ERR_PROTOCOL,
         Error::Io(_) => KVD_ERR_IO,
         Error::Disconnected(_) => KVD_ERR_DISCONNECTED,
+        Error::Unsupported(_) => KVD_ERR_UNSUPPORTED,
     }
 }
 
@@ -209,6 +213,7 @@ pub extern "C" fn kvd_status_str(status: i32) -> *const c_char {
         KVD_ERR_PROTOCOL => b"protocol\0",
         KVD_ERR_IO => b"io\0",
         KVD_ERR_DISCONNECTED => b"disconnected\0",
+        KVD_ERR_UNSUPPORTED => b"unsupported\0",
         KVD_ERR_INTERNAL => b"internal error in libkvd\0",
         _ => b"unknown status\0",
     };
@@ -238,9 +243,9 @@ mod tests {
             assert_ne!(text, "unknown status", "{e}");
             texts.insert((s, text));
         }
-        assert_eq!(codes.len(), 15, "fifteen variants, fifteen codes");
-        assert_eq!(texts.len(), 15, "one text per code");
-        assert_eq!(codes, (1..=15).collect());
+        assert_eq!(codes.len(), 16, "sixteen variants, sixteen codes");
+        assert_eq!(texts.len(), 16, "one text per code");
+        assert_eq!(codes, (1..=16).collect());
     }
 
     #[test]

@@ -1,7 +1,8 @@
 /* Every status code a caller can provoke against one daemon (started by tests/ffi_c.rs with
  * --verify-supplied-checksums and at most 3 sessions per process). UNAVAILABLE and
- * DISCONNECTED need the daemon to drain or die: drills.c. DEADLINE has no path through the
- * local protocol, and INTERNAL is a libkvd bug. */
+ * DISCONNECTED need the daemon to drain or die: drills.c. UNSUPPORTED comes from the
+ * kvd_cuda_* calls of a libkvd without CUDA: cuda.c. DEADLINE has no path through the local
+ * protocol, and INTERNAL is a libkvd bug. */
 #include <time.h>
 
 #include "check.h"

@@ -124,6 +124,12 @@ class Disconnected(KvdError):
     status = 15
 
 
+class Unsupported(KvdError):
+    """This libkvd or host cannot do it (built without CUDA, no CUDA driver). Not retryable."""
+
+    status = 16
+
+
 class InternalError(KvdError):
     """A bug inside libkvd; close the client."""
 
@@ -148,6 +154,7 @@ BY_STATUS: dict[int, type[KvdError]] = {
         ProtocolError,
         KvdIOError,
         Disconnected,
+        Unsupported,
         InternalError,
     )
 }

@@ -47,8 +47,10 @@
 //! block calls; `remote` the transfers between daemons; `manifests` reservations and checkpoint
 //! manifests; `retry` the retry policy for `Overloaded`; `views` the checked reads and writes
 //! of the mapped pool; `submit` the pipelined submitter; `health` the pool canary; `raw` what a
-//! binding in another language needs (the mapping's address, the view check by handle).
+//! binding in another language needs (the mapping's address, the view check by handle); `cuda`
+//! the copies between device memory and blocks (feature `cuda`).
 
+mod cuda;
 mod health;
 mod manifests;
 mod raw;
@@ -72,6 +74,7 @@ use kvd_core::types::{
 };
 use kvd_core::{Error, Result};
 
+pub use cuda::{CudaEvent, DeviceSlice, MAX_CUDA_LAYERS};
 pub use health::{CANARY_BYTES, HealthReport};
 pub use raw::PoolMapping;
 pub use retry::{RetryPolicy, RetryStats};
@@ -117,6 +120,10 @@ pub struct Client {
     /// The same socket, buffered for reading: one `read` per answer, not two.
     reader: std::io::BufReader<UnixStream>,
     welcome: Welcome,
+    /// The pool's CUDA registration, once made: declared before `pool`, so it is dropped (its
+    /// copies waited for, its chunks unregistered) before the mapping goes.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    cuda: cuda::CudaState,
     pool: SharedRegion,
     /// The daemon's page-generation table, mapped read-only.
     pages: PageGenerations,
@@ -185,6 +192,7 @@ impl Client {
             reader,
             lease_until: started + lease_margin(welcome.lease_ttl_ms),
             welcome,
+            cuda: cuda::CudaState::default(),
             pool,
             pages,
             next_id: 1,

@@ -138,6 +138,11 @@ pub enum Error {
     /// a reconnect.
     #[error("disconnected: {0}; reconnect (Client::reconnect) and look the blocks up again")]
     Disconnected(String),
+    /// The operation needs something this build or host lacks (a library built without the
+    /// `cuda` feature, no CUDA driver, a driver that refuses it). Nothing changed; retrying here
+    /// cannot succeed.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
 }
 
 /// What a checksum mismatch meant, in [`Error::Corrupt`].
@@ -188,6 +193,7 @@ impl Error {
             Error::Protocol(_) => 13,
             Error::Io(_) => 14,
             Error::Disconnected(_) => 15,
+            Error::Unsupported(_) => 16,
         }
     }
 
@@ -236,6 +242,7 @@ impl Error {
             Error::Protocol("p".into()),
             Error::Io("i".into()),
             Error::Disconnected("c".into()),
+            Error::Unsupported("u".into()),
         ];
         for outcome in [
             Corruption::Quarantined,
@@ -265,7 +272,8 @@ impl Error {
                 | Error::Unavailable(_)
                 | Error::Protocol(_)
                 | Error::Io(_)
-                | Error::Disconnected(_) => {}
+                | Error::Disconnected(_)
+                | Error::Unsupported(_) => {}
             }
         }
         v
@@ -288,6 +296,7 @@ impl From<transport::Error> for Error {
             },
             transport::Error::NotFound(s) => Error::NotFound(s),
             transport::Error::PeerUnavailable(s) => Error::Disconnected(s),
+            transport::Error::Unsupported(s) => Error::Unsupported(s),
         }
     }
 }

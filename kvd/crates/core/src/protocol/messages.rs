@@ -540,6 +540,8 @@ pub enum WireError {
     Protocol(String),
     Io(String),
     Disconnected(String),
+    /// Appended last, so the earlier variants keep their encoding.
+    Unsupported(String),
 }
 
 impl From<Error> for WireError {
@@ -593,6 +595,7 @@ impl From<Error> for WireError {
             Error::Protocol(s) => WireError::Protocol(s),
             Error::Io(s) => WireError::Io(s),
             Error::Disconnected(s) => WireError::Disconnected(s),
+            Error::Unsupported(s) => WireError::Unsupported(s),
         }
     }
 }
@@ -670,6 +673,7 @@ impl From<WireError> for Error {
             WireError::Protocol(s) => Error::Protocol(s),
             WireError::Io(s) => Error::Io(s),
             WireError::Disconnected(s) => Error::Disconnected(s),
+            WireError::Unsupported(s) => Error::Unsupported(s),
         }
     }
 }
