@@ -532,6 +532,65 @@ impl<V: Verbs> RdmaTransport<V> {
     }
 }
 
+/// How a GPU range was made reachable by the NIC ([`RdmaTransport::register_gpu`]).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuPath {
+    /// The driver's dma-buf export, `ibv_reg_dmabuf_mr`.
+    DmaBuf,
+    /// `ibv_reg_mr` of the device address (nvidia-peermem).
+    PeerMem,
+}
+
+#[cfg(feature = "cuda")]
+impl<V: Verbs> RdmaTransport<V> {
+    /// Register `len` bytes of device memory at `dptr` (from the CUDA driver) for GPUDirect
+    /// RDMA: the driver's dma-buf export first; where the driver will not export it or the
+    /// NIC will not take the dma-buf, `ibv_reg_mr` of the device address, which works where
+    /// nvidia-peermem is loaded. Which one worked comes back with the registration.
+    ///
+    /// # Safety
+    /// As [`RdmaTransport::register_device`].
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when neither way works, with both reasons.
+    pub unsafe fn register_gpu(
+        &self,
+        segment: SegmentId,
+        driver: &dyn crate::cuda::Driver,
+        dptr: u64,
+        len: u64,
+    ) -> Result<(RdmaRegistration, GpuPath)> {
+        use std::os::fd::AsFd;
+        let dmabuf_why = match crate::cuda::dmabuf_of(driver, dptr, len as usize) {
+            Ok(fd) => {
+                let how = DeviceMemory::DmaBuf {
+                    fd: fd.as_fd(),
+                    offset: 0,
+                };
+                // SAFETY: the caller's contract, passed on (the NIC keeps its own reference
+                // to the dma-buf; the fd may close after the registration).
+                match unsafe { self.register_device(segment, dptr, len, how) } {
+                    Ok(r) => return Ok((r, GpuPath::DmaBuf)),
+                    Err(e @ Error::InvalidArgument(_)) => return Err(e),
+                    Err(e) => e.to_string(),
+                }
+            }
+            Err(e) => e.to_string(),
+        };
+        // SAFETY: the caller's contract, passed on.
+        match unsafe { self.register_device(segment, dptr, len, DeviceMemory::PeerMem) } {
+            Ok(r) => {
+                tracing::info!(reason = %dmabuf_why, "GPU memory registered through nvidia-peermem, not dma-buf");
+                Ok((r, GpuPath::PeerMem))
+            }
+            Err(e) => Err(Error::Unsupported(format!(
+                "GPU memory cannot be registered for RDMA: dma-buf: {dmabuf_why}; ibv_reg_mr of the device address (nvidia-peermem): {e}"
+            ))),
+        }
+    }
+}
+
 impl<V: Verbs> Drop for RdmaTransport<V> {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);

@@ -574,3 +574,40 @@ fn gpu_pages_go_to_a_remote_pool_and_back_without_a_host_bounce() {
     assert!(r.is_err());
     a.rdma.unregister(reg).unwrap();
 }
+
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_memory_goes_by_dma_buf_where_the_driver_exports_it_and_by_peermem_where_it_does_not() {
+    use crate::cuda::Driver;
+    use crate::cuda::fake::{FakeDriver, Op as CudaOp};
+    let f = Fabric::new();
+    let a = node(&f, 1, MIB, |_| {});
+    let driver = FakeDriver::default();
+    let dptr = driver.mem_alloc(2 * MIB as usize).unwrap();
+    // SAFETY: only registered; no batch names it.
+    let (reg, path) =
+        unsafe { a.rdma.register_gpu(SegmentId(20), &driver, dptr, 2 * MIB) }.unwrap();
+    assert_eq!(path, GpuPath::DmaBuf);
+    assert_eq!(f.dmabuf_registrations(), 1);
+    a.rdma.unregister(reg).unwrap();
+    // the driver refuses the export (proprietary kernel module, old kernel)
+    driver.fail_nth(CudaOp::Dmabuf, 0);
+    // SAFETY: as above.
+    let (_, path) = unsafe { a.rdma.register_gpu(SegmentId(21), &driver, dptr, 2 * MIB) }.unwrap();
+    assert_eq!(path, GpuPath::PeerMem);
+    assert_eq!(
+        f.dmabuf_registrations(),
+        1,
+        "no second dma-buf registration"
+    );
+    // neither works: one error with both reasons, nothing registered
+    driver.fail_nth(CudaOp::Dmabuf, 0);
+    f.refuse_registrations(1, true);
+    // SAFETY: as above.
+    let e = unsafe { a.rdma.register_gpu(SegmentId(22), &driver, dptr, 2 * MIB) }.unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    assert!(
+        e.to_string().contains("dma-buf") && e.to_string().contains("nvidia-peermem"),
+        "{e}"
+    );
+}

@@ -246,7 +246,11 @@ impl Message {
     pub fn recv(r: &mut impl Read) -> Result<Message> {
         let mut h = [0u8; 8];
         r.read_exact(&mut h).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            // closed at once: an EOF, or a reset when our frame was still unread there
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+            ) {
                 protocol(format!(
                     "receive: {e} (a peer without RDMA closes the side channel at once)"
                 ))
