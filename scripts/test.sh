@@ -109,3 +109,22 @@ if [ "$rc" = 5 ]; then
 fi
 [ "$rc" = 0 ] || exit "$rc"
 # ---- end of the libkvd block -----------------------------------------------------------------
+
+# ---- the rdma and cuda features (issue 13) ----------------------------------------------------
+# No RDMA device or GPU here: these build the feature code, lint it, and run its tests above the
+# hardware boundary (the RDMA engine on a fabric double, the CUDA plan/copies/events on a driver
+# double; the real libibverbs and libcuda are loaded at run time and answered with clean errors).
+# Then the daemon built with `rdma` starts with --transport auto and says it uses TCP, and why.
+FEATURES=kvd-transport/rdma,kvd-transport/cuda,kvd-client/cuda,kvd-ffi/cuda
+echo "== clippy with the rdma and cuda features"
+cargo clippy --locked -p kvd-transport -p kvd-client -p kvd-ffi --all-targets --features "$FEATURES" -- -D warnings
+cargo clippy --locked -p kvd --all-targets --features rdma -- -D warnings
+for f in rdma cuda rdma,cuda; do
+    echo "== kvd-transport unit tests with --features $f"
+    cargo test --locked -q -p kvd-transport --lib --features "$f"
+done
+echo "== kvd-client and libkvd tests with --features cuda (no driver here: clean errors)"
+cargo test --locked -q -p kvd-client -p kvd-ffi --features kvd-client/cuda,kvd-ffi/cuda
+echo "== the daemon built with rdma: transfers and start-up choices (no device here: TCP)"
+cargo test --locked -q -p kvd --features rdma --test daemon_data_port --test daemon_transfer
+echo "== all tests passed"
