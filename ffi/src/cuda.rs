@@ -53,6 +53,35 @@ fn slices(dev_ptrs: *const u64, lens: *const u64, n_layers: usize) -> Result<Vec
         .collect())
 }
 
+/// A copy call's pointer arguments, as C passed them.
+struct CopyArgs {
+    handle: *const KvdHandle,
+    dev_ptrs: *const u64,
+    lens: *const u64,
+    n_layers: usize,
+    event_out: *mut u64,
+}
+
+/// Both copy directions: check the arguments, run `f`, hand out its event.
+fn copy(
+    name: &'static str,
+    client: *mut KvdClient,
+    a: CopyArgs,
+    f: impl FnOnce(
+        &mut kvd_client::Client,
+        &kvd_core::types::Handle,
+        &[DeviceSlice],
+    ) -> Result<CudaEvent>,
+) -> i32 {
+    with_client(name, client, |c| {
+        let h = self::handle(a.handle)?;
+        let layers = slices(a.dev_ptrs, a.lens, a.n_layers)?;
+        let out = args::out_ref(a.event_out, "event_out")?;
+        *out = f(c, &h, &layers)?.0;
+        Ok(())
+    })
+}
+
 /// Register this client's mapping of the pool as pinned memory for CUDA copies (in chunks of
 /// at most 64 GiB; all or nothing). Idempotent per session. `KVD_ERR_UNSUPPORTED` without CUDA
 /// in this libkvd or a driver on the host; `KVD_ERR_IO` when the driver fails. Thread-safe
@@ -89,15 +118,17 @@ pub extern "C" fn kvd_cuda_copy_to_block(
     stream: u64,
     event_out: *mut u64,
 ) -> i32 {
-    with_client("kvd_cuda_copy_to_block", client, |c| {
-        let h = self::handle(handle)?;
-        let layers = slices(dev_ptrs, lens, n_layers)?;
-        let out = args::out_ref(event_out, "event_out")?;
+    let a = CopyArgs {
+        handle,
+        dev_ptrs,
+        lens,
+        n_layers,
+        event_out,
+    };
+    copy("kvd_cuda_copy_to_block", client, a, |c, h, layers| {
         // SAFETY: the device slices, the stream and not touching the block until the event is
         // done are the C caller's contract (kvd.h); the block range is checked by the client.
-        let ev = unsafe { c.cuda_copy_to_block(&h, &layers, stream) }?;
-        *out = ev.0;
-        Ok(())
+        unsafe { c.cuda_copy_to_block(h, layers, stream) }
     })
 }
 
@@ -118,15 +149,17 @@ pub extern "C" fn kvd_cuda_copy_from_block(
     stream: u64,
     event_out: *mut u64,
 ) -> i32 {
-    with_client("kvd_cuda_copy_from_block", client, |c| {
-        let h = self::handle(handle)?;
-        let layers = slices(dev_ptrs, lens, n_layers)?;
-        let out = args::out_ref(event_out, "event_out")?;
+    let a = CopyArgs {
+        handle,
+        dev_ptrs,
+        lens,
+        n_layers,
+        event_out,
+    };
+    copy("kvd_cuda_copy_from_block", client, a, |c, h, layers| {
         // SAFETY: as in `kvd_cuda_copy_to_block`; a copy that outlived the pin is reported when
         // its event is done.
-        let ev = unsafe { c.cuda_copy_from_block(&h, &layers, stream) }?;
-        *out = ev.0;
-        Ok(())
+        unsafe { c.cuda_copy_from_block(h, layers, stream) }
     })
 }
 

@@ -14,6 +14,32 @@ use std::sync::Arc;
 use super::{EndpointId, Limits, Memory};
 use crate::error::{Error, Result};
 
+/// Wait until `batch` is settled or `timeout` passes; its status then. For backends that keep
+/// their table behind a mutex and announce settling on `settled` (their `Transport::wait`).
+///
+/// # Errors
+/// [`Error::NotFound`].
+pub fn wait_settled(
+    batches: &std::sync::Mutex<Batches>,
+    settled: &std::sync::Condvar,
+    batch: BatchId,
+    timeout: std::time::Duration,
+) -> Result<BatchStatus> {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut b = batches.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let st = b.status(batch, &mut [])?;
+        let now = std::time::Instant::now();
+        if st.settled || now >= deadline {
+            return Ok(st);
+        }
+        b = settled
+            .wait_timeout(b, deadline - now)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
+}
+
 /// One batch, as `submit` numbered it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BatchId(pub u64);

@@ -162,6 +162,9 @@ pub type SideOpener = crate::tcp::Opener;
 /// One work request of an op: local address, bytes, lkey, and the region that must outlive it.
 type Piece<M> = (u64, u32, u32, Arc<M>);
 
+/// A segment's local regions, in address order, with their lkeys.
+type Regions<M> = Vec<(Arc<M>, u32)>;
+
 /// A segment registered with the RDMA backend.
 #[derive(Debug)]
 pub struct RdmaRegistration {
@@ -222,7 +225,7 @@ struct LocalSegment<M> {
     addr: u64,
     len: u64,
     chunk: u64,
-    regions: Vec<(Arc<M>, u32)>,
+    regions: Regions<M>,
     owned: bool,
     /// Device memory: only the NIC reaches it (no CPU mapping, not in the grant table).
     device: bool,
@@ -452,37 +455,21 @@ impl<V: Verbs> RdmaTransport<V> {
                 segment.0
             )));
         }
-        let chunk = s
-            .config
-            .mr_chunk_bytes
-            .min(s.verbs.device().max_mr_bytes)
-            .max(1 << 20);
-        let mut regions = Vec::new();
-        let mut at = 0u64;
-        while at < len {
-            let n = chunk.min(len - at);
+        let (chunk, regions) = s.register_chunks(len, |at, n| {
             // SAFETY: the caller's contract: the device range stays allocated while the
             // segment is registered; the region is local-only.
-            let r = unsafe {
+            unsafe {
                 match how {
-                    DeviceMemory::DmaBuf { fd, offset } => s.verbs.reg_dmabuf_mr(
-                        fd,
-                        offset + at,
-                        n as usize,
-                        dptr + at,
-                        MrAccess::Local,
-                    ),
-                    DeviceMemory::PeerMem => {
+                    DeviceMemory::DmaBuf { fd, offset } => {
                         s.verbs
-                            .reg_mr((dptr + at) as *mut u8, n as usize, MrAccess::Local)
+                            .reg_dmabuf_mr(fd, offset + at, n, dptr + at, MrAccess::Local)
+                    }
+                    DeviceMemory::PeerMem => {
+                        s.verbs.reg_mr((dptr + at) as *mut u8, n, MrAccess::Local)
                     }
                 }
-            };
-            let mr = r?;
-            let lkey = s.verbs.keys(&mr).lkey;
-            regions.push((Arc::new(mr), lkey));
-            at += n;
-        }
+            }
+        })?;
         lock(&s.locals).insert(
             segment,
             LocalSegment {
@@ -781,6 +768,32 @@ impl<V: Verbs> Shared<V> {
             }
             None => refused(REFUSED_NO_KEYS),
         }
+    }
+
+    /// Local regions for `len` bytes, in chunks of at most the configured size (and the
+    /// device's largest region), each made by `reg(offset, bytes)`; all or nothing. The chunk
+    /// size with them.
+    fn register_chunks(
+        &self,
+        len: u64,
+        mut reg: impl FnMut(u64, usize) -> Result<V::Mr>,
+    ) -> Result<(u64, Regions<V::Mr>)> {
+        let chunk = self
+            .config
+            .mr_chunk_bytes
+            .min(self.verbs.device().max_mr_bytes)
+            .max(1 << 20);
+        let mut regions = Vec::new();
+        let mut at = 0u64;
+        while at < len {
+            let n = chunk.min(len - at);
+            // what was registered goes with `regions` when this fails
+            let mr = reg(at, n as usize)?;
+            let lkey = self.verbs.keys(&mr).lkey;
+            regions.push((Arc::new(mr), lkey));
+            at += n;
+        }
+        Ok((chunk, regions))
     }
 
     /// Keys for every op of a batch, over the endpoint's side channel.
@@ -1093,37 +1106,24 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
             ),
         };
         let local = s.target.local(segment, 0, len)?;
-        let chunk = s
-            .config
-            .mr_chunk_bytes
-            .min(s.verbs.device().max_mr_bytes)
-            .max(1 << 20);
-        let mut regions = Vec::new();
-        let mut at = 0u64;
-        while at < len {
-            let n = chunk.min(len - at);
+        let registered = s.register_chunks(len, |at, n| {
             // SAFETY: [at, at + n) lies inside the segment, whose memory the target keeps
             // mapped while it is registered; the region is local-only (no peer can name it)
             // and is dropped with the registration, after the work that holds it.
-            let r = unsafe {
+            unsafe {
                 s.verbs
-                    .reg_mr(local.ptr.add(at as usize), n as usize, MrAccess::Local)
-            };
-            match r {
-                Ok(mr) => {
-                    let lkey = s.verbs.keys(&mr).lkey;
-                    regions.push((Arc::new(mr), lkey));
-                }
-                Err(e) => {
-                    drop(regions);
-                    if owned {
-                        let _ = s.target.unregister(segment);
-                    }
-                    return Err(e);
-                }
+                    .reg_mr(local.ptr.add(at as usize), n, MrAccess::Local)
             }
-            at += n;
-        }
+        });
+        let (chunk, regions) = match registered {
+            Ok(r) => r,
+            Err(e) => {
+                if owned {
+                    let _ = s.target.unregister(segment);
+                }
+                return Err(e);
+            }
+        };
         lock(&s.locals).insert(
             segment,
             LocalSegment {
@@ -1395,21 +1395,12 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
     }
 
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<BatchStatus> {
-        let deadline = Instant::now() + timeout;
-        let mut b = lock(&self.shared.batches);
-        loop {
-            let st = b.status(batch, &mut [])?;
-            let now = Instant::now();
-            if st.settled || now >= deadline {
-                return Ok(st);
-            }
-            b = self
-                .shared
-                .settled
-                .wait_timeout(b, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        crate::engine::batches::wait_settled(
+            &self.shared.batches,
+            &self.shared.settled,
+            batch,
+            timeout,
+        )
     }
 
     fn cancel(&self, batch: BatchId) -> Result<()> {

@@ -115,6 +115,13 @@ fn op(kind: OpKind, remote: SegmentDescriptor, off: u64, len: u64, t: u64) -> Op
     }
 }
 
+/// 1 MiB writes of transfer `t` into `b`'s segment, op `i` at offset `i` MiB on both sides.
+fn writes(b: &Node, range: std::ops::Range<u64>, t: u64) -> Vec<Op> {
+    range
+        .map(|i| op(OpKind::Write, b.desc, i * MIB, MIB, t))
+        .collect()
+}
+
 fn run(n: &Node, ep: EndpointId, ops: &[Op]) -> (BatchStatus, Vec<OpStatus>) {
     // SAFETY: the tests do not touch the ranges until the batch settles.
     let b = unsafe { n.rdma.submit(ep, ops) }.unwrap();
@@ -140,9 +147,7 @@ fn writes_and_reads_are_byte_exact_and_go_in_doorbell_batches_within_the_send_qu
     let (f, a, b, ep) = pair(32 * MIB, |c| c.send_depth = 8);
     fill(&a.mem, 1);
     grant(&b, 1, 1, 0, 16 * MIB, Direction::RemoteWrite, 60_000);
-    let ops: Vec<Op> = (0..16)
-        .map(|i| op(OpKind::Write, b.desc, i * MIB, MIB, 1))
-        .collect();
+    let ops = writes(&b, 0..16, 1);
     let (st, _) = run(&a, ep, &ops);
     assert!(st.succeeded(), "{st:?}");
     assert_eq!(st.bytes_done, 16 * MIB);
@@ -242,9 +247,7 @@ fn a_key_revoked_while_its_work_is_on_the_wire_fails_the_op_and_the_endpoint_is_
     grant(&b, 1, 1, 0, 4 * MIB, Direction::RemoteWrite, 60_000);
     // the link is cut: the work requests are posted but do not run
     f.cut(1, true);
-    let ops: Vec<Op> = (0..4)
-        .map(|i| op(OpKind::Write, b.desc, i * MIB, MIB, 1))
-        .collect();
+    let ops = writes(&b, 0..4, 1);
     // SAFETY: untouched until settled.
     let batch = unsafe { a.rdma.submit(ep, &ops) }.unwrap();
     assert_eq!(f.remote_regions(2), 4);
@@ -265,9 +268,7 @@ fn a_key_revoked_while_its_work_is_on_the_wire_fails_the_op_and_the_endpoint_is_
     );
     // the next batch rebuilds the queue pair and goes through
     grant(&b, 2, 1, 0, 4 * MIB, Direction::RemoteWrite, 60_000);
-    let ops: Vec<Op> = (0..4)
-        .map(|i| op(OpKind::Write, b.desc, i * MIB, MIB, 2))
-        .collect();
+    let ops = writes(&b, 0..4, 2);
     let (st, _) = run(&a, ep, &ops);
     assert!(st.succeeded(), "{st:?}");
     assert_eq!(a.rdma.stats().rebuilds, 1);
@@ -282,9 +283,7 @@ fn a_cut_link_fails_the_batch_within_the_stall_timeout_and_nothing_is_left_poste
     let (f, a, b, ep) = pair(8 * MIB, |_| {});
     grant(&b, 1, 1, 0, 8 * MIB, Direction::RemoteWrite, 60_000);
     f.cut(2, true);
-    let ops: Vec<Op> = (0..8)
-        .map(|i| op(OpKind::Write, b.desc, i * MIB, MIB, 1))
-        .collect();
+    let ops = writes(&b, 0..8, 1);
     let t = Instant::now();
     // SAFETY: untouched until settled.
     let batch = unsafe { a.rdma.submit(ep, &ops) }.unwrap();
@@ -311,9 +310,7 @@ fn a_target_nic_reset_fails_what_was_in_flight_and_a_new_queue_pair_serves_the_r
     fill(&a.mem, 6);
     grant(&b, 1, 1, 0, 4 * MIB, Direction::RemoteWrite, 60_000);
     f.cut(1, true);
-    let ops: Vec<Op> = (0..4)
-        .map(|i| op(OpKind::Write, b.desc, i * MIB, MIB, 1))
-        .collect();
+    let ops = writes(&b, 0..4, 1);
     // SAFETY: untouched until settled.
     let batch = unsafe { a.rdma.submit(ep, &ops) }.unwrap();
     f.break_qps(2);
@@ -376,9 +373,7 @@ fn cancel_drops_waiting_work_and_the_batch_still_settles() {
     let (f, a, b, ep) = pair(8 * MIB, |c| c.send_depth = 2);
     grant(&b, 1, 1, 0, 8 * MIB, Direction::RemoteWrite, 60_000);
     f.cut(1, true);
-    let ops: Vec<Op> = (0..8)
-        .map(|i| op(OpKind::Write, b.desc, i * MIB, MIB, 1))
-        .collect();
+    let ops = writes(&b, 0..8, 1);
     // SAFETY: untouched until settled.
     let batch = unsafe { a.rdma.submit(ep, &ops) }.unwrap();
     a.rdma.cancel(batch).unwrap();
@@ -397,9 +392,7 @@ fn cancel_drops_waiting_work_and_the_batch_still_settles() {
 fn bounds_give_retryable_errors_and_bad_ops_change_nothing() {
     let (f, a, b, ep) = pair(4 * MIB, |c| c.limits.max_ops_per_endpoint = 2);
     grant(&b, 1, 1, 0, 4 * MIB, Direction::RemoteWrite, 60_000);
-    let ops: Vec<Op> = (0..3)
-        .map(|i| op(OpKind::Write, b.desc, i * MIB, MIB, 1))
-        .collect();
+    let ops = writes(&b, 0..3, 1);
     // SAFETY: nothing is submitted.
     let e = unsafe { a.rdma.submit(ep, &ops) }.unwrap_err();
     assert!(matches!(e, Error::Overloaded { .. }), "{e}");
@@ -478,9 +471,7 @@ fn closing_an_endpoint_fails_its_work_and_destroys_its_queue_pair() {
     let (f, a, b, ep) = pair(4 * MIB, |_| {});
     grant(&b, 1, 1, 0, 4 * MIB, Direction::RemoteWrite, 60_000);
     f.cut(1, true);
-    let ops: Vec<Op> = (0..4)
-        .map(|i| op(OpKind::Write, b.desc, i * MIB, MIB, 1))
-        .collect();
+    let ops = writes(&b, 0..4, 1);
     // SAFETY: untouched until settled.
     let batch = unsafe { a.rdma.submit(ep, &ops) }.unwrap();
     a.rdma.close(ep);

@@ -34,7 +34,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::auth::ClusterSecret;
 use crate::engine::batches::Batches;
@@ -656,21 +656,12 @@ impl Transport for TcpTransport {
     }
 
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<BatchStatus> {
-        let deadline = Instant::now() + timeout;
-        let mut b = self.shared.batches();
-        loop {
-            let st = b.status(batch, &mut [])?;
-            let now = Instant::now();
-            if st.settled || now >= deadline {
-                return Ok(st);
-            }
-            b = self
-                .shared
-                .settled
-                .wait_timeout(b, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        crate::engine::batches::wait_settled(
+            &self.shared.batches,
+            &self.shared.settled,
+            batch,
+            timeout,
+        )
     }
 
     fn cancel(&self, batch: BatchId) -> Result<()> {
