@@ -4,42 +4,20 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvd::daemon::transfer::wire::{Binding, Offered, PeerReply, PeerRequest};
 use kvd::protocol::{TransferState, WireError};
+use support::cluster::{Control, node_dirs, secret_file, view, wait_views};
 use support::{Daemon, Etcd};
 use transport::auth::ClusterSecret;
 use transport::tcp::{TcpConfig, TcpPeer, TcpTransport};
 
 const TTL_MS: u64 = 2_000;
 
-fn secret_file(dir: &Path) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    let p = dir.join("secret");
-    std::fs::write(&p, [7u8; 32]).unwrap();
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-    p
-}
-
 fn node(dir: &Path, secret: &Path, etcd: &Etcd, id: u64) -> Daemon {
-    let (s, id, ttl) = (secret.to_str().unwrap(), id.to_string(), TTL_MS.to_string());
-    Daemon::start_in(
-        dir,
-        &[
-            "--cluster-secret-file",
-            s,
-            "--data-listen",
-            "127.0.0.1:0",
-            "--node-id",
-            &id,
-            "--etcd",
-            &etcd.url,
-            "--etcd-lease-ttl-ms",
-            &ttl,
-        ],
-    )
+    support::cluster::node(dir, secret, etcd, id, TTL_MS, &[])
 }
 
 /// Offer one block to `d` as node `id` in incarnation `generation` (an engine of the test's
@@ -88,28 +66,6 @@ fn raw_offer_to(secret: &Path, d: &Daemon, id: u64, generation: u64, to: Option<
     };
     kvd::protocol::frame::write_frame(&mut s, &offer).unwrap();
     kvd::protocol::frame::read_frame(&mut s).unwrap()
-}
-
-fn view(d: &Daemon) -> Vec<(u64, u64)> {
-    d.status()
-        .cluster
-        .map(|c| c.nodes.iter().map(|n| (n.node_id, n.generation)).collect())
-        .unwrap_or_default()
-}
-
-/// `n` empty state directories under `root`, one per node: `n1`, `n2`, …
-fn node_dirs(root: &Path, n: u64) -> Vec<PathBuf> {
-    let dirs: Vec<PathBuf> = (1..=n).map(|i| root.join(format!("n{i}"))).collect();
-    for d in &dirs {
-        std::fs::create_dir(d).unwrap();
-    }
-    dirs
-}
-
-fn wait_views(nodes: &[&Daemon], want: &[(u64, u64)], timeout: Duration, what: &str) -> Duration {
-    let t = Instant::now();
-    support::wait_until(timeout, what, || nodes.iter().all(|d| view(d) == want));
-    t.elapsed()
 }
 
 #[test]
@@ -285,69 +241,6 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
     );
 }
 
-/// `kvd control --etcd` as a process, killed on drop.
-struct Control {
-    child: std::process::Child,
-    addr: std::net::SocketAddr,
-    resumed: bool,
-}
-
-impl Control {
-    fn start(etcd: &Etcd) -> Control {
-        use std::io::BufRead;
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvd"))
-            .args(["control", "--listen", "127.0.0.1:0", "--etcd", &etcd.url])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let out = std::io::BufReader::new(child.stdout.take().unwrap());
-        let mut resumed = false;
-        let mut addr = None;
-        for line in out.lines().map_while(Result::ok).take(10) {
-            resumed |= line.contains("resumed from the snapshot");
-            if let Some(a) = line.strip_prefix("kvd control listening on ") {
-                addr = Some(a.trim().parse().unwrap());
-                break;
-            }
-        }
-        Control {
-            child,
-            addr: addr.expect("kvd control started"),
-            resumed,
-        }
-    }
-
-    /// Worker id → phase, as the controller has them.
-    fn workers(&self) -> Vec<(u64, String)> {
-        let (_, body) = kvd::daemon::status::http(self.addr, "GET", "/workers").unwrap();
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-        let mut out: Vec<(u64, String)> = v["workers"]
-            .as_object()
-            .map(|m| {
-                m.iter()
-                    .map(|(k, w)| {
-                        (
-                            k.parse().unwrap_or(0),
-                            w["phase"].as_str().unwrap_or("").to_string(),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        out.sort();
-        out
-    }
-}
-
-impl Drop for Control {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[test]
 fn kvd_control_turns_registrations_into_worker_events_and_resumes_from_its_snapshot_in_etcd() {
     let etcd = Etcd::start();
@@ -423,108 +316,6 @@ fn kvd_control_turns_registrations_into_worker_events_and_resumes_from_its_snaps
         "the same admission, not a second plan"
     );
     drop((a, b, c2));
-}
-
-/// `/status` of a daemon in network namespace `ns` (through `kvd status` run there).
-fn status_in(ns: &str, d: &Daemon) -> kvd::daemon::admin::StatusReport {
-    let out = std::process::Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            ns,
-            env!("CARGO_BIN_EXE_kvd"),
-            "status",
-            "--json",
-        ])
-        .args(["--admin", &d.admin.to_string()])
-        .output()
-        .unwrap();
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "kvd status in {ns}: {e}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })
-}
-
-fn view_in(ns: &str, d: &Daemon) -> Vec<u64> {
-    status_in(ns, d)
-        .cluster
-        .map(|c| c.nodes.iter().map(|n| n.node_id).collect())
-        .unwrap_or_default()
-}
-
-#[test]
-fn a_node_cut_off_from_etcd_stops_taking_new_work_once_its_lease_is_gone_and_the_others_drop_it() {
-    let hosts = support::TwoHosts::new();
-    let exec_a = ["ip", "netns", "exec", hosts.a.as_str()];
-    let etcd = Etcd::start_on(&exec_a, "10.77.0.1");
-    let tmp = tempfile::tempdir().unwrap();
-    let secret = secret_file(tmp.path());
-    let (s, ttl) = (secret.to_str().unwrap().to_string(), TTL_MS.to_string());
-    let args = |id: &str, listen: &str| -> Vec<String> {
-        [
-            "--cluster-secret-file",
-            &s,
-            "--node-id",
-            id,
-            "--data-listen",
-            listen,
-            "--etcd",
-            &etcd.url,
-            "--etcd-lease-ttl-ms",
-            &ttl,
-        ]
-        .iter()
-        .map(|x| x.to_string())
-        .collect()
-    };
-    let start = |ns: &str, a: Vec<String>| {
-        let a: Vec<&str> = a.iter().map(String::as_str).collect();
-        Daemon::start_in_netns(ns, &a)
-    };
-    // nodes 1 and 2 beside etcd; node 3 on the other host, reaching etcd over the veth
-    let n1 = start(&hosts.a, args("1", "10.77.0.1:0"));
-    let n2 = start(&hosts.a, args("2", "10.77.0.1:0"));
-    let n3 = start(&hosts.b, args("3", "10.77.0.2:0"));
-    support::wait_until(Duration::from_secs(30), "all three see all three", || {
-        view_in(&hosts.a, &n1) == [1, 2, 3]
-            && view_in(&hosts.a, &n2) == [1, 2, 3]
-            && view_in(&hosts.b, &n3) == [1, 2, 3]
-    });
-    let mut c3 = n3.client("engine-3", 60_000);
-    let r = c3.reserve(4096).unwrap();
-    c3.release_reservation(r).unwrap();
-
-    // cut node 3's host off (etcd stays reachable from nodes 1 and 2)
-    let cut = Instant::now();
-    support::ip(&["-n", &hosts.a, "link", "set", &hosts.dev_a(), "down"]);
-    support::wait_until(
-        Duration::from_millis(TTL_MS + 8_000),
-        "node 3 refuses new work",
-        || match c3.reserve(4096) {
-            Ok(r) => {
-                let _ = c3.release_reservation(r);
-                false
-            }
-            Err(e) => e.to_string().contains("registration lease"),
-        },
-    );
-    let refused = cut.elapsed();
-    support::wait_until(
-        Duration::from_millis(TTL_MS + 8_000),
-        "the others drop node 3",
-        || view_in(&hosts.a, &n1) == [1, 2] && view_in(&hosts.a, &n2) == [1, 2],
-    );
-    let dropped = cut.elapsed();
-    println!(
-        "cut off from etcd: node 3 refused new work {refused:?} after the cut; nodes 1 and 2 \
-         dropped it {dropped:?} after (TTL {TTL_MS} ms)"
-    );
-    let st = status_in(&hosts.b, &n3);
-    assert!(!st.ready, "node 3 is not ready");
-    assert!(st.cluster.unwrap().lease_problem.contains("keep-alive"));
-    drop((n1, n2, n3, etcd));
 }
 
 /// A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl in

@@ -5,6 +5,9 @@
 
 #![allow(dead_code)]
 
+pub mod cluster;
+pub mod drill;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -616,6 +619,25 @@ impl TwoHosts {
     /// The veth device in `a`.
     pub fn dev_a(&self) -> String {
         format!("kv{}a", std::process::id())
+    }
+
+    /// The veth device in `b`.
+    pub fn dev_b(&self) -> String {
+        format!("kv{}b", std::process::id())
+    }
+
+    /// Shape `ns`'s egress on `dev` to `rate` (tc tbf), so that a transfer surely is in the
+    /// middle when the link is cut.
+    pub fn slow(&self, ns: &str, dev: &str, rate: &str) {
+        let ok = std::process::Command::new("ip")
+            .args([
+                "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+            ])
+            .args(["tbf", "rate", rate, "burst", "32kb", "latency", "100ms"])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "tc tbf on {dev} in {ns}");
     }
 }
 

@@ -66,7 +66,7 @@ pub use controller::{Admission, AdmitRequest, ControlConfig, Controller, Decisio
 pub use load::{LoadTable, WorkerLoad, WorkerPhase};
 pub use policy::{FixedRing, Lumen, Policy, PolicyKind, StopRestart};
 pub use recovery::{Dispatch, Dispatched, Interrupted, RecoveryPlan, RestorePlan};
-pub use request::{RequestRecord, RequestState, StreamCursor};
+pub use request::{FrameVerdict, RequestRecord, RequestState, StreamCursor};
 pub use snapshot::ControllerSnapshot;
 
 /// A worker (one inference engine instance: a GPU or a TP group). Plain `u32` for the C ABI.
