@@ -81,6 +81,19 @@ pub enum Message {
     Refused(String),
 }
 
+/// A refusal's reason as it travels: at most [`MAX_REASON_BYTES`], cut at a character boundary
+/// (so that what one side decodes, re-encoded, is the same text).
+fn reason(why: &str) -> &str {
+    let mut end = why.len().min(MAX_REASON_BYTES);
+    while !why.is_char_boundary(end) {
+        end -= 1;
+    }
+    &why[..end]
+}
+
+/// The longest refusal reason sent or kept.
+pub const MAX_REASON_BYTES: usize = 1024;
+
 fn protocol(what: impl Into<String>) -> Error {
     Error::PeerUnavailable(format!("RDMA side channel: {}", what.into()))
 }
@@ -163,8 +176,7 @@ impl Message {
                 KEYS
             }
             Message::Refused(why) => {
-                let b = why.as_bytes();
-                p.extend_from_slice(&b[..b.len().min(1024)]);
+                p.extend_from_slice(reason(why).as_bytes());
                 REFUSED
             }
         };
@@ -225,7 +237,7 @@ impl Message {
                 }
                 Message::Keys(ks)
             }
-            REFUSED => Message::Refused(String::from_utf8_lossy(&p[..p.len().min(1024)]).into()),
+            REFUSED => Message::Refused(reason(&String::from_utf8_lossy(p)).to_string()),
             k => return Err(protocol(format!("unknown message kind {k}"))),
         })
     }
@@ -306,6 +318,21 @@ mod tests {
         ) {
             let _ = Message::decode(kind, &p);
         }
+    }
+
+    #[test]
+    fn a_long_refusal_with_broken_utf8_decodes_to_text_that_re_encodes_to_itself() {
+        // found by the transport_wire fuzz target: a reason cut inside a character, or one
+        // whose replacement characters grew it past the bound, changed on a second trip
+        let mut p = vec![0xe2u8; 700];
+        p.extend(std::iter::repeat_n(b'a', 600));
+        let m = Message::decode(REFUSED, &p).unwrap();
+        let Message::Refused(why) = &m else { panic!() };
+        assert!(why.len() <= MAX_REASON_BYTES);
+        assert_eq!(roundtrip(&m), m);
+        let long = Message::Refused("é".repeat(700));
+        let Message::Refused(cut) = roundtrip(&long) else { panic!() };
+        assert!(cut.len() <= MAX_REASON_BYTES && cut.chars().all(|c| c == 'é'));
     }
 
     #[test]
