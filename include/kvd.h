@@ -1134,6 +1134,36 @@ int32_t kvd_seal(KvdClient *client,
 int32_t kvd_publish(KvdClient *client, const KvdHandle *handles, size_t n);
 
 /**
+ * Register this client's session as rank `rank` of engine instance `(instance, generation)`
+ * of `rank_count` ranks (a tensor- or pipeline-parallel instance, one session per rank). From
+ * then on a step of the instance is published only when every rank committed its blocks of
+ * it (`kvd_instance_commit`); when any rank's session ends, the instance fails as a whole:
+ * every rank's open steps are aborted and later calls of its ranks answer
+ * `KVD_ERR_UNAVAILABLE` (restart the instance with a higher generation). Idempotent.
+ * `KVD_ERR_INVALID_ARGUMENT` for a bad rank or count or a rank taken, `KVD_ERR_STALE_EPOCH`
+ * for an older generation. Thread-safe (serialized per client).
+ */
+int32_t kvd_instance_join(KvdClient *client,
+                          uint64_t instance,
+                          uint64_t generation,
+                          uint32_t rank,
+                          uint32_t rank_count);
+
+/**
+ * Commit this rank's SEALED cache blocks of step `step` of its instance. `*published` (may be
+ * NULL) receives whether this commit completed the step, so that every rank's blocks of it
+ * are PUBLISHED now, together; until then none is visible. Errors as `kvd_publish` for the
+ * blocks, and as `kvd_instance_join`. Thread-safe (serialized per client).
+ */
+int32_t kvd_instance_commit(KvdClient *client,
+                            uint64_t instance,
+                            uint64_t generation,
+                            uint64_t step,
+                            const KvdHandle *handles,
+                            size_t n,
+                            bool *published);
+
+/**
  * Abort unfinished blocks (their pages return to the pool). `statuses` must hold `n`.
  * Thread-safe (serialized per client).
  */

@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian packages the build and the tests need (one word each):
+#   g++                libFuzzer (built by libfuzzer-sys for scripts/fuzz.sh)
 #   etcd-server        cluster-mode tests start a real etcd on loopback
 #   protobuf-compiler libprotobuf-dev   the etcd client's gRPC code generation
 #   cmake libclang-dev pkg-config        bindgen-based -sys crates (RDMA verbs)
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 #   fonts-dejavu-core  the font `kvd sim` renders plot text with (sim_cli test draws the PNGs)
 #   iproute2           `ip netns`, veth and `tc` for the transfer tests' two-host network
 #   openssl            certificates for the test of cluster mode over TLS
-APT_PACKAGES=(etcd-server protobuf-compiler libprotobuf-dev cmake libclang-dev pkg-config libibverbs-dev fonts-dejavu-core iproute2 openssl)
+APT_PACKAGES=(g++ etcd-server protobuf-compiler libprotobuf-dev cmake libclang-dev pkg-config libibverbs-dev fonts-dejavu-core iproute2 openssl)
 
 install_missing() {
     [ "${KVD_SKIP_INSTALL:-0}" = 1 ] && return 0
@@ -127,4 +128,9 @@ echo "== kvd-client and libkvd tests with --features cuda (no driver here: clean
 cargo test --locked -q -p kvd-client -p kvd-ffi --features kvd-client/cuda,kvd-ffi/cuda
 echo "== the daemon built with rdma: transfers and start-up choices (no device here: TCP)"
 cargo test --locked -q -p kvd --features rdma --test daemon_data_port --test daemon_transfer
+# ---- fuzzing (issue 15) -----------------------------------------------------------------------
+# The decoders and the C ABI, 60 s each, on stable (scripts/fuzz.sh builds with libFuzzer's
+# coverage flags); a crash fails the suite and leaves its input under fuzz/artifacts/.
+echo "== fuzzing: every target for 60 s"
+scripts/fuzz.sh 60
 echo "== all tests passed"

@@ -1113,3 +1113,138 @@ fn drill_11_a_rolling_restart_drains_each_node_and_no_reader_sees_a_wrong_or_mis
         leaks: settle(&c.quiet(), Duration::from_secs(10)),
     });
 }
+
+// ---- 5. kill one rank of a tensor-parallel instance -------------------------------------------
+
+/// Rank 1 of instance 7 (of 2 ranks): commits step 0, then on "step1" seals its blocks of step 1
+/// without committing them yet, says READY, and waits (to be killed).
+#[test]
+#[ignore = "a helper process, started by a drill"]
+fn stand_in_rank_one_of_a_two_rank_instance() {
+    let Ok(socket) = std::env::var("KVD_TEST_SOCKET") else {
+        return;
+    };
+    let opts = support::options("rank-1", STAND_IN_LEASE_MS);
+    let mut c = kvd::client::Client::connect(&socket, &opts).unwrap();
+    let ns = c.register_namespace(&support::namespace()).unwrap();
+    c.instance_join(7, 1, 1, 2).unwrap();
+    let seal = |c: &mut kvd::client::Client, seed: u64| {
+        let keys = support::keys(ns, seed, 2);
+        let allocs: Vec<_> = c
+            .alloc(&keys, BlockClass::Cache, None)
+            .unwrap()
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let seals = support::write_all(c, &allocs, |i| support::pattern(BLOCK, i as u8));
+        assert!(c.seal(&seals).unwrap().iter().all(Result::is_ok));
+        allocs.iter().map(|a| a.handle).collect::<Vec<_>>()
+    };
+    let step0 = seal(&mut c, 51);
+    let published = c.instance_commit(7, 1, 0, &step0).unwrap();
+    println!("COMMITTED 0 {published}");
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    let _step1 = seal(&mut c, 61);
+    println!("READY");
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn drill_05_a_killed_rank_fails_its_instance_as_a_whole_and_its_open_step_on_every_rank() {
+    let d = Daemon::start(&[]);
+    let mut r0 = d.client("rank-0", 30_000);
+    let ns = r0.register_namespace(&support::namespace()).unwrap();
+    r0.instance_join(7, 1, 0, 2).unwrap();
+    let seal = |c: &mut kvd::client::Client, seed: u64| {
+        let keys = support::keys(ns, seed, 2);
+        let allocs: Vec<_> = c
+            .alloc(&keys, BlockClass::Cache, None)
+            .unwrap()
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let seals = support::write_all(c, &allocs, |i| support::pattern(BLOCK, i as u8));
+        assert!(c.seal(&seals).unwrap().iter().all(Result::is_ok));
+        (keys, allocs.iter().map(|a| a.handle).collect::<Vec<_>>())
+    };
+    // step 0: rank 0 commits first, rank 1 (another process) completes it
+    let (k0, h0) = seal(&mut r0, 50);
+    assert!(
+        !r0.instance_commit(7, 1, 0, &h0).unwrap(),
+        "not before rank 1"
+    );
+    assert!(
+        r0.exists(&k0).unwrap().iter().all(|e| !e),
+        "nothing visible before every rank"
+    );
+    let mut r1 = Helper::start(&d, "stand_in_rank_one_of_a_two_rank_instance");
+    let line = r1.wait_for("COMMITTED 0", Duration::from_secs(30));
+    assert!(
+        line.ends_with("true"),
+        "rank 1's commit published step 0: {line}"
+    );
+    let k1 = support::keys(ns, 51, 2);
+    assert!(
+        r0.exists(&k0)
+            .unwrap()
+            .iter()
+            .chain(&r0.exists(&k1).unwrap())
+            .all(|&e| e)
+    );
+    // step 1: rank 0 commits; rank 1 has sealed its blocks and dies before committing
+    let (k2, h2) = seal(&mut r0, 60);
+    assert!(!r0.instance_commit(7, 1, 1, &h2).unwrap());
+    r1.send("step1");
+    r1.wait_for("READY", Duration::from_secs(30));
+    let st = d.status();
+    assert_eq!(
+        st.stats.accounting.sealed, 4,
+        "both ranks' step-1 blocks sealed: {:?}",
+        st.stats.accounting
+    );
+    r1.kill9();
+    let killed = Instant::now();
+    support::wait_until(
+        Duration::from_millis(STAND_IN_LEASE_MS) + MARGIN,
+        "the instance fails",
+        || {
+            d.status()
+                .instances
+                .iter()
+                .any(|i| i.instance == 7 && i.failed.is_some())
+        },
+    );
+    let detected = killed.elapsed();
+    // step 1 is aborted on every rank: rank 0's committed blocks too; step 0 stays published
+    let st = d.status();
+    assert_eq!(st.stats.accounting.sealed, 0, "{:?}", st.stats.accounting);
+    assert!(
+        r0.exists(&k2).unwrap().iter().all(|e| !e),
+        "nothing of step 1 visible"
+    );
+    assert!(r0.exists(&k0).unwrap().iter().all(|&e| e), "step 0 stays");
+    // the instance is failed as a whole: the surviving rank is told, with the reason
+    let e = r0.instance_commit(7, 1, 2, &[]).unwrap_err();
+    assert!(e.to_string().contains("instance 7 has failed"), "{e}");
+    let inst = st
+        .instances
+        .iter()
+        .find(|i| i.instance == 7)
+        .unwrap()
+        .clone();
+    assert!(
+        inst.failed.as_deref().unwrap_or("").contains("rank 1"),
+        "{inst:?}"
+    );
+    assert_eq!(inst.steps_published, 1);
+    let recovered = killed.elapsed();
+    drop(r0);
+    report(Outcome {
+        drill: 5,
+        fault: "kill -9 one rank of a two-rank instance mid-step",
+        detected: Some(detected),
+        recovered: Some(recovered),
+        leaks: settle(&[(&d, Expect::default())], Duration::from_secs(10)),
+    });
+}

@@ -152,6 +152,11 @@ fn cuda_calls_without_cuda_say_so_and_bad_arguments_are_errors_from_c() {
 }
 
 #[test]
+fn the_ranks_of_an_instance_publish_a_step_together_and_fail_together_from_c() {
+    passes("instances", &[]);
+}
+
+#[test]
 fn every_status_code_c_can_provoke_comes_back_with_its_detail() {
     passes(
         "status_codes",

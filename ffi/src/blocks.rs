@@ -325,6 +325,52 @@ pub extern "C" fn kvd_publish(client: *mut KvdClient, handles: *const KvdHandle,
     })
 }
 
+/// Register this client's session as rank `rank` of engine instance `(instance, generation)`
+/// of `rank_count` ranks (a tensor- or pipeline-parallel instance, one session per rank). From
+/// then on a step of the instance is published only when every rank committed its blocks of
+/// it (`kvd_instance_commit`); when any rank's session ends, the instance fails as a whole:
+/// every rank's open steps are aborted and later calls of its ranks answer
+/// `KVD_ERR_UNAVAILABLE` (restart the instance with a higher generation). Idempotent.
+/// `KVD_ERR_INVALID_ARGUMENT` for a bad rank or count or a rank taken, `KVD_ERR_STALE_EPOCH`
+/// for an older generation. Thread-safe (serialized per client).
+#[unsafe(no_mangle)]
+pub extern "C" fn kvd_instance_join(
+    client: *mut KvdClient,
+    instance: u64,
+    generation: u64,
+    rank: u32,
+    rank_count: u32,
+) -> i32 {
+    with_client("kvd_instance_join", client, |c| {
+        Ok(c.instance_join(instance, generation, rank, rank_count)?)
+    })
+}
+
+/// Commit this rank's SEALED cache blocks of step `step` of its instance. `*published` (may be
+/// NULL) receives whether this commit completed the step, so that every rank's blocks of it
+/// are PUBLISHED now, together; until then none is visible. Errors as `kvd_publish` for the
+/// blocks, and as `kvd_instance_join`. Thread-safe (serialized per client).
+#[unsafe(no_mangle)]
+pub extern "C" fn kvd_instance_commit(
+    client: *mut KvdClient,
+    instance: u64,
+    generation: u64,
+    step: u64,
+    handles: *const KvdHandle,
+    n: usize,
+    published: *mut bool,
+) -> i32 {
+    with_client("kvd_instance_commit", client, |c| {
+        let hs = self::handles(handles, n)?;
+        let out = args::opt_out(published, "published")?;
+        let done = c.instance_commit(instance, generation, step, &hs)?;
+        if let Some(p) = out {
+            *p = done;
+        }
+        Ok(())
+    })
+}
+
 /// Abort unfinished blocks (their pages return to the pool). `statuses` must hold `n`.
 /// Thread-safe (serialized per client).
 #[unsafe(no_mangle)]

@@ -112,6 +112,10 @@ pub struct StatusReport {
     /// Cluster membership (absent from the reports of older daemons).
     #[serde(default)]
     pub cluster: Option<super::cluster::ClusterReport>,
+    /// Engine instances (tensor/pipeline-parallel rank groups), failed ones with why (at most
+    /// [`STATUS_MAX_SESSIONS`]).
+    #[serde(default)]
+    pub instances: Vec<crate::store::instances::InstanceReport>,
 }
 
 /// The bounds in force, as `/status` reports them: the file-descriptor budget and what it
@@ -586,6 +590,7 @@ pub fn report(d: &Daemon, budget: &FdBudget) -> StatusReport {
         },
         data_port: d.data_port.as_ref().map(|dp| dp.report(d.config.node_id)),
         cluster: Some(d.cluster.report()),
+        instances: d.store.instances(STATUS_MAX_SESSIONS),
     }
 }
 

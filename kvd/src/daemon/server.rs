@@ -594,6 +594,23 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
                 run()
             })
         }
+        Op::InstanceJoin {
+            instance,
+            generation,
+            rank,
+            rank_count,
+        } => {
+            s.instance_join(sid, instance, generation, rank, rank_count)?;
+            Reply::Done
+        }
+        Op::InstanceCommit {
+            instance,
+            generation,
+            step,
+            handles,
+        } => Reply::InstanceStep {
+            published: s.instance_commit(sid, instance, generation, step, &handles)?,
+        },
         Op::Publish { handles } => {
             s.publish(sid, &handles)?;
             tracing::trace!(handles = ?handles, "published");

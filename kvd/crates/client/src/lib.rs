@@ -524,6 +524,50 @@ impl Client {
         }
     }
 
+    /// Register this session as rank `rank` of engine instance `(instance, generation)` of
+    /// `rank_count` ranks. From then on a checkpoint step of the instance is published only
+    /// when every rank committed its blocks of it ([`Client::instance_commit`]), and if any
+    /// rank's session ends, the instance fails as a whole (every rank's open steps aborted).
+    pub fn instance_join(
+        &mut self,
+        instance: u64,
+        generation: u64,
+        rank: u32,
+        rank_count: u32,
+    ) -> Result<()> {
+        match self.call(Op::InstanceJoin {
+            instance,
+            generation,
+            rank,
+            rank_count,
+        })? {
+            Reply::Done => Ok(()),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// Commit this rank's SEALED cache blocks of step `step` of its instance; whether that
+    /// published the step (this was the last rank to commit it: every rank's blocks of it are
+    /// PUBLISHED now, together).
+    pub fn instance_commit(
+        &mut self,
+        instance: u64,
+        generation: u64,
+        step: u64,
+        handles: &[Handle],
+    ) -> Result<bool> {
+        self.check_batch(handles.len())?;
+        match self.call(Op::InstanceCommit {
+            instance,
+            generation,
+            step,
+            handles: handles.to_vec(),
+        })? {
+            Reply::InstanceStep { published } => Ok(published),
+            r => Err(unexpected(&r)),
+        }
+    }
+
     /// Abort unfinished blocks; their pages return to the pool.
     pub fn abort(&mut self, handles: &[Handle]) -> Result<Vec<Result<()>>> {
         self.check_batch(handles.len())?;

@@ -13,6 +13,7 @@
 
 pub mod capacity;
 pub mod events;
+pub mod instances;
 pub mod integrity;
 pub mod lifecycle;
 mod lru;
@@ -364,6 +365,45 @@ impl Store {
     /// Publish SEALED cache blocks as one group: all or none.
     pub fn publish(&self, sid: SessionId, handles: &[Handle]) -> Result<()> {
         self.lock().publish(sid, handles)
+    }
+
+    /// Register `sid` as rank `rank` of engine instance `(instance, generation)` of
+    /// `rank_count` ranks ([`instances`]).
+    ///
+    /// # Errors
+    /// As [`instances`].
+    pub fn instance_join(
+        &self,
+        sid: SessionId,
+        instance: u64,
+        generation: u64,
+        rank: u32,
+        rank_count: u32,
+    ) -> Result<()> {
+        self.lock()
+            .instance_join(sid, instance, generation, rank, rank_count)
+    }
+
+    /// Rank `sid` commits its SEALED blocks of step `step`; whether that published the step
+    /// (every rank's blocks of it, together).
+    ///
+    /// # Errors
+    /// As the group checks of a publish, per rank; see [`instances`].
+    pub fn instance_commit(
+        &self,
+        sid: SessionId,
+        instance: u64,
+        generation: u64,
+        step: u64,
+        handles: &[Handle],
+    ) -> Result<bool> {
+        self.lock()
+            .instance_commit(sid, instance, generation, step, handles)
+    }
+
+    /// The instances known (at most `max`), failed ones with why.
+    pub fn instances(&self, max: usize) -> Vec<instances::InstanceReport> {
+        self.lock().instance_reports(max)
     }
 
     /// Abort unfinished blocks; their space returns to the pool (or their reservation).

@@ -38,7 +38,7 @@ pub(crate) enum SealStep {
 }
 
 impl Inner {
-    fn check_batch(&mut self, n: usize) -> Result<()> {
+    pub(crate) fn check_batch(&mut self, n: usize) -> Result<()> {
         if n > self.config.max_batch as usize {
             self.counters.overload_rejects += 1;
             return Err(Error::InvalidArgument(format!(

@@ -172,6 +172,11 @@ impl Inner {
 
     /// Release everything a session holds and forget it. Idempotent.
     pub fn close_session(&mut self, sid: SessionId) -> SessionCleanup {
+        // a rank's end fails its instance (and aborts its open steps on every rank) first,
+        // while the session still owns its blocks
+        if self.sessions.by_id.contains_key(&sid) {
+            self.instance_session_ended(sid, "ended (closed, or its lease expired)");
+        }
         let Some(s) = self.sessions.by_id.remove(&sid) else {
             return SessionCleanup::default();
         };

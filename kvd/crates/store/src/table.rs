@@ -124,6 +124,8 @@ pub(crate) struct Inner {
     pub counters: Counters,
     /// What became visible or invisible, for routers ([`EventLog`]).
     pub events: EventLog,
+    /// Engine instances whose ranks publish steps together ([`crate::instances`]).
+    pub instances: crate::instances::Instances,
 }
 
 impl Inner {
@@ -152,6 +154,7 @@ impl Inner {
             quarantine: VecDeque::new(),
             counters: Counters::default(),
             events,
+            instances: crate::instances::Instances::default(),
         })
     }
 

@@ -1094,3 +1094,153 @@ fn the_event_log_capacity_is_bounded() {
         assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e}");
     }
 }
+
+// ----- instance groups -----
+
+impl Fixture {
+    /// Allocate, write and seal cache blocks for `tags` (not published); their handles.
+    fn sealed(&self, sid: SessionId, tags: &[u8]) -> Vec<Handle> {
+        let hs = self.alloc(sid, tags);
+        for (h, t) in hs.iter().zip(tags) {
+            self.store.write(sid, h, 0, &bytes(*t, 100)).unwrap();
+            self.store.seal(sid, h, 100, None).unwrap();
+        }
+        hs
+    }
+
+    fn visible(&self, tags: &[u8]) -> Vec<bool> {
+        let keys: Vec<BlockKey> = tags.iter().map(|&n| key(self.ns, n)).collect();
+        self.store
+            .lookup(&keys)
+            .unwrap()
+            .iter()
+            .map(Option::is_some)
+            .collect()
+    }
+}
+
+#[test]
+fn an_instance_step_is_published_only_when_every_rank_committed_it() {
+    let f = fixture(16);
+    let (r0, r1) = (f.session(), f.session());
+    f.store.instance_join(r0, 7, 1, 0, 2).unwrap();
+    f.store.instance_join(r1, 7, 1, 1, 2).unwrap();
+    f.store.instance_join(r1, 7, 1, 1, 2).unwrap(); // idempotent
+    let a = f.sealed(r0, &[1, 2]);
+    let b = f.sealed(r1, &[3, 4]);
+    assert!(
+        !f.store.instance_commit(r0, 7, 1, 0, &a).unwrap(),
+        "rank 1 has not committed"
+    );
+    assert_eq!(
+        f.visible(&[1, 2, 3, 4]),
+        vec![false; 4],
+        "nothing visible yet"
+    );
+    assert!(
+        f.store.instance_commit(r1, 7, 1, 0, &b).unwrap(),
+        "the last rank publishes"
+    );
+    assert_eq!(
+        f.visible(&[1, 2, 3, 4]),
+        vec![true; 4],
+        "every rank's blocks at once"
+    );
+    let r = &f.store.instances(10)[0];
+    assert_eq!(
+        (
+            r.ranks_joined,
+            r.open_steps,
+            r.steps_published,
+            r.failed.clone()
+        ),
+        (2, 0, 1, None)
+    );
+    f.invariants();
+}
+
+#[test]
+fn a_dead_rank_fails_the_instance_and_aborts_its_open_steps_on_every_rank() {
+    let f = fixture(16);
+    let (r0, r1) = (f.session(), f.session());
+    f.store.instance_join(r0, 7, 1, 0, 2).unwrap();
+    f.store.instance_join(r1, 7, 1, 1, 2).unwrap();
+    let a = f.sealed(r0, &[1, 2]);
+    let _b = f.sealed(r1, &[3, 4]);
+    assert!(!f.store.instance_commit(r0, 7, 1, 0, &a).unwrap());
+    let free_before = f.store.stats().accounting.free;
+    // rank 1's session ends before it commits
+    f.store.close_session(r1);
+    let st = f.store.stats().accounting;
+    assert_eq!(
+        st.free,
+        free_before + 4,
+        "both ranks' blocks of the step are freed"
+    );
+    assert_eq!((st.sealed, st.published), (0, 0));
+    assert_eq!(f.visible(&[1, 2, 3, 4]), vec![false; 4]);
+    // the instance is failed as a whole: its other rank is told so
+    let e = f.store.instance_commit(r0, 7, 1, 1, &[]).unwrap_err();
+    assert!(
+        matches!(e, Error::Unavailable(_)) && e.to_string().contains("rank 1"),
+        "{e}"
+    );
+    let e = f.store.instance_join(f.session(), 7, 1, 1, 2).unwrap_err();
+    assert!(matches!(e, Error::Unavailable(_)), "{e}");
+    assert!(f.store.instances(10)[0].failed.is_some());
+    // a new generation of the instance replaces it
+    let (n0, n1) = (f.session(), f.session());
+    f.store.instance_join(n0, 7, 2, 0, 2).unwrap();
+    f.store.instance_join(n1, 7, 2, 1, 2).unwrap();
+    assert!(matches!(
+        f.store.instance_join(r0, 7, 1, 0, 2),
+        Err(Error::StaleEpoch { .. })
+    ));
+    f.invariants();
+}
+
+#[test]
+fn instance_calls_with_bad_arguments_change_nothing() {
+    let f = fixture(16);
+    let (r0, r1, other) = (f.session(), f.session(), f.session());
+    for (rank, count) in [(0, 0), (2, 2), (0, MAX_RANKS_PLUS_ONE)] {
+        assert!(
+            f.store.instance_join(r0, 1, 1, rank, count).is_err(),
+            "rank {rank} of {count}"
+        );
+    }
+    f.store.instance_join(r0, 1, 1, 0, 2).unwrap();
+    assert!(
+        f.store.instance_join(r1, 1, 1, 0, 2).is_err(),
+        "rank 0 is taken"
+    );
+    assert!(
+        f.store.instance_join(r1, 1, 1, 1, 3).is_err(),
+        "another rank count"
+    );
+    assert!(
+        f.store.instance_join(r0, 2, 1, 0, 2).is_err(),
+        "a rank of another instance"
+    );
+    f.store.instance_join(r1, 1, 1, 1, 2).unwrap();
+    let mine = f.sealed(r0, &[1]);
+    let theirs = f.sealed(other, &[2]);
+    // not a rank; another session's block; an unsealed block; a step twice
+    assert!(f.store.instance_commit(other, 1, 1, 0, &theirs).is_err());
+    assert!(f.store.instance_commit(r0, 1, 1, 0, &theirs).is_err());
+    let unsealed = f.alloc(r0, &[3]);
+    assert!(f.store.instance_commit(r0, 1, 1, 0, &unsealed).is_err());
+    assert!(!f.store.instance_commit(r0, 1, 1, 0, &mine).unwrap());
+    assert!(
+        f.store.instance_commit(r0, 1, 1, 0, &mine).is_err(),
+        "committed twice"
+    );
+    assert!(matches!(
+        f.store.instance_commit(r0, 1, 9, 1, &[]),
+        Err(Error::StaleEpoch { .. })
+    ));
+    assert_eq!(f.visible(&[1, 2, 3]), vec![false; 3]);
+    f.invariants();
+}
+
+const MAX_RANKS_PLUS_ONE: u32 = crate::instances::MAX_RANKS + 1;

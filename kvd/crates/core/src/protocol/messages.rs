@@ -314,6 +314,30 @@ pub enum Op {
         /// Their ids.
         ids: Vec<u64>,
     },
+    /// Register this session as rank `rank` of engine instance `(instance, generation)` of
+    /// `rank_count` ranks (a tensor- or pipeline-parallel instance).
+    InstanceJoin {
+        /// The instance.
+        instance: u64,
+        /// Its generation (a restarted instance has a higher one).
+        generation: u64,
+        /// This session's rank.
+        rank: u32,
+        /// Ranks the instance has.
+        rank_count: u32,
+    },
+    /// Commit this rank's SEALED blocks of step `step`: published with every other rank's
+    /// when the last rank commits.
+    InstanceCommit {
+        /// The instance.
+        instance: u64,
+        /// Its generation.
+        generation: u64,
+        /// The step (a checkpoint step of the instance).
+        step: u64,
+        /// This rank's blocks of it.
+        handles: Vec<Handle>,
+    },
 }
 
 /// Where a transfer is.
@@ -379,6 +403,8 @@ impl Op {
             Op::PushCheckpoint { .. } => "push_checkpoint",
             Op::FetchPrefix { .. } => "fetch_prefix",
             Op::Transfers { .. } => "transfers",
+            Op::InstanceJoin { .. } => "instance_join",
+            Op::InstanceCommit { .. } => "instance_commit",
         }
     }
 
@@ -413,11 +439,13 @@ impl Op {
             }
             Op::FetchPrefix { .. } => 1,
             Op::Transfers { ids } => ids.len(),
+            Op::InstanceJoin { .. } => 1,
+            Op::InstanceCommit { handles, .. } => handles.len(),
         }
     }
 
     /// Every operation names in [`Op`], for metrics.
-    pub const NAMES: [&'static str; 29] = [
+    pub const NAMES: [&'static str; 31] = [
         "register_namespace",
         "lookup_prefix",
         "exists",
@@ -447,6 +475,8 @@ impl Op {
         "push_checkpoint",
         "fetch_prefix",
         "transfers",
+        "instance_join",
+        "instance_commit",
     ];
 }
 
@@ -497,6 +527,11 @@ pub enum Reply {
     Transfer(u64),
     /// Transfers' states.
     Transfers(Vec<TransferInfo>),
+    /// An instance step commit: whether it published the step.
+    InstanceStep {
+        /// Every rank had committed: the step's blocks are PUBLISHED.
+        published: bool,
+    },
 }
 
 /// [`Error`] as it travels: the same variants and fields, with owned strings (so that a reply
