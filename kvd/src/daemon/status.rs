@@ -149,6 +149,21 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
         r.backing,
         r.socket
     );
+    for i in &r.instances {
+        let _ = writeln!(
+            o,
+            "instance {} (generation {}): {}/{} ranks, {} steps published, {} open{}",
+            i.instance,
+            i.generation,
+            i.ranks_joined,
+            i.rank_count,
+            i.steps_published,
+            i.open_steps,
+            i.failed
+                .as_ref()
+                .map_or_else(String::new, |why| format!(", FAILED: {why}"))
+        );
+    }
     match &r.data_port {
         Some(dp) => {
             let peers: Vec<String> = dp.peers.iter().map(|(id, a)| format!("{id}={a}")).collect();

@@ -331,7 +331,9 @@ mod tests {
         assert!(why.len() <= MAX_REASON_BYTES);
         assert_eq!(roundtrip(&m), m);
         let long = Message::Refused("é".repeat(700));
-        let Message::Refused(cut) = roundtrip(&long) else { panic!() };
+        let Message::Refused(cut) = roundtrip(&long) else {
+            panic!()
+        };
         assert!(cut.len() <= MAX_REASON_BYTES && cut.chars().all(|c| c == 'é'));
     }
 
