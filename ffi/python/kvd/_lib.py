@@ -341,6 +341,8 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     ),
     "kvd_seal": (I32, [C, P(SealItem), c_size_t, P(c_uint32), P(I32)]),
     "kvd_publish": (I32, [C, P(Handle), c_size_t]),
+    "kvd_instance_join": (I32, [C, c_uint64, c_uint64, c_uint32, c_uint32]),
+    "kvd_instance_commit": (I32, [C, c_uint64, c_uint64, c_uint64, P(Handle), c_size_t, P(c_bool)]),
     "kvd_abort": (I32, [C, P(Handle), c_size_t, P(I32)]),
     "kvd_remove_if": (I32, [C, P(RemoveItem), c_size_t, P(I32)]),
     "kvd_touch": (I32, [C, P(Key), c_size_t]),

@@ -521,6 +521,23 @@ class Client:
         """Publish SEALED cache blocks as one group: all or none."""
         check(L.kvd_publish(self._c(), _handles(handles), len(handles)))
 
+    def instance_join(self, instance: int, generation: int, rank: int, rank_count: int) -> None:
+        """Make this session rank ``rank`` of engine instance ``(instance, generation)`` of
+        ``rank_count`` ranks: its steps publish together, and it fails as a whole when a rank's
+        session ends (``Unavailable`` for its other ranks)."""
+        check(L.kvd_instance_join(self._c(), instance, generation, rank, rank_count))
+
+    def instance_commit(self, instance: int, generation: int, step: int, handles: Sequence[_lib.Handle]) -> bool:
+        """Commit this rank's SEALED blocks of ``step``; True when that published the step
+        (every rank's blocks of it, together)."""
+        published = ctypes.c_bool(False)
+        check(
+            L.kvd_instance_commit(
+                self._c(), instance, generation, step, _handles(handles), len(handles), ctypes.byref(published)
+            )
+        )
+        return published.value
+
     def abort(self, handles: Sequence[_lib.Handle]) -> list[Optional[KvdError]]:
         """Abort unfinished blocks."""
         n = len(handles)

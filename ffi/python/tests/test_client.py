@@ -319,3 +319,30 @@ def test_blocks_are_pushed_to_a_peer_and_fetched_back_between_two_daemons(two_no
         with pytest.raises(kvd.NotFound):
             ca.push(9, pushed[:1])
         assert ca.transfers([123456]) == []
+
+
+def test_the_ranks_of_an_instance_publish_a_step_together_and_fail_together(daemon):
+    def sealed(c: kvd.Client, k: bytes) -> object:
+        a = c.alloc([k])[0]
+        c.write(a.handle, page(65536, 3))
+        assert not isinstance(c.seal([(a.handle, 65536, None)])[0], kvd.KvdError)
+        return a.handle
+
+    r0 = kvd.Client(daemon.socket, name="rank-0")
+    r1 = kvd.Client(daemon.socket, name="rank-1")
+    ns = r0.register_namespace(LAYOUT)
+    r1.register_namespace(LAYOUT)
+    r0.instance_join(9, 1, 0, 2)
+    r1.instance_join(9, 1, 1, 2)
+    k = keys(ns, 90, 4)
+    assert not r0.instance_commit(9, 1, 0, [sealed(r0, k[0])])
+    assert r0.exists(k[:1]) == [False]
+    assert r1.instance_commit(9, 1, 0, [sealed(r1, k[1])])
+    assert r0.exists(k[:2]) == [True, True]
+    # a rank goes away mid-step: the step is aborted on both, the instance failed as a whole
+    assert not r0.instance_commit(9, 1, 1, [sealed(r0, k[2])])
+    r1.close()
+    assert r0.exists(k[2:3]) == [False]
+    with pytest.raises(kvd.Unavailable, match="instance 9 has failed"):
+        r0.instance_commit(9, 1, 2, [])
+    r0.close()
