@@ -142,6 +142,33 @@ fn holds_exactly(c: &mut kvd::client::Client, seed: u64, keys: &[kvd::keys::Bloc
     ok
 }
 
+/// An engine stand-in's client (a helper process): connected to `KVD_TEST_SOCKET` with the
+/// stand-ins' short lease; None when run outside a drill.
+fn stand_in_client(name: &str) -> Option<kvd::client::Client> {
+    let socket = std::env::var("KVD_TEST_SOCKET").ok()?;
+    let opts = support::options(name, STAND_IN_LEASE_MS);
+    Some(kvd::client::Client::connect(&socket, &opts).unwrap())
+}
+
+/// `n` cache blocks of keys from `seed`, written and SEALED (not published); keys and handles.
+fn sealed_blocks(
+    c: &mut kvd::client::Client,
+    ns: kvd::keys::NamespaceId,
+    seed: u64,
+    n: usize,
+) -> (Vec<kvd::keys::BlockKey>, Vec<kvd::store::Handle>) {
+    let keys = support::keys(ns, seed, n);
+    let allocs: Vec<_> = c
+        .alloc(&keys, BlockClass::Cache, None)
+        .unwrap()
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let seals = support::write_all(c, &allocs, |i| support::pattern(BLOCK, i as u8));
+    assert!(c.seal(&seals).unwrap().iter().all(Result::is_ok));
+    (keys, allocs.iter().map(|a| a.handle).collect())
+}
+
 fn admit(ctl: &Control, request: u64, serving: u64) -> serde_json::Value {
     let body = format!(
         r#"{{"request_id": {request}, "serving": {serving}, "prompt_tokens": 100, "max_new_tokens": 10, "reserve_bytes": 65536, "deadline_ms": null}}"#
@@ -213,11 +240,9 @@ fn drill_01_a_killed_idle_node_leaves_every_view_and_placement_within_the_ttl() 
 #[test]
 #[ignore = "a helper process, started by a drill"]
 fn stand_in_writer_that_dies_mid_write() {
-    let Ok(socket) = std::env::var("KVD_TEST_SOCKET") else {
+    let Some(mut c) = stand_in_client("doomed-writer") else {
         return;
     };
-    let opts = support::options("doomed-writer", STAND_IN_LEASE_MS);
-    let mut c = kvd::client::Client::connect(&socket, &opts).unwrap();
     let ns = c.register_namespace(&support::namespace()).unwrap();
     let keys = support::keys(ns, 31, 5);
     let allocs: Vec<_> = c
@@ -1121,31 +1146,17 @@ fn drill_11_a_rolling_restart_drains_each_node_and_no_reader_sees_a_wrong_or_mis
 #[test]
 #[ignore = "a helper process, started by a drill"]
 fn stand_in_rank_one_of_a_two_rank_instance() {
-    let Ok(socket) = std::env::var("KVD_TEST_SOCKET") else {
+    let Some(mut c) = stand_in_client("rank-1") else {
         return;
     };
-    let opts = support::options("rank-1", STAND_IN_LEASE_MS);
-    let mut c = kvd::client::Client::connect(&socket, &opts).unwrap();
     let ns = c.register_namespace(&support::namespace()).unwrap();
     c.instance_join(7, 1, 1, 2).unwrap();
-    let seal = |c: &mut kvd::client::Client, seed: u64| {
-        let keys = support::keys(ns, seed, 2);
-        let allocs: Vec<_> = c
-            .alloc(&keys, BlockClass::Cache, None)
-            .unwrap()
-            .into_iter()
-            .map(Result::unwrap)
-            .collect();
-        let seals = support::write_all(c, &allocs, |i| support::pattern(BLOCK, i as u8));
-        assert!(c.seal(&seals).unwrap().iter().all(Result::is_ok));
-        allocs.iter().map(|a| a.handle).collect::<Vec<_>>()
-    };
-    let step0 = seal(&mut c, 51);
+    let (_, step0) = sealed_blocks(&mut c, ns, 51, 2);
     let published = c.instance_commit(7, 1, 0, &step0).unwrap();
     println!("COMMITTED 0 {published}");
     let mut line = String::new();
     std::io::stdin().read_line(&mut line).unwrap();
-    let _step1 = seal(&mut c, 61);
+    let _step1 = sealed_blocks(&mut c, ns, 61, 2);
     println!("READY");
     std::thread::sleep(Duration::from_secs(600));
 }
@@ -1156,20 +1167,8 @@ fn drill_05_a_killed_rank_fails_its_instance_as_a_whole_and_its_open_step_on_eve
     let mut r0 = d.client("rank-0", 30_000);
     let ns = r0.register_namespace(&support::namespace()).unwrap();
     r0.instance_join(7, 1, 0, 2).unwrap();
-    let seal = |c: &mut kvd::client::Client, seed: u64| {
-        let keys = support::keys(ns, seed, 2);
-        let allocs: Vec<_> = c
-            .alloc(&keys, BlockClass::Cache, None)
-            .unwrap()
-            .into_iter()
-            .map(Result::unwrap)
-            .collect();
-        let seals = support::write_all(c, &allocs, |i| support::pattern(BLOCK, i as u8));
-        assert!(c.seal(&seals).unwrap().iter().all(Result::is_ok));
-        (keys, allocs.iter().map(|a| a.handle).collect::<Vec<_>>())
-    };
     // step 0: rank 0 commits first, rank 1 (another process) completes it
-    let (k0, h0) = seal(&mut r0, 50);
+    let (k0, h0) = sealed_blocks(&mut r0, ns, 50, 2);
     assert!(
         !r0.instance_commit(7, 1, 0, &h0).unwrap(),
         "not before rank 1"
@@ -1193,7 +1192,7 @@ fn drill_05_a_killed_rank_fails_its_instance_as_a_whole_and_its_open_step_on_eve
             .all(|&e| e)
     );
     // step 1: rank 0 commits; rank 1 has sealed its blocks and dies before committing
-    let (k2, h2) = seal(&mut r0, 60);
+    let (k2, h2) = sealed_blocks(&mut r0, ns, 60, 2);
     assert!(!r0.instance_commit(7, 1, 1, &h2).unwrap());
     r1.send("step1");
     r1.wait_for("READY", Duration::from_secs(30));
