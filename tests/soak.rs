@@ -263,6 +263,28 @@ fn stand_in(
 
 /// Every read against the history; the violations.
 fn check(history: &[Event]) -> Vec<String> {
+    // what happened to each (node, key), and when each node was wiped
+    let mut published: HashMap<(usize, u64), Vec<((u64, u64), Instant)>> = HashMap::new();
+    let mut removed: HashMap<(usize, u64, (u64, u64)), Vec<Instant>> = HashMap::new();
+    let mut wiped: HashMap<usize, Vec<Instant>> = HashMap::new();
+    for e in history {
+        match e {
+            Event::Published {
+                node,
+                key,
+                v,
+                start,
+            } => published
+                .entry((*node, *key))
+                .or_default()
+                .push((*v, *start)),
+            Event::Removed { node, key, v, end } => {
+                removed.entry((*node, *key, *v)).or_default().push(*end)
+            }
+            Event::Wiped { node, at } => wiped.entry(*node).or_default().push(*at),
+            Event::Read { .. } => {}
+        }
+    }
     let mut bad = Vec::new();
     for e in history {
         let Event::Read {
@@ -281,29 +303,17 @@ fn check(history: &[Event]) -> Vec<String> {
             ));
             continue;
         };
-        let live = history.iter().any(|p| {
-            let Event::Published {
-                node: pn,
-                key: pk,
-                v: pv,
-                start: ps,
-            } = p
-            else {
-                return false;
-            };
-            if pn != node || pk != key || pv != v || ps > end {
-                return false;
-            }
-            // not removed, nor wiped, before the read began
-            !history.iter().any(|r| match r {
-                Event::Removed {
-                    node: rn,
-                    key: rk,
-                    v: rv,
-                    end: re,
-                } => rn == node && rk == key && rv == v && re < start && re > ps,
-                Event::Wiped { node: wn, at } => wn == node && at > ps && at < start,
-                _ => false,
+        let live = published.get(&(*node, *key)).is_some_and(|ps| {
+            ps.iter().any(|(pv, ps)| {
+                pv == v
+                    && ps <= end
+                    // not removed, nor wiped, before the read began
+                    && !removed
+                        .get(&(*node, *key, *v))
+                        .is_some_and(|rs| rs.iter().any(|re| re < start && re > ps))
+                    && !wiped
+                        .get(node)
+                        .is_some_and(|ws| ws.iter().any(|at| at > ps && at < start))
             })
         });
         if !live {
