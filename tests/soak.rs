@@ -63,6 +63,9 @@ fn decode(b: &[u8]) -> Option<(u64, u64)> {
     (b == version_bytes(w, s).as_slice()).then_some((w, s))
 }
 
+/// A version: (writer, sequence number).
+type Version = (u64, u64);
+
 #[derive(Debug, Clone)]
 enum Event {
     /// (writer, seq) became PUBLISHED under `key` on `node` (by a put, or a push's arrival).
@@ -264,7 +267,7 @@ fn stand_in(
 /// Every read against the history; the violations.
 fn check(history: &[Event]) -> Vec<String> {
     // what happened to each (node, key), and when each node was wiped
-    let mut published: HashMap<(usize, u64), Vec<((u64, u64), Instant)>> = HashMap::new();
+    let mut published: HashMap<(usize, u64), Vec<(Version, Instant)>> = HashMap::new();
     let mut removed: HashMap<(usize, u64, (u64, u64)), Vec<Instant>> = HashMap::new();
     let mut wiped: HashMap<usize, Vec<Instant>> = HashMap::new();
     for e in history {
