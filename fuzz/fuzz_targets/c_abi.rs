@@ -4,7 +4,12 @@
 //! most are wrong) or from earlier answers (so some are right). Every call must return a status
 //! (never crash or hang), and after each input the pool's accounting must balance.
 #![no_main]
-#![allow(non_camel_case_types, non_upper_case_globals, non_snake_case, dead_code)]
+#![allow(
+    non_camel_case_types,
+    non_upper_case_globals,
+    non_snake_case,
+    dead_code
+)]
 
 use std::ffi::CString;
 use std::sync::OnceLock;
@@ -13,7 +18,12 @@ use std::time::Duration;
 use libfuzzer_sys::fuzz_target;
 
 mod kvd_h {
-    #![allow(non_camel_case_types, non_upper_case_globals, non_snake_case, dead_code)]
+    #![allow(
+        non_camel_case_types,
+        non_upper_case_globals,
+        non_snake_case,
+        dead_code
+    )]
     #![allow(clippy::all)]
     include!(concat!(env!("OUT_DIR"), "/kvd_h.rs"));
 }
@@ -47,7 +57,10 @@ fn live() -> &'static Live {
         std::thread::spawn(move || kvd::daemon::run(args));
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while !socket.exists() {
-            assert!(std::time::Instant::now() < deadline, "the in-process daemon started");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the in-process daemon started"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -85,7 +98,11 @@ fn live() -> &'static Live {
             let rc = kvd_register_namespace(client, &desc, &mut ns);
             let why = std::ffi::CStr::from_ptr(kvd_last_error_message()).to_string_lossy();
             assert_eq!(rc, 0, "register the namespace: {why}");
-            Live { client, ns, _dir: dir }
+            Live {
+                client,
+                ns,
+                _dir: dir,
+            }
         }
     })
 }
@@ -113,7 +130,10 @@ fuzz_target!(|data: &[u8]| {
     let mut inp = Input(data);
     let mut handles: Vec<KvdHandle> = Vec::new();
     let key = |tag: u8| -> KvdKey {
-        let mut k = KvdKey { namespace_id: l.ns, tag: KvdTag { bytes: [0; 32] } };
+        let mut k = KvdKey {
+            namespace_id: l.ns,
+            tag: KvdTag { bytes: [0; 32] },
+        };
         k.tag.bytes[0] = tag;
         k
     };
@@ -126,10 +146,15 @@ fuzz_target!(|data: &[u8]| {
         let n = inp.small(8);
         let keys: Vec<KvdKey> = (0..n).map(|_| key(inp.byte() % 16)).collect();
         let some_handle = |inp: &mut Input<'_>, hs: &[KvdHandle]| -> KvdHandle {
-            if !hs.is_empty() && inp.byte() % 4 != 0 {
+            if !hs.is_empty() && !inp.byte().is_multiple_of(4) {
                 hs[inp.small(hs.len() - 1)]
             } else {
-                KvdHandle { node_generation: inp.u64(), generation: inp.u64(), slot: inp.byte().into(), reserved: 0 }
+                KvdHandle {
+                    node_generation: inp.u64(),
+                    generation: inp.u64(),
+                    slot: inp.byte().into(),
+                    reserved: 0,
+                }
             }
         };
         // SAFETY: every pointer passed is to a live local of the right type and length (or
@@ -138,8 +163,22 @@ fuzz_target!(|data: &[u8]| {
             match op {
                 0 => {
                     let mut out: Vec<KvdAllocation> = vec![std::mem::zeroed(); n];
-                    let class = KvdBlockClass { kind: KVD_CLASS_CACHE, reserved: 0, request: 0, epoch: 0 };
-                    if kvd_alloc(c, keys.as_ptr(), n, &class, 0, out.as_mut_ptr(), statuses.as_mut_ptr()) == 0 {
+                    let class = KvdBlockClass {
+                        kind: KVD_CLASS_CACHE,
+                        reserved: 0,
+                        request: 0,
+                        epoch: 0,
+                    };
+                    if kvd_alloc(
+                        c,
+                        keys.as_ptr(),
+                        n,
+                        &class,
+                        0,
+                        out.as_mut_ptr(),
+                        statuses.as_mut_ptr(),
+                    ) == 0
+                    {
                         for (a, s) in out.iter().zip(statuses) {
                             if s == 0 {
                                 handles.push(a.handle);
@@ -155,7 +194,12 @@ fuzz_target!(|data: &[u8]| {
                 }
                 2 => {
                     let h = some_handle(&mut inp, &handles);
-                    let item = KvdSealItem { handle: h, len: inp.u64() % 8192, checksum: 0, has_checksum: false };
+                    let item = KvdSealItem {
+                        handle: h,
+                        len: inp.u64() % 8192,
+                        checksum: 0,
+                        has_checksum: false,
+                    };
                     let mut crc = 0u32;
                     let _ = kvd_seal(c, &item, 1, &mut crc, statuses.as_mut_ptr());
                 }
@@ -169,7 +213,15 @@ fuzz_target!(|data: &[u8]| {
                 }
                 5 => {
                     let mut out: Vec<KvdBlockInfo> = vec![std::mem::zeroed(); n];
-                    if kvd_acquire(c, keys.as_ptr(), n, 0, out.as_mut_ptr(), statuses.as_mut_ptr()) == 0 {
+                    if kvd_acquire(
+                        c,
+                        keys.as_ptr(),
+                        n,
+                        0,
+                        out.as_mut_ptr(),
+                        statuses.as_mut_ptr(),
+                    ) == 0
+                    {
                         for (b, s) in out.iter().zip(statuses) {
                             if s == 0 {
                                 handles.push(b.handle);
@@ -196,13 +248,27 @@ fuzz_target!(|data: &[u8]| {
                 }
                 9 => {
                     let h = some_handle(&mut inp, &handles);
-                    let version = KvdBlockVersion { node_generation: h.node_generation, generation: h.generation };
-                    let item = KvdRemoveItem { key: key(inp.byte() % 16), version };
+                    let version = KvdBlockVersion {
+                        node_generation: h.node_generation,
+                        generation: h.generation,
+                    };
+                    let item = KvdRemoveItem {
+                        key: key(inp.byte() % 16),
+                        version,
+                    };
                     let _ = kvd_remove_if(c, &item, 1, statuses.as_mut_ptr());
                 }
                 10 => {
                     // null and oversized arguments
-                    let _ = kvd_alloc(c, std::ptr::null(), n, std::ptr::null(), 0, std::ptr::null_mut(), std::ptr::null_mut());
+                    let _ = kvd_alloc(
+                        c,
+                        std::ptr::null(),
+                        n,
+                        std::ptr::null(),
+                        0,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                    );
                     let _ = kvd_publish(c, std::ptr::null(), usize::MAX);
                     let _ = kvd_exists(c, keys.as_ptr(), usize::MAX, std::ptr::null_mut(), 0);
                 }
@@ -224,9 +290,18 @@ fuzz_target!(|data: &[u8]| {
         }
         let mut st: KvdStats = std::mem::zeroed();
         assert_eq!(kvd_stats(c, &mut st), 0, "the client still works");
-        let parts = st.pages_free + st.pages_allocated + st.pages_writing + st.pages_sealed
-            + st.pages_published + st.pages_retired + st.pages_quarantined;
+        let parts = st.pages_free
+            + st.pages_allocated
+            + st.pages_writing
+            + st.pages_sealed
+            + st.pages_published
+            + st.pages_retired
+            + st.pages_quarantined;
         assert_eq!(parts, st.pages_total, "the pool's accounting balances");
-        assert_eq!(st.pages_allocated + st.pages_writing + st.pages_sealed, 0, "nothing left unfinished");
+        assert_eq!(
+            st.pages_allocated + st.pages_writing + st.pages_sealed,
+            0,
+            "nothing left unfinished"
+        );
     }
 });
