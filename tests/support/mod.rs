@@ -18,6 +18,13 @@ use kvd::client::{Client, ClientOptions};
 use kvd::daemon::admin::StatusReport;
 use kvd::keys::{BlockKey, BlockTag, KvDtype, NamespaceDescriptor, NamespaceId};
 
+/// Whether this kvd can use RDMA on this host (built with the `rdma` feature, and the kernel
+/// lists an RDMA device): the tests that expect TCP because there is none check that instead.
+pub fn rdma_here() -> bool {
+    cfg!(feature = "rdma")
+        && std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
+}
+
 /// How long a daemon may take to start on a loaded machine.
 pub const START_TIMEOUT: Duration = Duration::from_secs(60);
 
