@@ -76,7 +76,6 @@ impl Engines {
         choice: TransportChoice,
         rdma: &RdmaSettings,
     ) -> Result<Engines> {
-        let _ = rdma;
         let mut e = Engines {
             tcp,
             #[cfg(feature = "rdma")]
