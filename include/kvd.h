@@ -993,6 +993,15 @@ int32_t kvd_async_lookup_prefix(KvdClient *client,
                                 size_t out_cap);
 
 /**
+ * Submit a `kvd_release` of `handles[0..n]` (copied now): the pins are handed back on the
+ * queue's worker thread, and the completion's `block_count` says how many were released (a
+ * stale or already released handle is not counted; pins end with their TTL anyway). For a
+ * scheduler that must not wait for the daemon even to let go of what it pinned.
+ * `KVD_ERR_OVERLOADED` as `kvd_async_lookup_prefix`. Thread-safe; never waits.
+ */
+int32_t kvd_async_release(KvdClient *client, const KvdHandle *handles, size_t n, uint64_t user_tag);
+
+/**
  * Take up to `cap` completions into `out`, waiting at most `timeout_ms` for the first (0: do
  * not wait); `*n` receives their count. Each lookup's blocks are written to its submit's `out`
  * array here, on the calling thread. Thread-safe.

@@ -9,7 +9,7 @@ use crate::args;
 use crate::blocks;
 use crate::handles::{self, KvdClient, entry, with_submitter};
 use crate::status::{KVD_OK, status_of};
-use crate::types::{KvdBlockInfo, KvdNamespaceId, KvdTag};
+use crate::types::{KvdBlockInfo, KvdHandle, KvdNamespaceId, KvdTag};
 use kvd_client::{AsyncOp, AsyncReply};
 
 /// One finished asynchronous call.
@@ -80,6 +80,24 @@ pub extern "C" fn kvd_async_lookup_prefix(
     })
 }
 
+/// Submit a `kvd_release` of `handles[0..n]` (copied now): the pins are handed back on the
+/// queue's worker thread, and the completion's `block_count` says how many were released (a
+/// stale or already released handle is not counted; pins end with their TTL anyway). For a
+/// scheduler that must not wait for the daemon even to let go of what it pinned.
+/// `KVD_ERR_OVERLOADED` as `kvd_async_lookup_prefix`. Thread-safe; never waits.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvd_async_release(
+    client: *mut KvdClient,
+    handles: *const KvdHandle,
+    n: usize,
+    user_tag: u64,
+) -> i32 {
+    with_submitter("kvd_async_release", client, |s| {
+        let handles = blocks::handles(handles, n)?;
+        Ok(s.submit(user_tag, 0, AsyncOp::Release { handles })?)
+    })
+}
+
 /// Take up to `cap` completions into `out`, waiting at most `timeout_ms` for the first (0: do
 /// not wait); `*n` receives their count. Each lookup's blocks are written to its submit's `out`
 /// array here, on the calling thread. Thread-safe.
@@ -115,6 +133,10 @@ pub extern "C" fn kvd_async_poll(
                     o.status = KVD_OK;
                     o.pinned = hit.pinned;
                     o.block_count = hit.blocks.len() as u64;
+                }
+                Ok(AsyncReply::Released(n)) => {
+                    o.status = KVD_OK;
+                    o.block_count = *n as u64;
                 }
                 Err(e) => o.status = status_of(e),
             }

@@ -388,6 +388,18 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
         [C, P(NamespaceId), P(Tag), c_size_t, c_bool, c_uint64, c_uint64, P(BlockInfo), c_size_t],
     ),
     "kvd_async_poll": (I32, [C, c_uint64, P(Completion), c_size_t, P(c_size_t)]),
+    "kvd_async_release": (I32, [C, P(Handle), c_size_t, c_uint64]),
+    "kvd_cuda_register_pool": (I32, [C]),
+    "kvd_cuda_copy_to_block": (
+        I32,
+        [C, P(Handle), P(c_uint64), P(c_uint64), c_size_t, c_uint64, P(c_uint64)],
+    ),
+    "kvd_cuda_copy_from_block": (
+        I32,
+        [C, P(Handle), P(c_uint64), P(c_uint64), c_size_t, c_uint64, P(c_uint64)],
+    ),
+    "kvd_cuda_event_wait": (I32, [C, c_uint64, c_uint64]),
+    "kvd_cuda_event_release": (I32, [C, c_uint64]),
 }
 
 for _name, (_res, _args) in _PROTOTYPES.items():

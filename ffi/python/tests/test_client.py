@@ -242,6 +242,31 @@ def test_asynchronous_lookups_complete_through_the_eventfd(daemon):
         assert c.poll(0) == []
 
 
+def test_an_asynchronous_release_hands_pins_back_without_waiting(daemon):
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        tags = kvd.block_tags(ns, 16, list(range(48)))
+        c.put([kvd.key(ns, t) for t in tags[:3]], [page(4096, 2)] * 3)
+        c.async_start(4)
+        pinned = c.lookup_prefix(ns, tags, pin=True, pin_ttl_ms=60_000)
+        assert len(pinned) == 3 and c.stats()["pins"] == 3
+        t = c.submit_release([b.handle for b in pinned])
+        done: dict = {}
+        for _ in range(100):
+            done.update(c.poll(1000))
+            if t in done:
+                break
+        assert done[t] == []
+        assert c.stats()["pins"] == 0, "every pin handed back"
+        # Releasing them again is no error at submit: the stale handles are simply not counted.
+        t2 = c.submit_release([b.handle for b in pinned])
+        for _ in range(100):
+            done.update(c.poll(1000))
+            if t2 in done:
+                break
+        assert done[t2] == []
+
+
 def test_a_router_drains_stored_and_removed_events_and_learns_what_it_lost():
     from conftest import Daemon
 

@@ -17,6 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvd_core::keys::{BlockTag, NamespaceId};
+use kvd_core::types::Handle;
 use kvd_core::types::PrefixHit;
 use kvd_core::{Error, Result};
 
@@ -43,6 +44,11 @@ pub enum AsyncOp {
         /// The pins' TTL.
         pin_ttl_ms: Option<u64>,
     },
+    /// [`Client::release`]: pins handed back without waiting for the answer.
+    Release {
+        /// The pins.
+        handles: Vec<Handle>,
+    },
 }
 
 /// What a finished call answered.
@@ -50,6 +56,9 @@ pub enum AsyncOp {
 pub enum AsyncReply {
     /// The lookup's hit.
     Prefix(PrefixHit),
+    /// How many of a release's pins were released (the others were stale or gone already:
+    /// their TTL ends them in any case).
+    Released(usize),
 }
 
 /// One finished call.
@@ -238,6 +247,9 @@ fn run(c: &mut Client, op: AsyncOp) -> Result<AsyncReply> {
         } => c
             .lookup_prefix(&namespace, &tags, pin, pin_ttl_ms)
             .map(AsyncReply::Prefix),
+        AsyncOp::Release { handles } => c
+            .release(&handles)
+            .map(|each| AsyncReply::Released(each.iter().filter(|r| r.is_ok()).count())),
     }
 }
 
