@@ -634,6 +634,16 @@ class Client:
         self._pending[ticket] = out
         return ticket
 
+    def submit_release(self, handles: Sequence[_lib.Handle]) -> int:
+        """Submit a ``release`` of pins; returns a ticket that ``poll`` answers with an empty
+        list (the pins are handed back on libkvd's worker thread, never waited for here)."""
+        n = len(handles)
+        ticket = self._next_ticket
+        check(L.kvd_async_release(self._c(), _handles(handles), n, ticket))
+        self._next_ticket += 1
+        self._pending[ticket] = None
+        return ticket
+
     def poll(self, timeout_ms: int = 0, max_completions: int = 64) -> list[tuple[int, Union[list[Block], KvdError]]]:
         """Finished asynchronous calls: ``(ticket, blocks or error)``, waiting at most
         ``timeout_ms`` for the first (0: not at all)."""
@@ -644,8 +654,46 @@ class Client:
         for i in range(n.value):
             c = comps[i]
             out = self._pending.pop(c.user_tag)
-            done.append((c.user_tag, _blocks(out, c.block_count) if c.status == OK else for_status(c.status)))
+            if c.status != OK:
+                done.append((c.user_tag, for_status(c.status)))
+            else:
+                done.append((c.user_tag, [] if out is None else _blocks(out, c.block_count)))
         return done
+
+    # -- CUDA copies between device memory and blocks (libkvd built with its cuda feature) --
+
+    def cuda_register_pool(self) -> None:
+        """Register this client's mapping of the pool as pinned memory for CUDA copies
+        (idempotent). ``Unsupported`` where libkvd has no CUDA or the host no driver."""
+        check(L.kvd_cuda_register_pool(self._c()))
+
+    def _cuda_copy(self, fn: Any, handle: _lib.Handle, slices: Sequence[tuple[int, int]], stream: int) -> int:
+        n = len(slices)
+        ptrs = (ctypes.c_uint64 * max(n, 1))(*[int(p) for p, _ in slices])
+        lens = (ctypes.c_uint64 * max(n, 1))(*[int(s) for _, s in slices])
+        event = ctypes.c_uint64()
+        check(fn(self._c(), handle, ptrs, lens, n, int(stream), event))
+        return event.value
+
+    def cuda_copy_to_block(self, handle: _lib.Handle, slices: Sequence[tuple[int, int]], stream: int = 0) -> int:
+        """Enqueue copies of device ``slices`` ``(address, bytes)`` into a block being written,
+        back to back from its first byte, on ``stream``; the completion event (wait for it,
+        then release it, before sealing)."""
+        return self._cuda_copy(L.kvd_cuda_copy_to_block, handle, slices, stream)
+
+    def cuda_copy_from_block(self, handle: _lib.Handle, slices: Sequence[tuple[int, int]], stream: int = 0) -> int:
+        """Enqueue copies of a pinned block into device ``slices``, from its first byte; the
+        completion event (keep the pin until it is released)."""
+        return self._cuda_copy(L.kvd_cuda_copy_from_block, handle, slices, stream)
+
+    def cuda_event_wait(self, event: int, timeout_ms: int) -> None:
+        """Wait for an event's copies; ``DeadlineExceeded`` if they still run at the timeout,
+        ``StaleGeneration`` when a copy out of a block finished after its page moved on."""
+        check(L.kvd_cuda_event_wait(self._c(), event, timeout_ms))
+
+    def cuda_event_release(self, event: int) -> None:
+        """Hand an event back (waits for its copies first)."""
+        check(L.kvd_cuda_event_release(self._c(), event))
 
     # -- batched convenience over the calls above ------------------------------------------
 
