@@ -1,4 +1,4 @@
-//! The `kvd` command: `kvd serve`, `kvd status`, `kvd control`, `kvd sim`.
+//! The `kvd` command: `kvd serve`, `kvd status`, `kvd drain`, `kvd control`, `kvd sim`.
 
 use clap::{Parser, Subcommand};
 
@@ -33,6 +33,8 @@ See docs/DAEMON.md."
     Serve(Box<kvd::daemon::ServeArgs>),
     /// Print a running daemon's status (pool occupancy by state, sessions, rates).
     Status(kvd::daemon::status::StatusArgs),
+    /// Drain a running daemon (finish in-flight work, then exit 0), and optionally wait for it.
+    Drain(kvd::daemon::status::DrainArgs),
     /// Run the control shim (checkpoint placement, recovery planning) as an HTTP/JSON service.
     Control(kvd::control_service::ControlArgs),
     /// Simulate a serving cluster with failing workers and compare recovery policies.
@@ -45,6 +47,7 @@ fn main() -> std::process::ExitCode {
     match cli.command {
         Command::Serve(args) => kvd::daemon::run(*args),
         Command::Status(args) => kvd::daemon::status::run(args),
+        Command::Drain(args) => kvd::daemon::status::drain(args),
         Command::Control(args) => kvd::control_service::run(args),
         #[cfg(feature = "sim")]
         Command::Sim(args) => kvd::sim::cli::run(args),

@@ -37,6 +37,7 @@ class Daemon:
             if line.startswith("kvd ready"):
                 fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
                 self.data = fields.get("data")
+                self.admin = fields.get("admin")
                 return
             if not line and self.proc.poll() is not None:
                 break

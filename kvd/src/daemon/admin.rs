@@ -534,9 +534,16 @@ async fn readyz(State(a): State<Arc<Admin>>) -> Response {
 
 async fn metrics(State(a): State<Arc<Admin>>) -> Response {
     let d = &a.d;
-    let text = d
-        .metrics
-        .render(!d.drain.is_draining(), d.started.elapsed().as_secs_f64());
+    let draining = d.drain.is_draining();
+    let lease_held = d.cluster.lease_held();
+    let text = d.metrics.render(super::metrics::Health {
+        ready: !draining && lease_held,
+        draining,
+        drain_s: d.drain.elapsed().as_secs_f64(),
+        cluster_mode: d.cluster.is_cluster_mode(),
+        lease_held,
+        uptime_s: d.started.elapsed().as_secs_f64(),
+    });
     ([(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)], text).into_response()
 }
 

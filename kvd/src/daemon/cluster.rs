@@ -255,7 +255,13 @@ impl Membership {
         }
     }
 
-    /// Whether this node may take new work: it holds its registration lease.
+    /// Whether the node is in cluster mode (registered in etcd), not on its own.
+    pub fn is_cluster_mode(&self) -> bool {
+        self.registry != "embedded"
+    }
+
+    /// Whether this node may take new work: it holds its registration lease (always true
+    /// when embedded).
     pub fn lease_held(&self) -> bool {
         self.lease_held.load(Ordering::Acquire)
     }

@@ -16,6 +16,10 @@ pub struct ServeArgs {
     /// A TOML file with any of the keys below (flags win over the file).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Resolve and check the settings (flags over the file over the defaults), print them and
+    /// exit 0, or exit 2 with what is wrong: nothing is bound, created or locked.
+    #[arg(long)]
+    pub check_config: bool,
     /// Where the node generation is persisted (created 0700; increased at every start)
     /// [default: kvd-data].
     #[arg(long)]

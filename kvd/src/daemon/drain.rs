@@ -26,14 +26,21 @@ pub const HARD_DEADLINE_EXIT_CODE: i32 = 3;
 pub struct DrainState {
     draining: AtomicBool,
     requested: Notify,
+    since: std::sync::OnceLock<Instant>,
 }
 
 impl DrainState {
     /// Ask for a drain (idempotent). The node is not ready from this moment.
     pub fn request(&self) {
         if !self.draining.swap(true, Ordering::SeqCst) {
+            let _ = self.since.set(Instant::now());
             self.requested.notify_one();
         }
+    }
+
+    /// How long the drain has run (zero before one begins): what an alert on a stuck drain reads.
+    pub fn elapsed(&self) -> Duration {
+        self.since.get().map_or(Duration::ZERO, Instant::elapsed)
     }
 
     /// Whether a drain has begun.

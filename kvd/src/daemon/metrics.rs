@@ -98,7 +98,28 @@ pub struct Metrics {
     /// Result of the last accounting audit (1 balanced, 0 not).
     pub accounting_balanced: Gauge,
     ready: Gauge,
+    draining: Gauge,
+    drain_s: Gauge<f64, AtomicU64>,
+    cluster_mode: Gauge,
+    lease_held: Gauge,
     uptime_s: Gauge<f64, AtomicU64>,
+}
+
+/// The daemon's state at a scrape, beside its counters.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Health {
+    /// Ready for new work (not draining, lease held).
+    pub ready: bool,
+    /// A drain has begun.
+    pub draining: bool,
+    /// Seconds since the drain began (0 before).
+    pub drain_s: f64,
+    /// Registered in etcd (not on its own).
+    pub cluster_mode: bool,
+    /// Holding the registration lease (always when on its own).
+    pub lease_held: bool,
+    /// Seconds since start.
+    pub uptime_s: f64,
 }
 
 impl Metrics {
@@ -155,6 +176,10 @@ impl Metrics {
             admin_connections_open: Gauge::default(),
             accounting_balanced: Gauge::default(),
             ready: Gauge::default(),
+            draining: Gauge::default(),
+            drain_s: Gauge::default(),
+            cluster_mode: Gauge::default(),
+            lease_held: Gauge::default(),
             uptime_s: Gauge::default(),
             registry: Registry::default(),
         };
@@ -240,8 +265,28 @@ impl Metrics {
         );
         r.register(
             "kvd_ready",
-            "1 while ready (0 while draining)",
+            "1 while ready (0 while draining or without the etcd lease)",
             m.ready.clone(),
+        );
+        r.register(
+            "kvd_draining",
+            "1 from the moment a drain begins",
+            m.draining.clone(),
+        );
+        r.register(
+            "kvd_drain_seconds",
+            "Seconds since the drain began (0 before one)",
+            m.drain_s.clone(),
+        );
+        r.register(
+            "kvd_cluster_mode",
+            "1 when the node is registered in etcd, 0 on its own",
+            m.cluster_mode.clone(),
+        );
+        r.register(
+            "kvd_etcd_lease_held",
+            "1 while the node holds its etcd registration lease (always 1 on its own)",
+            m.lease_held.clone(),
         );
         r.register(
             "kvd_uptime_seconds",
@@ -290,9 +335,13 @@ impl Metrics {
     }
 
     /// Everything in the OpenMetrics text format ([`CONTENT_TYPE`]).
-    pub fn render(&self, ready: bool, uptime_s: f64) -> String {
-        self.ready.set(i64::from(ready));
-        self.uptime_s.set(uptime_s);
+    pub fn render(&self, h: Health) -> String {
+        self.ready.set(i64::from(h.ready));
+        self.draining.set(i64::from(h.draining));
+        self.drain_s.set(h.drain_s);
+        self.cluster_mode.set(i64::from(h.cluster_mode));
+        self.lease_held.set(i64::from(h.lease_held));
+        self.uptime_s.set(h.uptime_s);
         let mut out = String::with_capacity(16 * 1024);
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
@@ -468,6 +517,28 @@ impl Collector for StoreCollector {
                 ConstGauge::new(i64::from(n) * scale).encode(family.encode_family(&labels)?)?;
             }
         }
+        {
+            // Published pages by class: checkpoint blocks (held by a live manifest until it
+            // ends) and cache blocks (evictable when unpinned).
+            let published = states
+                .iter()
+                .find(|(state, _)| *state == "published")
+                .map_or(0, |(_, n)| u64::from(*n));
+            let checkpoint = self.store.checkpoint_pages().min(published);
+            let mut family = e.encode_descriptor(
+                "kvd_class_bytes",
+                "Published pool bytes by block class",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (class, n) in [
+                ("cache", published - checkpoint),
+                ("checkpoint", checkpoint),
+            ] {
+                let labels = [("class", class)];
+                ConstGauge::new(n as i64 * page).encode(family.encode_family(&labels)?)?;
+            }
+        }
         gauge(
             &mut e,
             "kvd_blocks_total",
@@ -611,7 +682,12 @@ mod tests {
         m.op("alloc").observe(3, true);
         m.op("alloc").observe(700, false);
         m.op("alloc").observe(10_000_000, true);
-        let text = m.render(true, 1.0);
+        let text = m.render(Health {
+            ready: true,
+            lease_held: true,
+            uptime_s: 1.0,
+            ..Health::default()
+        });
         for needle in [
             "kvd_op_duration_seconds_bucket{le=\"0.000005\",op=\"alloc\"} 1",
             "kvd_op_duration_seconds_bucket{le=\"0.001\",op=\"alloc\"} 2",
@@ -636,8 +712,16 @@ mod tests {
 
     #[test]
     fn every_sample_line_is_a_name_and_a_number() {
-        let text = metrics().render(false, 2.5);
+        let text = metrics().render(Health {
+            uptime_s: 2.5,
+            draining: true,
+            drain_s: 0.5,
+            ..Health::default()
+        });
         assert!(text.contains("kvd_ready 0"));
+        assert!(text.contains("kvd_draining 1"));
+        assert!(text.contains("kvd_drain_seconds 0.5"));
+        assert!(text.contains("kvd_cluster_mode 0"));
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let v = line.rsplit(' ').next().unwrap();
             assert!(v.parse::<f64>().is_ok(), "bad sample line {line:?}");

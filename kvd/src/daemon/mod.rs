@@ -51,6 +51,17 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
+    if args.check_config {
+        match serde_json::to_string_pretty(&config) {
+            Ok(text) => println!("{text}"),
+            Err(e) => {
+                eprintln!("kvd serve --check-config: {e}");
+                return std::process::ExitCode::from(1);
+            }
+        }
+        eprintln!("kvd serve --check-config: the settings are valid (nothing was started)");
+        return std::process::ExitCode::SUCCESS;
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.threads)
         .thread_name("kvd")

@@ -24,6 +24,51 @@ pub struct StatusArgs {
     pub sample_ms: u64,
 }
 
+/// `kvd drain` arguments.
+#[derive(Debug, Clone, clap::Args)]
+#[command(after_help = "Examples:
+  kvd drain                                   drain the local daemon, return at once
+  kvd drain --wait-secs 50                    ... and wait until it has exited (a preStop hook)
+
+The drain itself is the daemon's (docs/DAEMON.md, \"Graceful drain\"): /readyz turns 503 at once,
+in-flight work finishes within drain_deadline_ms, then it exits 0. SIGTERM does the same.")]
+pub struct DrainArgs {
+    /// The daemon's admin address (a drain is accepted from loopback only, by default).
+    #[arg(long, default_value = super::config::DEFAULT_ADMIN_LISTEN)]
+    pub admin: SocketAddr,
+    /// Wait up to this many seconds for the daemon to exit (0: return once it accepted).
+    #[arg(long, default_value_t = 0)]
+    pub wait_secs: u64,
+}
+
+/// Run `kvd drain`: POST /drain, then optionally wait (bounded) until the admin port closes.
+pub fn drain(args: DrainArgs) -> std::process::ExitCode {
+    let fail = |e: String| {
+        eprintln!("kvd drain: {e}");
+        std::process::ExitCode::from(1)
+    };
+    match http(args.admin, "POST", "/drain") {
+        Ok((202, _)) => eprintln!("kvd drain: {} accepted the drain", args.admin),
+        Ok((code, body)) => return fail(format!("/drain answered {code}: {}", body.trim())),
+        Err(e) => return fail(e.to_string()),
+    }
+    if args.wait_secs == 0 {
+        return std::process::ExitCode::SUCCESS;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(args.wait_secs);
+    while std::time::Instant::now() < deadline {
+        if TcpStream::connect_timeout(&args.admin, Duration::from_millis(500)).is_err() {
+            eprintln!("kvd drain: the daemon has exited");
+            return std::process::ExitCode::SUCCESS;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    fail(format!(
+        "still running after {} s; `kvd status --admin {}` shows what it waits for",
+        args.wait_secs, args.admin
+    ))
+}
+
 /// Largest answer read, bytes.
 pub const MAX_HTTP_BODY_BYTES: usize = 16 << 20;
 

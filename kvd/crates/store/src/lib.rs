@@ -656,6 +656,17 @@ impl Store {
         }
     }
 
+    /// Published pages held as checkpoint blocks by live manifests (the rest of the published
+    /// pages are cache blocks). One pass over the manifests, for a scrape.
+    pub fn checkpoint_pages(&self) -> u64 {
+        let g = self.lock();
+        g.manifests
+            .by_request
+            .values()
+            .map(|m| m.blocks.len() as u64)
+            .sum()
+    }
+
     /// The open sessions, in id order, at most `limit`.
     pub fn sessions(&self, limit: usize) -> Vec<SessionSummary> {
         let g = self.lock();
