@@ -327,11 +327,13 @@ def test_other_weights_at_the_same_model_path_are_a_miss(daemon, model_dir):
         r.close()
 
 
-def test_the_same_weights_in_another_directory_with_their_stamp_preserved_hit(daemon, model_dir, tmp_path):
+def test_the_same_weights_in_another_directory_hit_whatever_their_file_times(daemon, model_dir, tmp_path):
     import shutil
 
     copy = tmp_path / "elsewhere" / "same-model"
-    shutil.copytree(model_dir, copy)  # copy2: names, sizes, mtimes and config.json kept
+    shutil.copytree(model_dir, copy, copy_function=shutil.copyfile)  # new mtimes: another node
+    for p in copy.iterdir():
+        os.utime(p, (1_000_000_000, 1_000_000_000))
     w = Stack(daemon.socket, "mla", "page_first", True, model_dir)
     tokens = fresh_tokens(1)
     try:

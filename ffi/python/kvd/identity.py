@@ -2,12 +2,16 @@
 
 A namespace must change when the bytes a KV block holds would change. A model's path does not
 say that: new weights written to the same directory (a fine-tune saved over the old one, a
-re-download of another revision) keep the path and change every KV byte. ``weights_identity``
-stamps the weight files themselves: their names, sizes and modification times, and the bytes
-of the model's ``config.json``. Reading every weight byte would be exact but costs seconds per
-GiB at engine start; a stamp changes whenever a file is rewritten, which is what happens when
-weights change in place. Two copies of the same weights in two directories get two stamps
-(a miss, never a wrong hit).
+re-download of another revision) keep the path and change every KV byte. And it must not change
+where the bytes would not: the same weights on two nodes (downloaded at different times, to
+different directories) must name one namespace, or no block moves between them.
+
+``weights_identity`` stamps the weight files' contents without reading them whole (that costs
+seconds per GiB at every engine start): each weight file's name relative to the model directory,
+its size, and ``SAMPLES`` evenly spaced ``SAMPLE_BYTES`` runs of its bytes (the first and the
+last included), plus the bytes of ``config.json``. New weights differ in every sampled run, so
+they get a new stamp; copies of the same files get the same stamp wherever they are; file times
+play no part.
 
 An operator who knows better (a content digest from the model registry) passes it as the
 adapter's ``model_identity`` setting, which replaces the stamp.
@@ -21,6 +25,19 @@ from pathlib import Path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack")
 MAX_FILES = 100_000  # a bound on the directory walk
+SAMPLES = 16  # runs read per weight file
+SAMPLE_BYTES = 64 * 1024
+
+
+def _sample(h: "hashlib._Hash", path: Path, size: int) -> None:
+    with open(path, "rb") as f:
+        if size <= SAMPLES * SAMPLE_BYTES:
+            h.update(f.read())
+            return
+        step = (size - SAMPLE_BYTES) // (SAMPLES - 1)
+        for i in range(SAMPLES):
+            f.seek(i * step)
+            h.update(f.read(SAMPLE_BYTES))
 
 
 def weights_identity(model: str) -> str:
@@ -42,8 +59,10 @@ def weights_identity(model: str) -> str:
         return ""
     h = hashlib.sha256()
     for p in files:
-        st = os.stat(p)
-        h.update(f"{p.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        size = os.stat(p).st_size
+        h.update(f"{p.relative_to(root)}\0{size}\0".encode())
         if p.name == "config.json":
             h.update(p.read_bytes())
+        else:
+            _sample(h, p, size)
     return "w:" + h.hexdigest()[:32]

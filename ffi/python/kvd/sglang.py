@@ -31,7 +31,7 @@ pool group). Launch::
 What can be a hit (DESIGN.md §7b): keys are SGLang's page hashes (SHA-256 of the hash string
 gives the 32-byte tag) inside a kvd namespace that holds every field that gives a page's bytes
 their meaning: the weights (``identity.weights_identity`` of the model directory: weight files'
-names, sizes, mtimes and config.json), the host pool's class, memory layout, dtype and geometry,
+names, sizes and sampled contents, and config.json), the host pool's class, memory layout, dtype and geometry,
 the I/O path (generic and zero-copy pages are laid out differently: ``io=generic``/``io=v1``),
 SGLang's storage format tag, TP rank and size (not for MLA, whose pages every rank shares), PP
 rank and size and the layers of the stage, context- and decode-context-parallel ranks. A page

@@ -25,3 +25,23 @@ def test_the_package_itself_imports_without_any_engine():
     from kvd.identity import weights_identity
 
     assert weights_identity("/nonexistent/model") == ""
+
+
+def test_the_weights_stamp_follows_the_bytes_not_the_path_or_the_file_times(tmp_path):
+    import os
+
+    from kvd.identity import SAMPLE_BYTES, SAMPLES, weights_identity
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "config.json").write_text('{"hidden_size": 8}')
+    big = bytearray(os.urandom(SAMPLES * SAMPLE_BYTES * 4))
+    (a / "model.safetensors").write_bytes(big)
+    (b / "model.safetensors").write_bytes(big)
+    os.utime(b / "model.safetensors", (1_000_000_000, 1_000_000_000))
+    assert weights_identity(str(a)) == weights_identity(str(b)), "the same weights elsewhere: one namespace"
+    (b / "model.safetensors").write_bytes(os.urandom(len(big)))
+    assert weights_identity(str(a)) != weights_identity(str(b)), "new weights at the same path"
+    (b / "model.safetensors").write_bytes(big[:-1])
+    assert weights_identity(str(a)) != weights_identity(str(b)), "another size"
