@@ -40,6 +40,21 @@ install_missing() {
 
 install_missing
 
+# pytest in a folder with a given interpreter; "no tests collected" (exit 5) is a failure too.
+pytest_in() {
+    local dir=$1 python=$2
+    shift 2
+    set +e
+    (cd "$dir" && "$python" -m pytest -q -p no:cacheprovider "$@" .)
+    local rc=$?
+    set -e
+    if [ "$rc" = 5 ]; then
+        echo "pytest collected no tests in $dir"
+        exit 1
+    fi
+    [ "$rc" = 0 ] || exit "$rc"
+}
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 
@@ -101,15 +116,7 @@ python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check pytest numpy
 KVD_LIBKVD="$PWD/target/debug/libkvd.so" "$venv/bin/pip" install --quiet --disable-pip-version-check ./ffi/python
 rm -rf ffi/python/build ffi/python/kvd.egg-info
-set +e
-(cd ffi/python/tests && KVD_BIN="$PWD/../../../target/debug/kvd" "../../../$venv/bin/python" -m pytest -q -p no:cacheprovider .)
-rc=$?
-set -e
-if [ "$rc" = 5 ]; then
-    echo "pytest collected no tests in ffi/python/tests"
-    exit 1
-fi
-[ "$rc" = 0 ] || exit "$rc"
+KVD_BIN="$PWD/target/debug/kvd" pytest_in ffi/python/tests "$PWD/$venv/bin/python"
 # ---- end of the libkvd block -----------------------------------------------------------------
 
 # ---- the deployment files (deploy/): Kubernetes, systemd, Prometheus rules, the dashboard -------
@@ -127,16 +134,7 @@ scripts/check-deploy.sh
 if [ "${KVD_ENGINE_TESTS:-1}" = 1 ]; then
     engine_venv=$(scripts/engine-venv.sh)
     echo "== vLLM and SGLang run kvd's adapters (tests/engines)"
-    set +e
-    (cd tests/engines && KVD_BIN="$PWD/../../target/debug/kvd" "$engine_venv/bin/python" -m pytest -q -rs \
-        -p no:cacheprovider .)
-    rc=$?
-    set -e
-    if [ "$rc" = 5 ]; then
-        echo "pytest collected no tests in tests/engines"
-        exit 1
-    fi
-    [ "$rc" = 0 ] || exit "$rc"
+    KVD_BIN="$PWD/target/debug/kvd" pytest_in tests/engines "$engine_venv/bin/python" -rs
 else
     echo "== KVD_ENGINE_TESTS=0: the engine tests are SKIPPED (CI runs them)"
 fi

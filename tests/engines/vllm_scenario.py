@@ -50,7 +50,9 @@ def main() -> None:
     preempted = _Preemptions(sched)
     results = {"load_s": load_s, "steps": []}
     for step in scenario["steps"]:
-        sp = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
+        extra = {"kv_transfer_params": step["kv_transfer_params"]} if step.get("kv_transfer_params") else None
+        sp = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True,
+                            extra_args=extra)
         if step.get("reset_prefix_cache"):
             assert llm.reset_prefix_cache()
         before = _worker_stats()
@@ -84,7 +86,9 @@ def main() -> None:
         results["namespaces"] = _namespaces(sched.connector)
         c = sched.connector
         results["bookkeeping"] = {n: len(getattr(c, n)) for n in (
-            "_lookups", "_ticket_req", "_loading_pins", "_loading_blocks", "_requests", "_save_cursor")}
+            "_lookups", "_ticket_req", "_loading_pins", "_loading_blocks", "_requests", "_save_cursor",
+            "_ckpt_cursor", "_restore_tags", "restorer")}
+        results["scheduler_totals"] = dict(c.totals.data)
         results["stats_log"] = _stats_log(llm)
         results["events"] = [type(e).__name__ for e in timer.events]
     (out / "results.json").write_text(json.dumps(results))

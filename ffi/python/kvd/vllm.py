@@ -24,6 +24,9 @@ Settings (``kv_connector_extra_config``):
 ``reconnect_ms``     least time between reconnect attempts while the daemon is down (1000)
 ``events_ms``        how often a background thread drains kvd's block events for vLLM's KV
                      event stream (200; 0 turns the thread off)
+``max_checkpoint_transfers``  checkpoint pushes in flight per worker (16; ``kvd.vllm_checkpoint``)
+``checkpoint_ttl_ms``  how long a holder keeps a checkpoint no step renews (60000)
+``restore_timeout_ms``  how long a restore's recovery read may take before recomputing (30000)
 ==================== ========================================================================
 
 What can be a hit (the namespace): the model's weights (a stamp of the weight files, not the
@@ -40,6 +43,10 @@ and the saves of every block that this step's forward completes (only fully comp
 never the one holding the last sampled token); ``update_connector_output`` releases the pins of
 loads the workers report done; ``request_finished`` drops a request's bookkeeping (also for
 aborts) and never delays the free, since saves happen as blocks complete.
+
+Requests that carry ``{"kvd": {"checkpoint": ...}}`` or ``{"kvd": {"restore": ...}}`` in their
+``kv_transfer_params`` stream their blocks to a checkpoint holder, or restore their prefix from
+one (``kvd.vllm_checkpoint`` says how); requests without them behave as above.
 
 Worker side: ``register_kv_caches`` reads each layer's physical layout
 (``kvd.vllm_layout``); ``start_load_kv`` copies each hit block's runs out of a pinned zero-copy
@@ -61,9 +68,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from .client import Client, Namespace, key
+from .client import Client, Namespace, block_tags, key
 from .errors import AlreadyExists, Disconnected, KvdError, Overloaded
 from .identity import weights_identity
+from .vllm_checkpoint import CheckpointStep, Restorer, Streamer, params
 from .vllm_layout import BlockLayout, LayoutError
 
 try:  # Subclass vLLM's own classes: without vLLM this module cannot be a connector.
@@ -107,11 +115,14 @@ def block_tag(block_hash: Any) -> bytes:
 
 @dataclass
 class BlockTransfer:
-    """Blocks of one request to move: vLLM block ids and the kvd tags they hold."""
+    """Blocks of one request to move: vLLM block ids and the kvd tags they hold; for a save,
+    the checkpoint step they also make (its own ids and tags: ``kvd.vllm_checkpoint``)."""
 
     req_id: str
     block_ids: list[int]
     tags: list[bytes]
+    checkpoint: Optional[CheckpointStep] = None
+    checkpoint_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -133,7 +144,8 @@ class KvdWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 _COUNTERS = ("loaded_blocks", "loaded_bytes", "load_errors", "saved_blocks", "saved_bytes",
-             "save_skipped", "save_errors", "load_us", "save_us")
+             "save_skipped", "save_errors", "load_us", "save_us", "checkpoint_blocks",
+             "checkpoint_bytes", "checkpoint_deferred", "checkpoint_dropped", "checkpoint_failed")
 
 
 @dataclass
@@ -228,6 +240,15 @@ class KvdConnector(KVConnectorBase_V1):
         self._loads: list[BlockTransfer] = []
         self._requests: dict[str, Any] = {}  # running requests the connector saves from
         self._save_cursor: dict[str, int] = {}  # blocks of a request already handed to save
+        self._restore_tags: dict[str, list[bytes]] = {}  # restoring requests: token-chain tags
+        self._ckpt_cursor: dict[str, int] = {}  # blocks of a checkpointed request streamed
+        self.recovery = len(self.shard_ns) == 1
+        if not self.recovery:
+            log.warning("kvd: checkpoints and restores need TP and PP size 1: their parameters are ignored")
+        self.restorer = Restorer(self.client, self.namespace, self.block_size,
+                                 int(extra.get("restore_timeout_ms", 30_000)))
+        self.streamer = Streamer(self.client, self.namespace, int(extra.get("max_checkpoint_transfers", 16)),
+                                 int(extra.get("checkpoint_ttl_ms", 60_000)))
         self._events: collections.deque = collections.deque(maxlen=MAX_EVENTS_BUFFERED)
         self._events_thread: Optional[_EventsThread] = None
         if self.is_scheduler and int(extra.get("events_ms", 200)) > 0:
@@ -244,6 +265,12 @@ class KvdConnector(KVConnectorBase_V1):
     def _count(self, name: str, n: int) -> None:
         self._stats.add(name, n)
         self.totals.add(name, n)
+
+    def _sync(self, figures: Any) -> None:
+        """Bring the totals up to a helper's running figures (checkpoints, restores)."""
+        for name, n in figures.items():
+            if n != self.totals.data.get(name, 0):
+                self._count(name, n - self.totals.data.get(name, 0))
 
     # -- vLLM's class-level hooks ------------------------------------------------------------
 
@@ -361,11 +388,15 @@ class KvdConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """Tokens beyond ``num_computed_tokens`` that kvd holds; ``None`` means ask again."""
         rid = request.request_id
-        tags = self._tags(request)
-        if not tags or not self._usable():
+        if not self._usable():
             return 0, False
         lk = self._lookups.get(rid)
         try:
+            tags = self._lookup_tags(request)
+            if tags is None:
+                return None, False  # a restore's recovery read is still under way
+            if not tags:
+                return 0, False
             if lk is None:
                 lk = self._lookups[rid] = _Lookup()
                 self._ask(rid, lk, tags)
@@ -390,6 +421,21 @@ class KvdConnector(KVConnectorBase_V1):
         if hit_tokens >= request.num_tokens:  # the last token is always computed (its logits)
             hit_tokens = (request.num_tokens - 1) // self.block_size * self.block_size
         return max(0, hit_tokens - num_computed_tokens), False
+
+    def _lookup_tags(self, request: Any) -> Optional[list[bytes]]:
+        """vLLM's block hashes, or for a request restoring a checkpoint the token-chain tags
+        its holder restores (``None`` while the recovery read runs)."""
+        rid = request.request_id
+        if rid in self._restore_tags:
+            return self._restore_tags[rid]
+        restore = params(request)[1] if self.recovery else None
+        if restore is None:
+            return self._tags(request)
+        tags = self.restorer.tags(request)
+        self._sync(self.restorer.figures)
+        if tags is not None:
+            self._restore_tags[rid] = tags
+        return tags
 
     def _ask(self, rid: str, lk: _Lookup, tags: list[bytes]) -> None:
         for shard, ns in enumerate(self.shard_ns):
@@ -456,7 +502,8 @@ class KvdConnector(KVConnectorBase_V1):
         first = lk.local_tokens // self.block_size
         n = num_external_tokens // self.block_size
         block_ids = list(blocks.get_block_ids()[0])[first : first + n]
-        self._loads.append(BlockTransfer(rid, block_ids, self._tags(request)[first : first + n]))
+        tags = self._restore_tags.get(rid) or self._tags(request)
+        self._loads.append(BlockTransfer(rid, block_ids, tags[first : first + n]))
         self._loading_pins.setdefault(rid, []).extend(lk.pins)
         self._loading_blocks[rid] = (first, block_ids)
         # The loaded blocks are in kvd: saving starts after them (a block whose load fails
@@ -486,13 +533,32 @@ class KvdConnector(KVConnectorBase_V1):
             computed = request.num_computed_tokens + n_new - len(spec.get(rid, ()))
             full = min(computed // self.block_size, len(request.block_hashes))
             start = self._save_cursor.get(rid, 0)
-            if full <= start:
-                continue
+            binding = params(request)[0] if self.recovery else None
+            streamed = self._ckpt_cursor.get(rid, 0) if binding is not None else full
+            if full <= min(start, streamed):
+                continue  # nothing completed this step (the common case: no block lookup)
             block_ids = self._kv_cache_manager.get_block_ids(rid)[0]
             full = min(full, len(block_ids))
-            saves.append(BlockTransfer(rid, list(block_ids[start:full]), self._tags(request, full)[start:]))
-            self._save_cursor[rid] = full
+            save = BlockTransfer(rid, list(block_ids[start:full]), self._tags(request, full)[start:])
+            if binding is not None:
+                self._add_checkpoint(request, binding, save, block_ids, full)
+            if save.tags or save.checkpoint is not None:
+                saves.append(save)
+            self._save_cursor[rid] = max(start, full)
         return saves
+
+    def _add_checkpoint(self, request: Any, binding: Any, save: BlockTransfer, block_ids: list[int], full: int) -> None:
+        """A checkpointed request's blocks completed since its last step, from its first block
+        (a restored request's new checkpoint starts over, at its new holder and epoch)."""
+        rid = request.request_id
+        done = self._ckpt_cursor.get(rid, 0)
+        if full <= done:
+            return
+        tokens = list(request.all_token_ids[: full * self.block_size])
+        tags = block_tags(self.namespace, self.block_size, tokens)[done:full]
+        save.checkpoint = CheckpointStep(binding, tags, full * self.block_size)
+        save.checkpoint_block_ids = list(block_ids[done:full])
+        self._ckpt_cursor[rid] = full
 
     def update_connector_output(self, connector_output: Any) -> None:
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
@@ -515,6 +581,9 @@ class KvdConnector(KVConnectorBase_V1):
         self._loading_blocks.pop(rid, None)
         self._requests.pop(rid, None)
         self._save_cursor.pop(rid, None)
+        self._ckpt_cursor.pop(rid, None)
+        self._restore_tags.pop(rid, None)
+        self.restorer.forget(rid)
         return False, None
 
     def take_events(self) -> Iterable[Any]:
@@ -551,41 +620,45 @@ class KvdConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvdConnectorMetadata) or not meta.loads:
             return
         t0 = time.perf_counter()
-        for load in meta.loads:
-            self._loaded_reqs.add(load.req_id)
-            if not self._usable():
-                self._load_errors.update(load.block_ids)
-                self._count("load_errors", len(load.block_ids))
-                continue
-            try:
-                self._load(load)
-            except Disconnected as e:  # what was not copied yet is recomputed
-                self._lost(e)
+        self._loaded_reqs.update(load.req_id for load in meta.loads)
+        self._each(meta.loads, self._load, lambda load: self._failed(load.block_ids))
         self._count("load_us", int((time.perf_counter() - t0) * 1e6))
+
+    def _each(self, transfers: list[BlockTransfer], fn: Any, skipped: Any) -> None:
+        """``fn`` for each transfer while the daemon is reachable; ``skipped`` for the others
+        (a load that is skipped is recomputed, a save that is skipped is a later miss)."""
+        for t in transfers:
+            if self._usable():
+                try:
+                    fn(t)
+                    continue
+                except Disconnected as e:
+                    self._lost(e)
+            skipped(t)
+
+    def _failed(self, block_ids: list[int]) -> None:
+        self._load_errors.update(block_ids)
+        self._failed_this_step.update(block_ids)
+        self._count("load_errors", len(block_ids))
 
     def _load(self, load: BlockTransfer) -> None:
         assert self.layout is not None
+        done: set[int] = set()
+        pinned: list[Any] = []
         try:
             got = self.client.acquire([key(self.namespace, t) for t in load.tags], self.pin_ttl_ms)
-        except KvdError:
-            self._load_errors.update(load.block_ids)
-            self._count("load_errors", len(load.block_ids))
-            return
-        pinned = [b.handle for b in got if not isinstance(b, KvdError)]
-        done: set[int] = set()
-        try:
+            pinned = [b.handle for b in got if not isinstance(b, KvdError)]
             for block_id, b in zip(load.block_ids, got):
                 if not isinstance(b, KvdError) and self._copy_in(block_id, b):
                     done.add(block_id)
                     self._count("loaded_blocks", 1)
                     self._count("loaded_bytes", b.len)
-        finally:
-            failed = [i for i in load.block_ids if i not in done]
-            self._load_errors.update(failed)
-            self._failed_this_step.update(failed)
-            self._count("load_errors", len(failed))
             if pinned:
                 self.client.release(pinned)
+        except KvdError as e:  # what was not copied is recomputed; pins also end by TTL
+            if isinstance(e, Disconnected):
+                self._lost(e)
+        self._failed([i for i in load.block_ids if i not in done])
 
     def _copy_in(self, block_id: int, b: Any) -> bool:
         assert self.layout is not None
@@ -621,30 +694,38 @@ class KvdConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvdConnectorMetadata) or not meta.saves:
             return
         t0 = time.perf_counter()
-        for save in meta.saves:
-            if not self._usable():
-                self._count("save_errors", len(save.tags))
-                continue
-            try:
-                self._save(save)
-            except Disconnected as e:  # a dropped save is a later miss
-                self._lost(e)
-                self._count("save_errors", len(save.tags))
-            except KvdError as e:
-                log.warning("kvd: a save of %d blocks failed (%s): later misses", len(save.tags), e)
-                self._count("save_errors", len(save.tags))
+        self._each(meta.saves, self._save_or_count, lambda save: self._count("save_errors", len(save.tags)))
         self._count("save_us", int((time.perf_counter() - t0) * 1e6))
 
-    def _save(self, save: BlockTransfer) -> None:
-        assert self.layout is not None
+    def _save_or_count(self, save: BlockTransfer) -> None:
         try:
-            allocs = self.client.alloc([key(self.namespace, t) for t in save.tags])
+            self._save(save)
+        except Disconnected:
+            raise
+        except KvdError as e:  # a dropped save is a later miss
+            log.warning("kvd: a save of %d blocks failed (%s): later misses", len(save.tags), e)
+            self._count("save_errors", len(save.tags))
+
+    def _save(self, save: BlockTransfer) -> None:
+        if save.tags:
+            self._store(save.block_ids, [key(self.namespace, t) for t in save.tags])
+        if save.checkpoint is not None:
+            step = save.checkpoint
+            self._store(save.checkpoint_block_ids, self.streamer.keys(step))
+            assert self.layout is not None
+            self.streamer.offer(step, len(step.tags) * self.layout.block_bytes)
+            self._sync(self.streamer.figures)
+
+    def _store(self, block_ids: list[int], keys: list[bytes]) -> None:
+        """Write, seal and publish (as one group) the blocks not stored yet."""
+        try:
+            allocs = self.client.alloc(keys)
         except KvdError as e:
             log.debug("kvd: alloc for a save failed: %s", e)
-            self._count("save_errors", len(save.tags))
+            self._count("save_errors", len(keys))
             return
         items = []
-        for block_id, a in zip(save.block_ids, allocs):
+        for block_id, a in zip(block_ids, allocs):
             if block_id in self._failed_this_step and not isinstance(a, KvdError):
                 self.client.abort([a.handle])  # its bytes are not its KV: never store them
                 self._count("save_errors", 1)

@@ -1,0 +1,123 @@
+"""Checkpoint streaming from a real vLLM engine and restore on another node (kvd.vllm_checkpoint).
+
+Three kvd daemons with data ports, each in the others' peer table: node 1 runs the worker
+engine, node 2 holds the checkpoints, node 3 runs the survivor. The worker generates part of a
+greedy request with checkpoint parameters, so every block it completes is streamed to node 2's
+manifest; then a fresh engine on node 3 gets the request resubmitted (prompt plus the tokens
+generated so far) with restore parameters, reads the prefix from node 2 and generates the rest.
+Its tokens must be the plain engine's, token for token, and it must have loaded the checkpoint
+rather than recomputed it. With the holder gone, the same resubmission recomputes and still
+gives the same tokens. (The streaming front that does the resubmitting is `kvd control`'s, a
+later step; here the test plays its part.)
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+import kvd
+from kvd_daemon import Daemon, wait_until
+from test_vllm import BLOCK, connector, engine, scenario, step, words
+
+PROMPT = words(11, 300, 23)
+MORE = words(13, 260, 29)
+SPLIT = 60  # tokens generated before the "crash"
+TOTAL = 120
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpt")
+    secret = tmp / "secret"
+    secret.write_bytes(bytes(range(32)))
+    secret.chmod(0o600)
+    ports = free_ports(3)
+    nodes = {}
+    for i in (1, 2, 3):
+        peers = [f"--peer={j}=127.0.0.1:{ports[j - 1]}" for j in (1, 2, 3) if j != i]
+        nodes[i] = Daemon(["--cluster-secret-file", str(secret), "--data-listen", f"127.0.0.1:{ports[i - 1]}",
+                           "--node-id", str(i), "--pool-mib", "64", "--page-kib", "64", *peers])
+    model = tmp / "model"
+    import subprocess
+    import sys
+
+    from test_vllm import HERE
+
+    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
+    try:
+        yield tmp, str(model), nodes
+    finally:
+        for d in nodes.values():
+            if d.proc.poll() is None:
+                d.stop()
+
+
+def committed(c: "kvd.Client", request: int) -> int:
+    try:
+        return c.manifest(request).committed_tokens
+    except kvd.NotFound:
+        return 0
+
+
+def kvd_params(kind: str, holder: int, request: int, epoch: int) -> dict:
+    return {"kvd": {kind: {"holder": holder, "request": request, "epoch": epoch}}}
+
+
+def test_a_request_checkpointed_to_a_holder_resumes_on_a_third_node_with_the_plain_tokens(cluster):
+    tmp, model, nodes = cluster
+    plain = engine(tmp, "plain", scenario(model, [step("full", [PROMPT], TOTAL, False)]))
+    full = plain.tokens("full")[0]
+    worker = engine(tmp, "worker", scenario(model, [
+        dict(step("part", [PROMPT], SPLIT, False), kv_transfer_params=kvd_params("checkpoint", 2, 4242, 1))],
+        connector(nodes[1].socket)))
+    assert worker.tokens("part")[0] == full[:SPLIT], "checkpointing changes nothing for the worker"
+    st = worker.stats("part")
+    computed = 300 + SPLIT - 1  # the last sampled token's KV is never computed
+    assert st["checkpoint_blocks"] == computed // BLOCK, "every completed block was streamed"
+    assert st["checkpoint_bytes"] == st["checkpoint_blocks"] * 32 * 1024
+    with kvd.Client(nodes[2].socket, name="test") as c:
+        # The pushes run on node 1's daemon: the last may land just after the engine is gone.
+        wait_until("the holder's manifest has every step",
+                   lambda: committed(c, 4242) == computed // BLOCK * BLOCK)
+        m = c.manifest(4242)
+        assert m.epoch == 1 and len(m.tags) == computed // BLOCK
+
+    resumed = {"tokens": plain.steps["full"]["outputs"][0]["prompt"] + full[:SPLIT]}
+    survivor = engine(tmp, "survivor", scenario(model, [
+        dict(step("rest", [resumed], TOTAL - SPLIT, False), kv_transfer_params=kvd_params("restore", 2, 4242, 1))],
+        connector(nodes[3].socket)))
+    assert survivor.tokens("rest")[0] == full[SPLIT:], "the stream continues exactly"
+    out = survivor.steps["rest"]["outputs"][0]
+    assert out["cached"] == computed // BLOCK * BLOCK, "the checkpointed prefix was restored, not recomputed"
+    assert survivor.stats("rest")["loaded_blocks"] == computed // BLOCK
+    assert survivor.r["scheduler_totals"].get("restores_done") == 1
+    assert all(n == 0 for n in survivor.r["bookkeeping"].values())
+
+
+def test_with_the_holder_gone_the_resubmitted_request_recomputes_and_gives_the_same_tokens(cluster):
+    tmp, model, nodes = cluster
+    plain = engine(tmp, "plain2", scenario(model, [step("full", [MORE], TOTAL, False)]))
+    full = plain.tokens("full")[0]
+    engine(tmp, "worker2", scenario(model, [
+        dict(step("part", [MORE], SPLIT, False), kv_transfer_params=kvd_params("checkpoint", 2, 4343, 1))],
+        connector(nodes[1].socket)))
+    nodes[2].stop()  # the holder's node is gone, its checkpoint with it
+    resumed = {"tokens": plain.steps["full"]["outputs"][0]["prompt"] + full[:SPLIT]}
+    survivor = engine(tmp, "survivor2", scenario(model, [
+        dict(step("rest", [resumed], TOTAL - SPLIT, False), kv_transfer_params=kvd_params("restore", 2, 4343, 1))],
+        connector(nodes[3].socket, restore_timeout_ms=5000)))
+    assert survivor.tokens("rest")[0] == full[SPLIT:]
+    assert survivor.steps["rest"]["outputs"][0]["cached"] == 0, "nothing to restore: all recomputed"
+    assert survivor.r["scheduler_totals"].get("restores_failed") == 1
