@@ -39,6 +39,8 @@ pub struct Daemon {
     pub socket: PathBuf,
     /// The admin HTTP address.
     pub admin: SocketAddr,
+    /// The probe listener's address, when started with `--probe-listen`.
+    pub probes: Option<SocketAddr>,
     /// The node generation the daemon announced.
     pub generation: u64,
 }
@@ -149,6 +151,10 @@ impl Daemon {
             _tmp: None,
             socket: PathBuf::from(field("socket=")),
             admin: field("admin=").parse().unwrap(),
+            probes: ready
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("probes="))
+                .map(|a| a.parse().unwrap()),
             generation: field("generation=").parse().unwrap(),
         }
     }

@@ -8,6 +8,9 @@
 //! | GET    | `/status`  | JSON [`StatusReport`], with the [`LimitsReport`] in force           |
 //! | POST   | `/drain`   | `202` and a drain begins; `403` from a non-loopback peer by default |
 //!
+//! At the cap the probes get the `503` too; a liveness probe that must answer under any
+//! admin flood points at the probe listener instead (`--probe-listen`, [`super::probes`]).
+//!
 //! `/drain` is the only endpoint that changes state. Even when the admin address is opened to
 //! other hosts (`--allow-remote-admin`), it answers only loopback peers unless
 //! `--allow-remote-drain` is also given (the trust model, docs/DAEMON.md).
@@ -519,16 +522,25 @@ impl AsyncWrite for Metered {
 }
 
 async fn readyz(State(a): State<Arc<Admin>>) -> Response {
-    if a.d.drain.is_draining() {
-        (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response()
-    } else if !a.d.cluster.lease_held() {
-        let why = format!(
-            "not ready: no registration lease ({})\n",
-            a.d.cluster.problem()
-        );
-        (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
+    let (code, body) = readiness(&a.d);
+    let code = StatusCode::from_u16(code).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+    (code, body).into_response()
+}
+
+/// `/readyz`'s answer (status code and body), for the admin port and the probe listener.
+pub fn readiness(d: &Daemon) -> (u16, String) {
+    if d.drain.is_draining() {
+        (503, "draining\n".into())
+    } else if !d.cluster.lease_held() {
+        (
+            503,
+            format!(
+                "not ready: no registration lease ({})\n",
+                d.cluster.problem()
+            ),
+        )
     } else {
-        (StatusCode::OK, "ready\n").into_response()
+        (200, "ready\n".into())
     }
 }
 

@@ -35,6 +35,12 @@ pub struct ServeArgs {
     /// [default: 127.0.0.1:7460].
     #[arg(long)]
     pub admin_listen: Option<SocketAddr>,
+    /// A listener of their own for /healthz and /readyz (liveness and readiness probes): they
+    /// answer there within a second however many connections the admin port is refused, with
+    /// bounds of its own (in all and per source address). May be any address: it serves no
+    /// data [default: off, the probes answer on the admin port only].
+    #[arg(long)]
+    pub probe_listen: Option<SocketAddr>,
     /// Allow the admin HTTP to listen on a non-loopback address (read-only endpoints only;
     /// /drain stays loopback-only unless --allow-remote-drain).
     #[arg(long)]
@@ -206,6 +212,7 @@ pub struct FileConfig {
     pub socket: Option<PathBuf>,
     pub socket_group: Option<String>,
     pub admin_listen: Option<SocketAddr>,
+    pub probe_listen: Option<SocketAddr>,
     pub allow_remote_admin: Option<bool>,
     pub allow_remote_drain: Option<bool>,
     pub admin_max_connections: Option<u32>,
@@ -314,6 +321,8 @@ pub struct DaemonConfig {
     pub socket_group: Option<String>,
     /// The admin HTTP address.
     pub admin_listen: SocketAddr,
+    /// The probes' own address, if any.
+    pub probe_listen: Option<SocketAddr>,
     /// Whether /drain is accepted from other hosts.
     pub allow_remote_drain: bool,
     /// Admin HTTP connections held at once, as configured (the fd budget may lower it).
@@ -621,6 +630,7 @@ impl DaemonConfig {
             socket,
             socket_group: args.socket_group.clone().or(file.socket_group),
             admin_listen,
+            probe_listen: args.probe_listen.or(file.probe_listen),
             allow_remote_drain,
             admin_max_connections: args
                 .admin_max_connections

@@ -95,6 +95,10 @@ pub struct Metrics {
     pub admin_idle_timeouts: Counter,
     /// Admin HTTP connections holding a slot now.
     pub admin_connections_open: Gauge,
+    /// Probe-listener connections closed at a bound (in all or per source).
+    pub probe_connections_refused: Counter,
+    /// Probes answered on the probe listener.
+    pub probes_answered: Counter,
     /// Result of the last accounting audit (1 balanced, 0 not).
     pub accounting_balanced: Gauge,
     ready: Gauge,
@@ -174,6 +178,8 @@ impl Metrics {
             admin_header_timeouts: Counter::default(),
             admin_idle_timeouts: Counter::default(),
             admin_connections_open: Gauge::default(),
+            probe_connections_refused: Counter::default(),
+            probes_answered: Counter::default(),
             accounting_balanced: Gauge::default(),
             ready: Gauge::default(),
             draining: Gauge::default(),
@@ -244,6 +250,16 @@ impl Metrics {
                 "kvd_admin_idle_timeouts",
                 "Admin HTTP connections closed: no byte moved within the idle timeout",
                 &m.admin_idle_timeouts,
+            ),
+            (
+                "kvd_probe_connections_refused",
+                "Probe-listener connections closed at a bound (in all or per source address)",
+                &m.probe_connections_refused,
+            ),
+            (
+                "kvd_probes_answered",
+                "Liveness and readiness probes answered on the probe listener",
+                &m.probes_answered,
             ),
         ] {
             r.register(name, help, c.clone());

@@ -19,6 +19,7 @@ pub mod engines;
 pub mod limits;
 pub mod metrics;
 pub mod peers;
+pub mod probes;
 pub mod server;
 pub mod status;
 pub mod transfer;
@@ -130,6 +131,18 @@ async fn serve(config: DaemonConfig) -> Result<()> {
             ))
         })?;
     let admin_addr = admin.local_addr().map_err(|e| Error::Io(e.to_string()))?;
+    let probe = match config.probe_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| Error::Io(format!("binding the probe address {addr}: {e}")))?,
+        ),
+        None => None,
+    };
+    let probe_addr = match &probe {
+        Some(p) => Some(p.local_addr().map_err(|e| Error::Io(e.to_string()))?),
+        None => None,
+    };
     let (shutdown, _) = tokio::sync::watch::channel(false);
     let config_peers = config.peers;
     let mut daemon_metrics = metrics::Metrics::new(store.clone());
@@ -164,6 +177,9 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     tokio::spawn(server::accept_loop(d.clone(), listener));
     tokio::spawn(server::reaper(d.clone()));
     tokio::spawn(admin::serve(d.clone(), admin, budget));
+    if let Some(p) = probe {
+        tokio::spawn(probes::serve(d.clone(), p));
+    }
     let datadir = Arc::new(std::sync::Mutex::new(datadir));
     let registry_task = registry.map(|r| {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -207,9 +223,10 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     {
         let mut out = std::io::stdout().lock();
         let data = data_addr.map_or_else(String::new, |a| format!(" data={a}"));
+        let probes = probe_addr.map_or_else(String::new, |a| format!(" probes={a}"));
         let _ = writeln!(
             out,
-            "kvd ready generation={generation} socket={} admin={admin_addr}{data}",
+            "kvd ready generation={generation} socket={} admin={admin_addr}{data}{probes}",
             d.config.socket.display()
         );
         let _ = out.flush();

@@ -1,0 +1,142 @@
+//! `/healthz` and `/readyz` on a listener of their own (`--probe-listen`), so that a liveness
+//! or readiness probe answers within its deadline however the admin port is flooded.
+//!
+//! The admin port bounds its connections and answers `503` past the bound (`admin.rs`); a
+//! kubelet whose liveness probe met that `503` would restart a healthy daemon and drop its cache.
+//! Here every connection is bounded too, but apart from the admin traffic, and in two ways:
+//! at most [`PROBE_MAX_CONNECTIONS`] at once, and at most [`PROBE_MAX_PER_SOURCE`] from one
+//! source address, so a flood from elsewhere cannot take the prober's share. A connection past a
+//! bound is closed at once; one that has not sent its request line within
+//! [`PROBE_DEADLINE_MS`] is closed. The answer is one request's: the two paths, `GET` only,
+//! `Connection: close`; anything else is `404` or `405`.
+//!
+//! ```text
+//! accept ─┬─ over a bound ──▶ close
+//!         └─ slot ──▶ read the request line (≤ 1 s, ≤ PROBE_MAX_REQUEST_BYTES) ──▶ answer, close
+//! ```
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::server::Daemon;
+
+/// Probe connections served at once.
+pub const PROBE_MAX_CONNECTIONS: usize = 32;
+/// Probe connections from one source address at once.
+pub const PROBE_MAX_PER_SOURCE: u32 = 4;
+/// How long a probe connection may take to send its request line and get its answer, ms.
+pub const PROBE_DEADLINE_MS: u64 = 1000;
+/// The most bytes of a request read.
+pub const PROBE_MAX_REQUEST_BYTES: usize = 2048;
+
+/// Open probe connections, in all and per source address.
+#[derive(Debug, Default)]
+struct Open {
+    total: usize,
+    by_source: HashMap<IpAddr, u32>,
+}
+
+/// One admitted connection: its place in [`Open`], given back on drop.
+struct Admitted {
+    open: Arc<Mutex<Open>>,
+    source: IpAddr,
+}
+
+impl Admitted {
+    fn new(open: &Arc<Mutex<Open>>, source: IpAddr) -> Option<Admitted> {
+        let mut o = open.lock().unwrap_or_else(PoisonError::into_inner);
+        let from = o.by_source.get(&source).copied().unwrap_or(0);
+        if o.total >= PROBE_MAX_CONNECTIONS || from >= PROBE_MAX_PER_SOURCE {
+            return None;
+        }
+        o.total += 1;
+        o.by_source.insert(source, from + 1);
+        Some(Admitted {
+            open: open.clone(),
+            source,
+        })
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let mut o = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        o.total -= 1;
+        if let Some(n) = o.by_source.get_mut(&self.source) {
+            *n -= 1;
+            if *n == 0 {
+                o.by_source.remove(&self.source);
+            }
+        }
+    }
+}
+
+/// Serve the probes on `listener` until the process ends.
+pub async fn serve(d: Arc<Daemon>, listener: TcpListener) {
+    let open = Arc::new(Mutex::new(Open::default()));
+    loop {
+        let (stream, peer): (TcpStream, SocketAddr) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "probe accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Some(admitted) = Admitted::new(&open, peer.ip()) else {
+            d.metrics.probe_connections_refused.inc();
+            drop(stream);
+            continue;
+        };
+        let d = d.clone();
+        tokio::spawn(async move {
+            let _admitted = admitted;
+            let deadline = Duration::from_millis(PROBE_DEADLINE_MS);
+            let _ = tokio::time::timeout(deadline, answer(&d, stream)).await;
+        });
+    }
+}
+
+async fn answer(d: &Daemon, mut stream: TcpStream) -> std::io::Result<()> {
+    let mut buf = [0u8; PROBE_MAX_REQUEST_BYTES];
+    let mut len = 0;
+    // The request line is all that is needed; read until its end (bounded by the buffer).
+    while !buf[..len].contains(&b'\n') && len < buf.len() {
+        let n = stream.read(&mut buf[len..]).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        len += n;
+    }
+    let line = String::from_utf8_lossy(&buf[..len]);
+    let mut words = line.split_whitespace();
+    let (code, body) = match (words.next(), words.next()) {
+        (Some("GET"), Some("/healthz")) => (200, "ok\n".to_owned()),
+        (Some("GET"), Some("/readyz")) => super::admin::readiness(d),
+        (Some(_), Some("/healthz" | "/readyz")) => (405, "GET only\n".to_owned()),
+        _ => (
+            404,
+            "this port answers GET /healthz and GET /readyz only\n".to_owned(),
+        ),
+    };
+    let reason = match code {
+        200 => "OK",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        _ => "Service Unavailable",
+    };
+    let head = format!(
+        "HTTP/1.1 {code} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    d.metrics.probes_answered.inc();
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    stream.shutdown().await
+}
