@@ -103,8 +103,12 @@ def test_the_daemonsets_memory_covers_its_pool_and_its_timings_cover_the_drain(k
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
-    admin_port = int(config["admin_listen"].rsplit(":", 1)[1])
-    assert {p["name"]: p["containerPort"] for p in c["ports"]}["admin"] == admin_port
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["admin"] == int(config["admin_listen"].rsplit(":", 1)[1])
+    # The probes use the daemon's probe listener, which answers under an admin flood.
+    assert ports["probes"] == int(config["probe_listen"].rsplit(":", 1)[1])
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["port"] == "probes", probe
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
     assert os.path.dirname(config["socket"]) in mounts and config["data_dir"] in mounts
 
