@@ -7,7 +7,7 @@ mod support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvd::daemon::transfer::wire::{Binding, Offered, PeerReply, PeerRequest};
 use kvd::keys::BlockKey;
@@ -672,4 +672,67 @@ fn a_transfer_left_open_past_its_deadline_is_aborted_and_its_pages_freed() {
     );
     assert!(b.status().data_port.unwrap().transfers.aborted_incoming >= 1);
     drop(s);
+}
+
+/// A connection to `to` from the loopback address `source`.
+fn connect_from(source: &str, to: std::net::SocketAddr) -> std::io::Result<std::net::TcpStream> {
+    use rustix::net::{AddressFamily, SocketType, bind, connect, socket};
+    let fd = socket(AddressFamily::INET, SocketType::STREAM, None)?;
+    let from: std::net::SocketAddr = format!("{source}:0").parse().unwrap();
+    bind(&fd, &from)?;
+    connect(&fd, &to)?;
+    Ok(std::net::TcpStream::from(fd))
+}
+
+#[test]
+fn a_flood_of_half_open_and_trickling_connections_does_not_lock_a_restarted_peer_out() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path());
+    let b = Daemon::start(&data_args(&secret, "2"));
+    let to: std::net::SocketAddr = data_addr(&b).parse().unwrap();
+    // 100 connections that trickle the hello (a byte between tries: each alone never idles
+    // for a read timeout) and 300 that say nothing, from eight other loopback addresses,
+    // opened before the peer restarts; bounded in count and time.
+    let mut flood = Vec::new();
+    for i in 0..400 {
+        let source = format!("127.0.1.{}", 1 + i % 8);
+        if let Ok(s) = connect_from(&source, to) {
+            flood.push((s, i < 100));
+        }
+    }
+    assert!(
+        flood.len() >= 300,
+        "the flood opened {} connections",
+        flood.len()
+    );
+    let a = node_to(&secret, "1", 2, &b, &[]); // a peer that has just (re)started
+    let mut ca = a.client("engine-a", 30_000);
+    let ns = ca.register_namespace(&support::namespace()).unwrap();
+    let keys = support::keys(ns, 9, 4);
+    for (i, k) in keys.iter().enumerate() {
+        support::put_one(&mut ca, *k, &support::pattern(BLOCK, i as u8));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut tried = 0;
+    let done = loop {
+        for (s, trickle) in flood.iter_mut() {
+            if *trickle {
+                let _ = s.write_all(&[1]);
+            }
+        }
+        tried += 1;
+        let id = ca.push(2, &keys).unwrap();
+        let t = wait_done(&mut ca, id);
+        if t.state == TransferState::Done {
+            break t;
+        }
+        assert!(Instant::now() < deadline, "the peer never got in: {t:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(done.blocks, 4);
+    assert!(tried <= 3, "the restarted peer needed {tried} tries");
+    let e = b.status().data_port.unwrap().engine;
+    assert!(e.handshakes_refused > 0, "the flood met the bounds: {e:?}");
+    drop(flood);
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use transport::auth::ClusterSecret;
+use transport::auth::{ClusterSecret, Hello};
 use transport::engine::{
     HeapMemory, Memory, Op, OpFailure, OpKind, OpStatus, Registration, Transport,
 };
@@ -485,5 +485,87 @@ fn a_known_checksum_of_a_granted_range_answers_a_read_of_it_and_a_wrong_one_fail
         t.known_checksum(TransferId(1), SEG, 0, chunk),
         None,
         "gone with the grants"
+    );
+}
+
+/// A raw connection to `to` from the loopback address `source`, which says nothing.
+fn silent_from(source: &str, to: std::net::SocketAddr) -> std::net::TcpStream {
+    use rustix::net::{AddressFamily, SocketType, bind, connect, socket};
+    let fd = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    let from: std::net::SocketAddr = format!("{source}:0").parse().unwrap();
+    bind(&fd, &from).unwrap();
+    connect(&fd, &to).unwrap();
+    std::net::TcpStream::from(fd)
+}
+
+#[test]
+fn a_handshake_refused_at_a_bound_is_a_retryable_overload_naming_it_not_a_wrong_secret() {
+    let b = engine(2, |c| {
+        c.max_handshakes_per_source = 2;
+        c.connect_timeout = Duration::from_millis(800);
+    });
+    let a = engine(1, |_| {});
+    // Two silent connections from 127.0.0.1 hold its share of the handshakes.
+    let silent: Vec<_> = (0..2)
+        .map(|_| silent_from("127.0.0.1", b.local_addr()))
+        .collect();
+    std::thread::sleep(Duration::from_millis(50));
+    match a.open(&peer(&b, 2)) {
+        Err(transport::error::Error::Overloaded {
+            what,
+            retry_after_ms,
+        }) => {
+            assert!(what.contains("from 127.0.0.1"), "{what}");
+            assert!(!what.contains("secret"), "{what}");
+            assert!(retry_after_ms > 0);
+        }
+        other => panic!("expected a framed refusal, got {other:?}"),
+    }
+    // The silent ones are cut at the one handshake deadline; then the peer gets in.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let ep = loop {
+        match a.open(&peer(&b, 2)) {
+            Ok(ep) => break ep,
+            Err(e) if std::time::Instant::now() < deadline => {
+                assert!(
+                    matches!(e, transport::error::Error::Overloaded { .. }),
+                    "{e}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => panic!("never admitted after the silent connections' deadline: {e}"),
+        }
+    };
+    drop((ep, silent));
+}
+
+#[test]
+fn a_hello_trickled_a_byte_at_a_time_is_cut_at_the_handshake_deadline() {
+    use std::io::{ErrorKind, Read, Write};
+    let b = engine(2, |c| c.connect_timeout = Duration::from_millis(600));
+    let mut s = std::net::TcpStream::connect(b.local_addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(150)))
+        .unwrap();
+    let start = std::time::Instant::now();
+    let mut closed = false;
+    // 33 bytes at one per 150 ms would take 5 s; the deadline is 0.6 s from the accept.
+    for _ in 0..Hello::WIRE_BYTES {
+        let _ = s.write_all(&[1]);
+        let mut buf = [0u8; 64];
+        match s.read(&mut buf) {
+            Ok(0) => closed = true,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => closed = true,
+            Ok(_) => panic!("a trickled hello got an answer"),
+        }
+        if closed {
+            break;
+        }
+    }
+    assert!(closed, "the trickling connection was never closed");
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "closed after {:?}",
+        start.elapsed()
     );
 }

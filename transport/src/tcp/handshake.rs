@@ -2,12 +2,27 @@
 //! ([`crate::auth`]), exchange [`Bind`]s, and set the socket options the ring relies on. All
 //! of it blocking with timeouts, in the caller's thread (opening) or a bounded handshake thread
 //! (accepting): setup may block; the data path never does.
+//!
+//! Admission of unauthenticated connections, like the Unix socket's:
+//!
+//! ```text
+//! accept ─┬─ handshakes ≥ max_handshakes, or ≥ max_handshakes_per_source from this address,
+//!         │  or served connections ≥ max_target_connections
+//!         │      ──▶ a refusal frame (which bound, retry after) in one non-blocking write; close
+//!         └─ handshake thread: hello, challenge, proof, bind, all within ONE deadline
+//!            (connect_timeout from the accept: a peer that trickles bytes cannot stretch it)
+//! ```
+//!
+//! The initiator reads the refusal frame where the challenge would be and reports a retryable
+//! [`Error::Overloaded`] naming the bound, so a lockout never reads as a wrong secret (which
+//! shows as a failed proof, later in the handshake).
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::sync::Arc;
+use std::net::{IpAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use super::wire::{Bind, Purpose};
 use super::{Command, Shared, TcpConfig, TcpPeer};
@@ -16,6 +31,62 @@ use crate::error::{Error, Result};
 
 fn io(what: &str, e: std::io::Error) -> Error {
     Error::PeerUnavailable(format!("{what}: {e}"))
+}
+
+/// The first bytes of a refusal, where a challenge would start (a random nonce matches them
+/// with probability 2^-128).
+const REFUSAL_MAGIC: &[u8; 16] = b"kvd-refused\0\0\0\0\0";
+
+/// How long a refused initiator should wait before it tries again, ms.
+const REFUSAL_RETRY_MS: u64 = 200;
+
+/// A refusal in the challenge's place: the magic, the retry hint (u64 LE), the bound (ASCII).
+fn refusal_frame(bound: &str) -> [u8; Challenge::WIRE_BYTES] {
+    let mut b = [0u8; Challenge::WIRE_BYTES];
+    b[..16].copy_from_slice(REFUSAL_MAGIC);
+    b[16..24].copy_from_slice(&REFUSAL_RETRY_MS.to_le_bytes());
+    let text = bound.as_bytes();
+    let n = text.len().min(Challenge::WIRE_BYTES - 24);
+    b[24..24 + n].copy_from_slice(&text[..n]);
+    b
+}
+
+/// The refusal a challenge-sized frame holds, if it is one.
+fn refusal_of(b: &[u8; Challenge::WIRE_BYTES]) -> Option<Error> {
+    if &b[..16] != REFUSAL_MAGIC {
+        return None;
+    }
+    let mut retry = [0u8; 8];
+    retry.copy_from_slice(&b[16..24]);
+    let text = String::from_utf8_lossy(&b[24..]);
+    Some(Error::Overloaded {
+        what: format!(
+            "the peer refused the handshake: {}",
+            text.trim_end_matches('\0')
+        ),
+        retry_after_ms: u64::from_le_bytes(retry),
+    })
+}
+
+/// Read exactly `buf.len()` bytes by `deadline` (one deadline for many reads: a peer that
+/// trickles a byte at a time cannot stretch it).
+fn read_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the handshake's deadline passed",
+            ));
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[got..])? {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n => got += n,
+        }
+    }
+    Ok(())
 }
 
 /// Options every data connection gets: no Nagle (headers go at once), keep-alive probes and a
@@ -61,10 +132,13 @@ pub(super) fn connect(
     let mut c = [0u8; Challenge::WIRE_BYTES];
     s.read_exact(&mut c).map_err(|e| {
         io(
-            &format!("handshake with {shown} (the peer closed it: a wrong cluster secret or too many connections?)"),
+            &format!("handshake with {shown} (closed before its challenge: not a kvd data port, or it is shutting down)"),
             e,
         )
     })?;
+    if let Some(refused) = refusal_of(&c) {
+        return Err(refused);
+    }
     let proof = me
         .respond(&Challenge::decode(&c))
         .map_err(|e| Error::PeerUnavailable(format!("{shown}: {e}")))?;
@@ -94,31 +168,104 @@ pub(super) fn connect(
     Ok((s, theirs))
 }
 
-/// The responder's side of one connection; the initiator's introduction with it.
-fn accept_one(config: &TcpConfig, generation: u64, mut s: TcpStream) -> Result<(TcpStream, Bind)> {
+/// The responder's side of one connection, all of it by `deadline`; the initiator's
+/// introduction with it.
+fn accept_one(
+    config: &TcpConfig,
+    generation: u64,
+    mut s: TcpStream,
+    deadline: Instant,
+) -> Result<(TcpStream, Bind)> {
     tune(&s, config).map_err(|e| io("socket options", e))?;
     let mut h = [0u8; Hello::WIRE_BYTES];
-    s.read_exact(&mut h).map_err(|e| io("handshake", e))?;
+    read_by(&mut s, &mut h, deadline).map_err(|e| io("handshake", e))?;
     let (me, challenge) = Responder::answer(&config.secret, &Hello::decode(&h)?)?;
     s.write_all(&challenge.encode())
         .map_err(|e| io("handshake", e))?;
     let mut p = [0u8; 32];
-    s.read_exact(&mut p).map_err(|e| io("handshake", e))?;
+    read_by(&mut s, &mut p, deadline).map_err(|e| io("handshake", e))?;
     me.verify(&Proof(p))?;
     let mut b = [0u8; Bind::WIRE_BYTES];
-    s.read_exact(&mut b).map_err(|e| io("bind", e))?;
+    read_by(&mut s, &mut b, deadline).map_err(|e| io("bind", e))?;
+    s.set_read_timeout(Some(config.connect_timeout))
+        .map_err(|e| io("socket options", e))?;
     let theirs = Bind::decode(&b)?;
     s.write_all(&bind_of(config, generation, theirs.purpose).encode())
         .map_err(|e| io("bind", e))?;
     Ok((s, theirs))
 }
 
-/// Accept peers until the engine stops. Each connection gets a handshake thread, at most
-/// `max_handshakes` at once, and only `max_target_connections` may be served; past either it
-/// is closed at once (counted).
+/// Handshakes in progress, in all and per source address.
+#[derive(Debug, Default)]
+struct InHandshake {
+    total: usize,
+    by_source: HashMap<IpAddr, usize>,
+}
+
+/// One connection's place in [`InHandshake`], given back on drop.
+struct Place {
+    open: Arc<Mutex<InHandshake>>,
+    source: IpAddr,
+}
+
+impl Place {
+    /// A place for a connection from `source`, or the bound that refuses it.
+    fn take(
+        open: &Arc<Mutex<InHandshake>>,
+        source: IpAddr,
+        config: &TcpConfig,
+    ) -> std::result::Result<Place, String> {
+        let mut o = open.lock().unwrap_or_else(PoisonError::into_inner);
+        let from = o.by_source.get(&source).copied().unwrap_or(0);
+        if o.total >= config.max_handshakes {
+            return Err(format!("{} handshakes at once", config.max_handshakes));
+        }
+        if from >= config.max_handshakes_per_source {
+            return Err(format!(
+                "{} handshakes at once from {source}",
+                config.max_handshakes_per_source
+            ));
+        }
+        o.total += 1;
+        o.by_source.insert(source, from + 1);
+        Ok(Place {
+            open: open.clone(),
+            source,
+        })
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut o = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        o.total -= 1;
+        if let Some(n) = o.by_source.get_mut(&self.source) {
+            *n -= 1;
+            if *n == 0 {
+                o.by_source.remove(&self.source);
+            }
+        }
+    }
+}
+
+/// Refuse a connection at a bound: read off what it sent, one non-blocking write of the
+/// refusal frame, close. Never waits.
+fn refuse(stream: TcpStream, bound: &str) {
+    if stream.set_nonblocking(true).is_err() {
+        return;
+    }
+    let mut sink = [0u8; Hello::WIRE_BYTES];
+    let _ = (&stream).read(&mut sink);
+    let _ = (&stream).write(&refusal_frame(bound));
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+}
+
+/// Accept peers until the engine stops. Each connection gets a handshake thread within the
+/// bounds of [`Place::take`] and one deadline, and only `max_target_connections` may be served;
+/// past a bound it gets a refusal frame and is closed at once (counted).
 pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
     use rustix::event::{PollFd, PollFlags, Timespec, poll};
-    let handshakes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let open = Arc::new(Mutex::new(InHandshake::default()));
     let tick = Timespec {
         tv_sec: 0,
         tv_nsec: 50_000_000,
@@ -128,25 +275,36 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
         if poll(&mut fds, Some(&tick)).unwrap_or(0) == 0 {
             continue;
         }
-        let Ok((stream, _)) = listener.accept() else {
+        let Ok((stream, from)) = listener.accept() else {
             continue;
         };
-        let busy = handshakes.load(Ordering::Acquire) >= shared.config.max_handshakes
-            || shared.target_connections.load(Ordering::Acquire)
-                >= shared.config.max_target_connections;
-        if busy {
-            shared
-                .counters
-                .handshakes_refused
-                .fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        handshakes.fetch_add(1, Ordering::AcqRel);
-        let (s, h) = (Arc::clone(shared), Arc::clone(&handshakes));
-        let spawned = std::thread::Builder::new()
+        let deadline = Instant::now() + shared.config.connect_timeout;
+        let served = shared.target_connections.load(Ordering::Acquire);
+        let place = if served >= shared.config.max_target_connections {
+            Err(format!(
+                "{} connections served",
+                shared.config.max_target_connections
+            ))
+        } else {
+            Place::take(&open, from.ip(), &shared.config)
+        };
+        let place = match place {
+            Ok(p) => p,
+            Err(bound) => {
+                shared
+                    .counters
+                    .handshakes_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                refuse(stream, &bound);
+                continue;
+            }
+        };
+        let s = Arc::clone(shared);
+        let _spawned = std::thread::Builder::new()
             .name("kvd-tcp-handshake".into())
             .spawn(move || {
-                match accept_one(&s.config, s.target.node_generation(), stream) {
+                let _place = place;
+                match accept_one(&s.config, s.target.node_generation(), stream, deadline) {
                     Ok((stream, bind)) if bind.purpose == Purpose::Data => {
                         s.target_connections.fetch_add(1, Ordering::AcqRel);
                         s.send(Command::Serve { stream });
@@ -173,10 +331,6 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                             .fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                h.fetch_sub(1, Ordering::AcqRel);
             });
-        if spawned.is_err() {
-            handshakes.fetch_sub(1, Ordering::AcqRel);
-        }
     }
 }

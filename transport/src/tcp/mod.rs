@@ -91,8 +91,11 @@ pub struct TcpConfig {
     pub grant_limits: GrantLimits,
     /// Connections peers may hold open to this engine (past it, new ones are closed at once).
     pub max_target_connections: usize,
-    /// Handshakes in progress at once (past it, new connections are closed at once).
+    /// Handshakes in progress at once, in all (past it, new connections are refused at once).
     pub max_handshakes: usize,
+    /// Handshakes in progress at once from one source address: connections that never finish
+    /// their handshake cannot take the slots of peers connecting from elsewhere.
+    pub max_handshakes_per_source: usize,
 }
 
 impl TcpConfig {
@@ -118,7 +121,8 @@ impl TcpConfig {
             limits: Limits::default(),
             grant_limits: GrantLimits::default(),
             max_target_connections: 256,
-            max_handshakes: 16,
+            max_handshakes: 64,
+            max_handshakes_per_source: 4,
         }
     }
 
@@ -135,6 +139,9 @@ impl TcpConfig {
         }
         if self.stall_timeout < Duration::from_millis(10) {
             return bad("stall timeout: at least 10 ms");
+        }
+        if self.max_handshakes == 0 || self.max_handshakes_per_source == 0 {
+            return bad("handshakes at once, in all and per source: at least 1");
         }
         Ok(())
     }
