@@ -173,12 +173,25 @@ struct RawSource {
 
 impl RawSource {
     fn new(secret: &Path, d: &Daemon, node: u64) -> RawSource {
+        RawSource::build(secret, d, node, 1, 5, |_| {})
+    }
+
+    /// A source that is node `me`, with memory of pattern `seed` and its engine `tune`d.
+    fn build(
+        secret: &Path,
+        d: &Daemon,
+        node: u64,
+        me: u64,
+        seed: u8,
+        tune: impl FnOnce(&mut TcpConfig),
+    ) -> RawSource {
         let s = ClusterSecret::from_file(secret).unwrap();
-        let engine =
-            TcpTransport::start(TcpConfig::new(1, 1, "127.0.0.1:0".parse().unwrap(), s)).unwrap();
+        let mut config = TcpConfig::new(me, 1, "127.0.0.1:0".parse().unwrap(), s);
+        tune(&mut config);
+        let engine = TcpTransport::start(config).unwrap();
         let mem = Arc::new(HeapMemory::zeroed(4 * BLOCK));
         // SAFETY: no transfer runs yet.
-        unsafe { mem.bytes_mut() }.copy_from_slice(&support::pattern(4 * BLOCK, 5));
+        unsafe { mem.bytes_mut() }.copy_from_slice(&support::pattern(4 * BLOCK, seed));
         engine
             .register(
                 SegmentId(1),
@@ -195,6 +208,33 @@ impl RawSource {
                 node_id: node,
             },
         }
+    }
+
+    /// One write op per granted block of an accepted offer, from this source's memory.
+    fn writes(&self, transfer: u64, segment: &[u8], offsets: &[Option<u64>]) -> Vec<Op> {
+        let remote = SegmentDescriptor::decode(segment).unwrap();
+        offsets
+            .iter()
+            .enumerate()
+            .map(|(i, off)| Op {
+                kind: OpKind::Write,
+                local: SegmentId(1),
+                local_offset: (i * BLOCK) as u64,
+                remote,
+                remote_offset: off.unwrap(),
+                len: BLOCK as u64,
+                transfer: TransferId(transfer),
+                epoch: 1,
+            })
+            .collect()
+    }
+
+    /// Run `ops` on a fresh endpoint to the daemon; how the batch settled.
+    fn run(&self, ops: &[Op]) -> transport::engine::BatchStatus {
+        let ep = self.engine.open(&self.peer).unwrap();
+        // SAFETY: the source memory is only read.
+        let batch = unsafe { self.engine.submit(ep, ops).unwrap() };
+        self.engine.wait(batch, Duration::from_secs(20)).unwrap()
     }
 
     fn control(&self) -> (std::net::TcpStream, u64) {
@@ -291,26 +331,9 @@ fn the_destination_refuses_other_incarnations_and_older_epochs_and_publishes_not
     else {
         panic!("{r:?}")
     };
-    let remote = SegmentDescriptor::decode(&segment).unwrap();
-    let ep = src.engine.open(&src.peer).unwrap();
-    let ops: Vec<Op> = offsets
-        .iter()
-        .enumerate()
-        .map(|(i, off)| Op {
-            kind: OpKind::Write,
-            local: SegmentId(1),
-            local_offset: (i * BLOCK) as u64,
-            remote,
-            remote_offset: off.unwrap(),
-            len: BLOCK as u64,
-            transfer: TransferId(transfer),
-            epoch: 1,
-        })
-        .collect();
+    let ops = src.writes(transfer, &segment, &offsets);
     src.engine.inject_corrupt_chunk(1);
-    // SAFETY: the source memory is only read.
-    let batch = unsafe { src.engine.submit(ep, &ops).unwrap() };
-    let st = src.engine.wait(batch, Duration::from_secs(20)).unwrap();
+    let st = src.run(&ops);
     assert_eq!(st.first_failure, Some(OpFailure::Corrupt), "{st:?}");
     // a commit of it from another connection (as a replay would come) is refused, counted
     let (mut other, _) = src.control();
@@ -735,4 +758,65 @@ fn a_flood_of_half_open_and_trickling_connections_does_not_lock_a_restarted_peer
     let e = b.status().data_port.unwrap().engine;
     assert!(e.handshakes_refused > 0, "the flood met the bounds: {e:?}");
     drop(flood);
+}
+
+#[test]
+fn an_insider_cannot_write_into_another_pairs_transfer_and_an_unchecked_overwrite_fails_the_commit()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path());
+    let b = Daemon::start(&data_args(&secret, "2"));
+    let ns = support::namespace().id();
+    let keys = support::keys(ns, 11, 2);
+    let src = RawSource::new(&secret, &b, 2);
+    let (mut s, generation) = src.control();
+    let r = ask(&mut s, &src.offer(&keys, generation, 0, 1));
+    let PeerReply::Accepted {
+        transfer,
+        segment,
+        offsets,
+    } = r
+    else {
+        panic!("{r:?}")
+    };
+    assert!(
+        transfer >> 32 != 0,
+        "transfer ids are not a small counter: {transfer}"
+    );
+    // A third node holding the secret, aiming at that transfer's pages: refused.
+    let intruder = RawSource::build(&secret, &b, 2, 3, 9, |_| {});
+    let st = intruder.run(&intruder.writes(transfer, &segment, &offsets));
+    assert!(
+        matches!(st.first_failure, Some(OpFailure::Refused(_))),
+        "{st:?}"
+    );
+    // The rightful source writes its blocks, checked, then overwrites the first with other
+    // bytes and no checksum (an engine with checksums off): accepted on the wire, but the
+    // commit reads the pages and refuses them.
+    assert!(
+        src.run(&src.writes(transfer, &segment, &offsets))
+            .succeeded()
+    );
+    let sloppy = RawSource::build(&secret, &b, 2, 1, 6, |c| c.checksum = false);
+    assert!(
+        sloppy
+            .run(&sloppy.writes(transfer, &segment, &offsets[..1]))
+            .succeeded()
+    );
+    let r = ask(&mut s, &PeerRequest::Commit { transfer });
+    assert!(
+        matches!(r, PeerReply::Refused(WireError::Corrupt { .. })),
+        "{r:?}"
+    );
+    let mut cb = b.client("reader", 30_000);
+    assert_eq!(
+        cb.exists(&keys).unwrap(),
+        vec![false, false],
+        "nothing published"
+    );
+    let e = b.status().data_port.unwrap().engine;
+    assert!(
+        e.refused >= 1,
+        "the intruder's writes were refused and counted: {e:?}"
+    );
 }

@@ -95,6 +95,7 @@ fn grant(e: &TcpTransport, t: u64, d: Direction, off: u64, len: u64) {
         len,
         direction: d,
         expires_at_ms: e.now_ms() + 600_000,
+        peer: None,
     };
     // SAFETY: the helpers read their memory only for `crc`, which the tests ask for once the
     // transfers naming it are over.

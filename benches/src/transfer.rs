@@ -168,6 +168,7 @@ pub fn target(args: &TargetArgs) -> Result<(), String> {
             len: args.segment_bytes,
             direction: d,
             expires_at_ms: engine.now_ms() + 3_600_000,
+            peer: None,
         };
         // SAFETY: this process never touches the segment while the engine runs (the raw
         // receiver below writes it only between engine cases, which the parent serialises).

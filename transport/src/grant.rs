@@ -53,6 +53,10 @@ pub struct Grant {
     pub direction: Direction,
     /// When the grant ends on its own (the engine's clock, ms).
     pub expires_at_ms: u64,
+    /// The only peer node that may use it (`None`: any authenticated peer). A daemon grants a
+    /// transfer's pages to the node it negotiated the transfer with, so a third node holding
+    /// the cluster secret cannot write into another pair's transfer.
+    pub peer: Option<u64>,
 }
 
 impl Grant {
@@ -79,6 +83,8 @@ pub struct Access {
     pub transfer: TransferId,
     /// The epoch it names.
     pub epoch: u64,
+    /// The node the access comes from (authenticated at the connection's handshake).
+    pub peer: u64,
 }
 
 /// Why a grant or an access was refused. Each is counted (see [`Grants::refusals`]).
@@ -350,7 +356,9 @@ impl Grants {
                 .iter()
                 .filter(|g| g.segment == a.segment && g.covers(a.offset, a.len))
         };
-        let same_direction = || covering().filter(|g| g.direction == a.direction);
+        let same_direction = || {
+            covering().filter(|g| g.direction == a.direction && g.peer.is_none_or(|p| p == a.peer))
+        };
         if same_direction().any(|g| g.expires_at_ms > now_ms) {
             return Ok(());
         }
@@ -412,6 +420,7 @@ mod tests {
             len,
             direction,
             expires_at_ms: 1_000,
+            peer: None,
         }
     }
 
@@ -423,6 +432,7 @@ mod tests {
             direction,
             transfer,
             epoch: 1,
+            peer: 0,
         }
     }
 
@@ -579,12 +589,12 @@ mod tests {
             g.register_segment(S, 64);
             let mut granted = Vec::new();
             for (t, off, len, w, exp) in grants {
-                let gr = Grant { transfer: TransferId(t), epoch: 1, segment: S, offset: off, len, direction: dir(w), expires_at_ms: exp };
+                let gr = Grant { transfer: TransferId(t), epoch: 1, segment: S, offset: off, len, direction: dir(w), expires_at_ms: exp, peer: None };
                 if g.grant(gr).is_ok() {
                     granted.push(gr);
                 }
             }
-            let acc = Access { segment: S, offset: a.1, len: a.2, direction: dir(a.3), transfer: TransferId(a.0), epoch: 1 };
+            let acc = Access { segment: S, offset: a.1, len: a.2, direction: dir(a.3), transfer: TransferId(a.0), epoch: 1 , peer: 0};
             let expected = a.2 > 0 && a.1 + a.2 <= 64 && granted.iter().any(|gr| {
                 gr.transfer == acc.transfer && gr.direction == acc.direction && gr.expires_at_ms > now
                     && acc.offset >= gr.offset && acc.offset + acc.len <= gr.offset + gr.len

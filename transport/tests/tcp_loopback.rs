@@ -73,6 +73,7 @@ fn grant(e: &TcpTransport, t: u64, off: u64, len: u64, d: Direction) {
         len,
         direction: d,
         expires_at_ms: e.now_ms() + 60_000,
+        peer: None,
     };
     // SAFETY: the tests touch granted ranges only after the batch settled and revoke returned.
     unsafe { e.grant(g).unwrap() };

@@ -388,6 +388,19 @@ impl Target {
         self.end(w);
     }
 
+    /// A chunk written into `w` came without a checksum: its transfer's ledger can no longer
+    /// vouch for the pages (an earlier verified chunk there may have been overwritten), so it
+    /// is marked incomplete and the owner's commit checks the pages themselves.
+    pub fn end_unverified(&self, w: Window) {
+        {
+            let mut s = self.lock();
+            if s.grants.has_transfer(w.transfer) {
+                s.ledgers.entry(w.transfer).or_default().incomplete = true;
+            }
+        }
+        self.end(w);
+    }
+
     /// A chunk written into `w` failed its checksum: remember it against its transfer (only
     /// while the transfer has grants, so the table stays bounded by them), then end the
     /// access.

@@ -85,6 +85,8 @@ impl LocalTransport {
             direction: remote_direction(op.kind),
             transfer: op.transfer,
             epoch: op.epoch,
+            // In-process: the local backend's grants are never bound to a peer node.
+            peer: 0,
         };
         let w = match peer.begin(&access, op.remote.node_generation) {
             Ok(w) => w,
@@ -268,6 +270,7 @@ mod tests {
             len: 4096,
             direction: Direction::RemoteWrite,
             expires_at_ms: b.now_ms() + 60_000,
+            peer: None,
         };
         // SAFETY: nothing else touches b's memory in this test.
         unsafe { b.grant(g).unwrap() };

@@ -66,7 +66,7 @@ impl<V: Verbs> Shared<V> {
                     Err(e) => Message::Refused(e.to_string()),
                 },
                 Ok(Message::Resolve(rs)) => {
-                    Message::Keys(rs.iter().map(|r| self.resolve(r)).collect())
+                    Message::Keys(rs.iter().map(|r| self.resolve(r, peer.node_id)).collect())
                 }
                 Ok(m) => {
                     tracing::debug!(node = peer.node_id, "RDMA side channel: unexpected {m:?}");
@@ -94,7 +94,7 @@ impl<V: Verbs> Shared<V> {
 
     /// One key request: checked against a live grant (counted as the TCP target counts its
     /// refusals), then the exact range registered with only the right asked for.
-    pub(super) fn resolve(&self, r: &KeyRequest) -> Key {
+    pub(super) fn resolve(&self, r: &KeyRequest, peer: u64) -> Key {
         let refused = |code: u8| {
             bump(&self.counters.keys_refused, 1);
             Key {
@@ -110,6 +110,7 @@ impl<V: Verbs> Shared<V> {
             direction: r.direction,
             transfer: r.transfer,
             epoch: r.epoch,
+            peer,
         };
         let w = match self.target.begin(&access, r.node_generation) {
             Ok(w) => w,

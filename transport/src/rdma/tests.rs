@@ -97,6 +97,7 @@ fn grant(n: &Node, t: u64, epoch: u64, off: u64, len: u64, d: Direction, ttl_ms:
         len,
         direction: d,
         expires_at_ms: n.rdma.now_ms() + ttl_ms,
+        peer: None,
     };
     // SAFETY: the tests look at granted ranges only after batches settled.
     unsafe { n.tcp.grant(g).unwrap() };

@@ -307,7 +307,10 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                 match accept_one(&s.config, s.target.node_generation(), stream, deadline) {
                     Ok((stream, bind)) if bind.purpose == Purpose::Data => {
                         s.target_connections.fetch_add(1, Ordering::AcqRel);
-                        s.send(Command::Serve { stream });
+                        s.send(Command::Serve {
+                            stream,
+                            peer: bind.node_id,
+                        });
                     }
                     Ok((stream, bind)) => {
                         let slot = match bind.purpose {

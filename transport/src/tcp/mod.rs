@@ -217,7 +217,7 @@ enum Command {
         streams: Vec<TcpStream>,
     },
     /// A peer's authenticated connection (target side).
-    Serve { stream: TcpStream },
+    Serve { stream: TcpStream, peer: u64 },
     /// Chunks of a batch for an endpoint.
     Submit {
         endpoint: EndpointId,

@@ -171,6 +171,16 @@ impl Incoming {
         self.connections.fetch_sub(1, Ordering::AcqRel);
     }
 
+    /// A transfer id no peer can guess (the grants of a transfer are named by it): random,
+    /// with this node's counter in its low bits so that two of them never meet.
+    fn new_transfer_id(&self) -> u64 {
+        let mut r = [0u8; 8];
+        let n = rustix::rand::getrandom(&mut r, rustix::rand::GetRandomFlags::empty()).unwrap_or(0);
+        let count = self.next_transfer.fetch_add(1, Ordering::Relaxed) & 0xffff;
+        let random = if n == 8 { u64::from_le_bytes(r) } else { 0 };
+        (random & !0xffff) | count | 1 << 63
+    }
+
     fn handle(
         &self,
         engine: &Engines,
@@ -405,7 +415,7 @@ impl Incoming {
             .namespace(&binding.namespace)
             .ok_or_else(|| Error::NotFound("the wanted blocks' namespace".into()))?;
         self.admit(peer, &binding)?;
-        let transfer = self.next_transfer.fetch_add(1, Ordering::Relaxed);
+        let transfer = self.new_transfer_id();
         let ttl_ms = self.limits.deadline.as_millis() as u64;
         let sid = self.store.open_session(
             &format!("transfer {transfer} to node {}", peer.node_id),
@@ -433,6 +443,7 @@ impl Incoming {
                 len: info.len,
                 direction: Direction::RemoteRead,
                 expires_at_ms,
+                peer: Some(peer.node_id),
             };
             // SAFETY: the page holds a PUBLISHED block pinned by this transfer's session:
             // its bytes are immutable and the page is not reused until the pin goes, which
@@ -524,7 +535,7 @@ impl Incoming {
                 "the offered layout does not hash to the binding's namespace".into(),
             ));
         }
-        let transfer = self.next_transfer.fetch_add(1, Ordering::Relaxed);
+        let transfer = self.new_transfer_id();
         let lease_ms = self.limits.deadline.as_millis() as u64 + 5_000;
         let sid = self.store.open_session(
             &format!("transfer {transfer} from node {}", peer.node_id),
@@ -601,6 +612,7 @@ impl Incoming {
                 len: *len,
                 direction: Direction::RemoteWrite,
                 expires_at_ms,
+                peer: Some(peer.node_id),
             };
             // SAFETY: the page belongs to a WRITING block of this transfer's own session:
             // no client writes or reads it, and it is not reused before the transfer ends,

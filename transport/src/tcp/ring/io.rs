@@ -290,7 +290,7 @@ impl Ring {
         }
         let outcome = match conn.role {
             Role::Initiator { .. } => self.initiator_received(slot),
-            Role::Target => self.target_received(slot),
+            Role::Target { .. } => self.target_received(slot),
         };
         if let Err(why) = outcome {
             self.fail_conn(slot, why);

@@ -82,8 +82,13 @@ fn parse_user_data(ud: u64) -> (usize, u64, u64) {
 
 #[derive(Debug)]
 enum Role {
-    Initiator { endpoint: EndpointId },
-    Target,
+    Initiator {
+        endpoint: EndpointId,
+    },
+    /// Serving a peer: the node it authenticated as at the handshake.
+    Target {
+        peer: u64,
+    },
 }
 
 /// What a send holds until the kernel lets go of its payload.
@@ -355,8 +360,8 @@ impl Ring {
                     }
                     self.endpoints.insert(endpoint, ep);
                 }
-                Command::Serve { stream } => {
-                    if self.add_conn(stream, Role::Target).is_none() {
+                Command::Serve { stream, peer } => {
+                    if self.add_conn(stream, Role::Target { peer }).is_none() {
                         self.shared
                             .target_connections
                             .fetch_sub(1, Ordering::AcqRel);
@@ -600,7 +605,7 @@ impl Ring {
         }
         self.notify = true;
         match conn.role {
-            Role::Target => {
+            Role::Target { .. } => {
                 self.shared
                     .target_connections
                     .fetch_sub(1, Ordering::AcqRel);
@@ -670,7 +675,7 @@ impl Ring {
             }
             match c.role {
                 Role::Initiator { endpoint } => self.pump_initiator(slot, endpoint),
-                Role::Target => self.pump_target(slot),
+                Role::Target { .. } => self.pump_target(slot),
             }
         }
     }

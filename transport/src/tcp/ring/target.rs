@@ -60,6 +60,9 @@ impl Ring {
                 if req.len > chunk_bytes {
                     return Err(OpFailure::Protocol);
                 }
+                let Role::Target { peer } = conn.role else {
+                    return Err(OpFailure::Protocol);
+                };
                 let access = Access {
                     segment: SegmentId(req.segment),
                     offset: req.offset,
@@ -70,6 +73,7 @@ impl Ring {
                     },
                     transfer: TransferId(req.transfer),
                     epoch: req.epoch,
+                    peer,
                 };
                 let verdict = self.shared.target.begin(&access, req.node_generation);
                 if verdict.is_err() {
@@ -95,7 +99,9 @@ impl Ring {
                 } else if req.flags & FLAG_CHECKSUM != 0 {
                     self.shared.target.end_verified(w, req.offset, req.crc);
                 } else {
-                    self.shared.target.end(w);
+                    // No checksum came with it: the transfer's ledger no longer says what its
+                    // pages hold, so its commit reads them (a write never skips its check).
+                    self.shared.target.end_unverified(w);
                 }
                 let status = if intact {
                     self.shared
