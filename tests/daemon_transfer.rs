@@ -276,6 +276,41 @@ impl RawSource {
     }
 }
 
+/// A commit of `transfer` is refused as corrupt and none of `keys` became visible on `d`; the
+/// reader's client.
+fn commit_is_refused_as_corrupt(
+    s: &mut std::net::TcpStream,
+    transfer: u64,
+    d: &Daemon,
+    keys: &[BlockKey],
+) -> kvd::client::Client {
+    let r = ask(s, &PeerRequest::Commit { transfer });
+    assert!(
+        matches!(r, PeerReply::Refused(WireError::Corrupt { .. })),
+        "{r:?}"
+    );
+    let mut cb = d.client("reader", 30_000);
+    assert_eq!(
+        cb.exists(keys).unwrap(),
+        vec![false; keys.len()],
+        "nothing published"
+    );
+    cb
+}
+
+/// An accepted offer's transfer id, segment descriptor and block offsets.
+fn accepted(r: PeerReply) -> (u64, Vec<u8>, Vec<Option<u64>>) {
+    let PeerReply::Accepted {
+        transfer,
+        segment,
+        offsets,
+    } = r
+    else {
+        panic!("the offer was not accepted: {r:?}")
+    };
+    (transfer, segment, offsets)
+}
+
 fn ask(s: &mut std::net::TcpStream, r: &PeerRequest) -> PeerReply {
     kvd::protocol::frame::write_frame(s, r).unwrap();
     kvd::protocol::frame::read_frame(s).unwrap()
@@ -323,14 +358,7 @@ fn the_destination_refuses_other_incarnations_and_older_epochs_and_publishes_not
 
     // a transfer that took a corrupted chunk is not published, even when committed
     let r = ask(&mut s, &src.offer(&keys, generation, 0, 1));
-    let PeerReply::Accepted {
-        transfer,
-        segment,
-        offsets,
-    } = r
-    else {
-        panic!("{r:?}")
-    };
+    let (transfer, segment, offsets) = accepted(r);
     let ops = src.writes(transfer, &segment, &offsets);
     src.engine.inject_corrupt_chunk(1);
     let st = src.run(&ops);
@@ -342,17 +370,7 @@ fn the_destination_refuses_other_incarnations_and_older_epochs_and_publishes_not
         matches!(r, PeerReply::Refused(WireError::NotFound(_))),
         "{r:?}"
     );
-    let r = ask(&mut s, &PeerRequest::Commit { transfer });
-    assert!(
-        matches!(r, PeerReply::Refused(WireError::Corrupt { .. })),
-        "{r:?}"
-    );
-    let mut cb = b.client("reader", 30_000);
-    assert_eq!(
-        cb.exists(&keys).unwrap(),
-        vec![false, false],
-        "nothing of it is visible"
-    );
+    let cb = commit_is_refused_as_corrupt(&mut s, transfer, &b, &keys);
     assert_eq!(free_pages(&b), free_before, "its pages are back");
     let t = b.status().data_port.unwrap().transfers;
     assert!(
@@ -771,14 +789,7 @@ fn an_insider_cannot_write_into_another_pairs_transfer_and_an_unchecked_overwrit
     let src = RawSource::new(&secret, &b, 2);
     let (mut s, generation) = src.control();
     let r = ask(&mut s, &src.offer(&keys, generation, 0, 1));
-    let PeerReply::Accepted {
-        transfer,
-        segment,
-        offsets,
-    } = r
-    else {
-        panic!("{r:?}")
-    };
+    let (transfer, segment, offsets) = accepted(r);
     assert!(
         transfer >> 32 != 0,
         "transfer ids are not a small counter: {transfer}"
@@ -803,17 +814,7 @@ fn an_insider_cannot_write_into_another_pairs_transfer_and_an_unchecked_overwrit
             .run(&sloppy.writes(transfer, &segment, &offsets[..1]))
             .succeeded()
     );
-    let r = ask(&mut s, &PeerRequest::Commit { transfer });
-    assert!(
-        matches!(r, PeerReply::Refused(WireError::Corrupt { .. })),
-        "{r:?}"
-    );
-    let mut cb = b.client("reader", 30_000);
-    assert_eq!(
-        cb.exists(&keys).unwrap(),
-        vec![false, false],
-        "nothing published"
-    );
+    commit_is_refused_as_corrupt(&mut s, transfer, &b, &keys);
     let e = b.status().data_port.unwrap().engine;
     assert!(
         e.refused >= 1,

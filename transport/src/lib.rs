@@ -17,6 +17,7 @@
 //!   stream with completion events, and dma-buf export of device memory for GPUDirect RDMA;
 //!   the driver is loaded at run time (an error, not a crash, where there is none).
 
+pub mod admission;
 pub mod auth;
 #[cfg(feature = "cuda")]
 pub mod cuda;

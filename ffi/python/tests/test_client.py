@@ -250,21 +250,19 @@ def test_an_asynchronous_release_hands_pins_back_without_waiting(daemon):
         c.async_start(4)
         pinned = c.lookup_prefix(ns, tags, pin=True, pin_ttl_ms=60_000)
         assert len(pinned) == 3 and c.stats()["pins"] == 3
-        t = c.submit_release([b.handle for b in pinned])
-        done: dict = {}
-        for _ in range(100):
-            done.update(c.poll(1000))
-            if t in done:
-                break
-        assert done[t] == []
+        assert polled(c, c.submit_release([b.handle for b in pinned])) == []
         assert c.stats()["pins"] == 0, "every pin handed back"
         # Releasing them again is no error at submit: the stale handles are simply not counted.
-        t2 = c.submit_release([b.handle for b in pinned])
-        for _ in range(100):
-            done.update(c.poll(1000))
-            if t2 in done:
-                break
-        assert done[t2] == []
+        assert polled(c, c.submit_release([b.handle for b in pinned])) == []
+
+
+def polled(c, ticket: int):
+    """The completion of one asynchronous call (bounded: 100 polls of at most 1 s)."""
+    for _ in range(100):
+        for t, result in c.poll(1000):
+            if t == ticket:
+                return result
+    raise AssertionError(f"ticket {ticket} never completed")
 
 
 def test_a_router_drains_stored_and_removed_events_and_learns_what_it_lost():

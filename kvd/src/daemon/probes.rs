@@ -15,70 +15,28 @@
 //!         └─ slot ──▶ read the request line (≤ 1 s, ≤ PROBE_MAX_REQUEST_BYTES) ──▶ answer, close
 //! ```
 
-use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::server::Daemon;
+use transport::admission::Admission;
 
 /// Probe connections served at once.
 pub const PROBE_MAX_CONNECTIONS: usize = 32;
 /// Probe connections from one source address at once.
-pub const PROBE_MAX_PER_SOURCE: u32 = 4;
+pub const PROBE_MAX_PER_SOURCE: usize = 4;
 /// How long a probe connection may take to send its request line and get its answer, ms.
 pub const PROBE_DEADLINE_MS: u64 = 1000;
 /// The most bytes of a request read.
 pub const PROBE_MAX_REQUEST_BYTES: usize = 2048;
 
-/// Open probe connections, in all and per source address.
-#[derive(Debug, Default)]
-struct Open {
-    total: usize,
-    by_source: HashMap<IpAddr, u32>,
-}
-
-/// One admitted connection: its place in [`Open`], given back on drop.
-struct Admitted {
-    open: Arc<Mutex<Open>>,
-    source: IpAddr,
-}
-
-impl Admitted {
-    fn new(open: &Arc<Mutex<Open>>, source: IpAddr) -> Option<Admitted> {
-        let mut o = open.lock().unwrap_or_else(PoisonError::into_inner);
-        let from = o.by_source.get(&source).copied().unwrap_or(0);
-        if o.total >= PROBE_MAX_CONNECTIONS || from >= PROBE_MAX_PER_SOURCE {
-            return None;
-        }
-        o.total += 1;
-        o.by_source.insert(source, from + 1);
-        Some(Admitted {
-            open: open.clone(),
-            source,
-        })
-    }
-}
-
-impl Drop for Admitted {
-    fn drop(&mut self) {
-        let mut o = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-        o.total -= 1;
-        if let Some(n) = o.by_source.get_mut(&self.source) {
-            *n -= 1;
-            if *n == 0 {
-                o.by_source.remove(&self.source);
-            }
-        }
-    }
-}
-
 /// Serve the probes on `listener` until the process ends.
 pub async fn serve(d: Arc<Daemon>, listener: TcpListener) {
-    let open = Arc::new(Mutex::new(Open::default()));
+    let admission = Admission::new(PROBE_MAX_CONNECTIONS, PROBE_MAX_PER_SOURCE);
     loop {
         let (stream, peer): (TcpStream, SocketAddr) = match listener.accept().await {
             Ok(a) => a,
@@ -88,7 +46,7 @@ pub async fn serve(d: Arc<Daemon>, listener: TcpListener) {
                 continue;
             }
         };
-        let Some(admitted) = Admitted::new(&open, peer.ip()) else {
+        let Ok(admitted) = admission.admit(peer.ip()) else {
             d.metrics.probe_connections_refused.inc();
             drop(stream);
             continue;

@@ -17,15 +17,15 @@
 //! [`Error::Overloaded`] naming the bound, so a lockout never reads as a wrong secret (which
 //! shows as a failed proof, later in the handshake).
 
-use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{IpAddr, TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::wire::{Bind, Purpose};
 use super::{Command, Shared, TcpConfig, TcpPeer};
+use crate::admission::Admission;
 use crate::auth::{Challenge, Hello, Initiator, Proof, Responder};
 use crate::error::{Error, Result};
 
@@ -195,59 +195,6 @@ fn accept_one(
     Ok((s, theirs))
 }
 
-/// Handshakes in progress, in all and per source address.
-#[derive(Debug, Default)]
-struct InHandshake {
-    total: usize,
-    by_source: HashMap<IpAddr, usize>,
-}
-
-/// One connection's place in [`InHandshake`], given back on drop.
-struct Place {
-    open: Arc<Mutex<InHandshake>>,
-    source: IpAddr,
-}
-
-impl Place {
-    /// A place for a connection from `source`, or the bound that refuses it.
-    fn take(
-        open: &Arc<Mutex<InHandshake>>,
-        source: IpAddr,
-        config: &TcpConfig,
-    ) -> std::result::Result<Place, String> {
-        let mut o = open.lock().unwrap_or_else(PoisonError::into_inner);
-        let from = o.by_source.get(&source).copied().unwrap_or(0);
-        if o.total >= config.max_handshakes {
-            return Err(format!("{} handshakes at once", config.max_handshakes));
-        }
-        if from >= config.max_handshakes_per_source {
-            return Err(format!(
-                "{} handshakes at once from {source}",
-                config.max_handshakes_per_source
-            ));
-        }
-        o.total += 1;
-        o.by_source.insert(source, from + 1);
-        Ok(Place {
-            open: open.clone(),
-            source,
-        })
-    }
-}
-
-impl Drop for Place {
-    fn drop(&mut self) {
-        let mut o = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-        o.total -= 1;
-        if let Some(n) = o.by_source.get_mut(&self.source) {
-            *n -= 1;
-            if *n == 0 {
-                o.by_source.remove(&self.source);
-            }
-        }
-    }
-}
-
 /// Refuse a connection at a bound: read off what it sent, one non-blocking write of the
 /// refusal frame, close. Never waits.
 fn refuse(stream: TcpStream, bound: &str) {
@@ -261,11 +208,14 @@ fn refuse(stream: TcpStream, bound: &str) {
 }
 
 /// Accept peers until the engine stops. Each connection gets a handshake thread within the
-/// bounds of [`Place::take`] and one deadline, and only `max_target_connections` may be served;
+/// bounds of an [`Admission`] and one deadline, and only `max_target_connections` may be served;
 /// past a bound it gets a refusal frame and is closed at once (counted).
 pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
     use rustix::event::{PollFd, PollFlags, Timespec, poll};
-    let open = Arc::new(Mutex::new(InHandshake::default()));
+    let admission = Admission::new(
+        shared.config.max_handshakes,
+        shared.config.max_handshakes_per_source,
+    );
     let tick = Timespec {
         tv_sec: 0,
         tv_nsec: 50_000_000,
@@ -286,7 +236,9 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                 shared.config.max_target_connections
             ))
         } else {
-            Place::take(&open, from.ip(), &shared.config)
+            admission
+                .admit(from.ip())
+                .map_err(|bound| format!("handshakes: {bound}"))
         };
         let place = match place {
             Ok(p) => p,
