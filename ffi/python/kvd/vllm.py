@@ -302,6 +302,16 @@ class KvdConnector(KVConnectorBase_V1):
     def _layer_names(self) -> list[str]:
         return list(self._spec().layer_names)
 
+    def _weights(self) -> str:
+        """The model's weights stamp, read once (every shard's namespace and every reconnect
+        use it; it samples the weight files)."""
+        if getattr(self, "_identity", None) is None:
+            model = str(self.vllm_config.model_config.model)
+            self._identity = str(self.extra.get("model_identity") or weights_identity(model))
+            if not self._identity:
+                log.warning("kvd: %s is not a local path: the namespace names it by name and revision only", model)
+        return self._identity
+
     def namespace_descriptor(self, pp_rank: int, tp_rank: int) -> Namespace:
         """Every field that changes what a block's bytes mean, for one (PP stage, TP rank)."""
         from vllm.distributed.utils import get_pp_indices
@@ -315,9 +325,7 @@ class KvdConnector(KVConnectorBase_V1):
         if cache_dtype not in _DTYPES:
             raise ValueError(f"kvd: KV cache dtype {cache_dtype!r} is none of {sorted(_DTYPES)}")
         spec = self._spec().kv_cache_spec
-        identity = str(self.extra.get("model_identity") or weights_identity(str(mc.model)))
-        if not identity:
-            log.warning("kvd: %s is not a local path: the namespace names it by name and revision only", mc.model)
+        identity = self._weights()
         layers = end - start
         heads = int(mc.get_num_kv_heads(self.vllm_config.parallel_config))
         adapter = (

@@ -264,45 +264,49 @@ impl Metrics {
         ] {
             r.register(name, help, c.clone());
         }
-        r.register(
-            "kvd_sessions_open",
-            "Connections past the handshake",
-            m.sessions_open.clone(),
-        );
-        r.register(
-            "kvd_admin_connections_open",
-            "Admin HTTP connections holding a slot",
-            m.admin_connections_open.clone(),
-        );
-        r.register(
-            "kvd_accounting_balanced",
-            "1 if the last audit found free + every state = total",
-            m.accounting_balanced.clone(),
-        );
-        r.register(
-            "kvd_ready",
-            "1 while ready (0 while draining or without the etcd lease)",
-            m.ready.clone(),
-        );
-        r.register(
-            "kvd_draining",
-            "1 from the moment a drain begins",
-            m.draining.clone(),
-        );
+        for (name, help, g) in [
+            (
+                "kvd_sessions_open",
+                "Connections past the handshake",
+                &m.sessions_open,
+            ),
+            (
+                "kvd_admin_connections_open",
+                "Admin HTTP connections holding a slot",
+                &m.admin_connections_open,
+            ),
+            (
+                "kvd_accounting_balanced",
+                "1 if the last audit found free + every state = total",
+                &m.accounting_balanced,
+            ),
+            (
+                "kvd_ready",
+                "1 while ready (0 while draining or without the etcd lease)",
+                &m.ready,
+            ),
+            (
+                "kvd_draining",
+                "1 from the moment a drain begins",
+                &m.draining,
+            ),
+            (
+                "kvd_cluster_mode",
+                "1 when the node is registered in etcd, 0 on its own",
+                &m.cluster_mode,
+            ),
+            (
+                "kvd_etcd_lease_held",
+                "1 while the node holds its etcd registration lease (always 1 on its own)",
+                &m.lease_held,
+            ),
+        ] {
+            r.register(name, help, g.clone());
+        }
         r.register(
             "kvd_drain_seconds",
             "Seconds since the drain began (0 before one)",
             m.drain_s.clone(),
-        );
-        r.register(
-            "kvd_cluster_mode",
-            "1 when the node is registered in etcd, 0 on its own",
-            m.cluster_mode.clone(),
-        );
-        r.register(
-            "kvd_etcd_lease_held",
-            "1 while the node holds its etcd registration lease (always 1 on its own)",
-            m.lease_held.clone(),
         );
         r.register(
             "kvd_uptime_seconds",
