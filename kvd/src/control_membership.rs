@@ -102,6 +102,7 @@ fn apply(shared: &Shared, e: &Event) {
 /// A registration was written: join, recover, or (same generation) nothing.
 fn registered(shared: &Shared, seen: &mut Seen, r: &Registration) {
     let Some(w) = worker(r.node_id) else { return };
+    shared.node_registered(r.node_id, &r.admin_addr);
     match seen.nodes.get(&r.node_id).copied() {
         Some((g, _)) if r.generation < g => {
             seen.fenced += 1;
@@ -138,6 +139,7 @@ fn registered(shared: &Shared, seen: &mut Seen, r: &Registration) {
 /// A registration disappeared: the node failed.
 fn gone(shared: &Shared, seen: &mut Seen, node: u64) {
     let Some(w) = worker(node) else { return };
+    shared.node_gone(node);
     let silent = seen.nodes.get(&node).map(|(_, at)| at.elapsed());
     tracing::info!(
         node,

@@ -17,11 +17,16 @@
 //! | GET    | `/metrics`           | → the counters and load in OpenMetrics text (Prometheus)   |
 //! | GET    | `/snapshot`          | → the whole state ([`crate::control::ControllerSnapshot`])          |
 //!
+//! With `--engine ID=URL` it also serves the streaming front ([`crate::control_front`]):
+//! `POST /v1/completions` (OpenAI-compatible, streaming), `GET /v1/streams/{id}` (resume with
+//! `Last-Event-ID`) and `GET /status`.
+//!
 //! Errors answer with an HTTP status and `{"code": <kvd status code>, "error": "<message>"}`;
 //! inside a batch each event has its own `{"ok": …}` entry. Request bodies are capped at
 //! [`MAX_BODY_BYTES`]. The service listens on loopback unless `--allow-remote` is given (the
 //! admin surface changes state; see the trust model in docs/DAEMON.md).
 
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -88,6 +93,9 @@ pub struct ControlArgs {
     /// A file holding the etcd user's password (owner-readable only).
     #[arg(long)]
     pub etcd_password_file: Option<PathBuf>,
+    /// The streaming front (`--engine` turns it on).
+    #[command(flatten)]
+    pub front: crate::control_front::FrontArgs,
     /// TLS to etcd: the CA certificate (PEM); the endpoints are then https://.
     #[arg(long)]
     pub etcd_ca_file: Option<PathBuf>,
@@ -99,18 +107,159 @@ pub struct ControlArgs {
     pub etcd_key_file: Option<PathBuf>,
 }
 
-/// The shared state of the service: one controller and the clock that stamps events.
+/// The shared state of the service: one controller and the clock that stamps events, and
+/// what the streaming front needs beside it (the plans for its requests, the nodes' admin
+/// addresses, its counters).
 #[derive(Debug)]
 pub struct Shared {
     controller: Mutex<Controller>,
     clock: MonotonicClock,
     /// Added to the clock so time continues past the restored snapshot's timestamps.
     clock_offset_ms: u64,
+    plans: Mutex<Plans>,
+    plans_tx: tokio::sync::watch::Sender<u64>,
+    /// node → its admin address, from its registration in etcd.
+    nodes: Mutex<BTreeMap<u64, String>>,
+    front_stats: Mutex<crate::control_front::FrontStats>,
+}
+
+/// Decisions about the requests the front drives, until their task takes them.
+#[derive(Debug, Default)]
+struct Plans {
+    watched: HashSet<RequestId>,
+    plans: HashMap<RequestId, Decision>,
 }
 
 impl Shared {
-    fn now_ms(&self) -> u64 {
+    /// Now, on the controller's clock, ms.
+    pub fn now_ms(&self) -> u64 {
         self.clock_offset_ms + self.clock.now_ms()
+    }
+
+    /// Keep the decisions that name requests the front drives, and wake their tasks.
+    fn note(&self, decisions: &[Decision]) {
+        let mut woke = false;
+        {
+            let mut p = self.plans.lock().unwrap_or_else(|p| p.into_inner());
+            if p.watched.is_empty() {
+                return;
+            }
+            for d in decisions {
+                let id = match d {
+                    Decision::Restore(r) => r.request_id,
+                    Decision::RequestFailed { request_id, .. }
+                    | Decision::Checkpoint { request_id, .. } => *request_id,
+                    _ => continue,
+                };
+                if p.watched.contains(&id) {
+                    // a restore or a failure supersedes a checkpoint move
+                    let keep_old = matches!(d, Decision::Checkpoint { .. })
+                        && p.plans
+                            .get(&id)
+                            .is_some_and(|o| !matches!(o, Decision::Checkpoint { .. }));
+                    if !keep_old {
+                        p.plans.insert(id, d.clone());
+                        woke = true;
+                    }
+                }
+            }
+        }
+        if woke {
+            self.plans_tx.send_modify(|v| *v = v.wrapping_add(1));
+        }
+    }
+
+    /// The front drives `id`: keep the decisions about it.
+    pub fn watch_request(&self, id: RequestId) {
+        self.plans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .watched
+            .insert(id);
+    }
+
+    /// The front is done with `id`.
+    pub fn unwatch_request(&self, id: RequestId) {
+        let mut p = self.plans.lock().unwrap_or_else(|p| p.into_inner());
+        p.watched.remove(&id);
+        p.plans.remove(&id);
+    }
+
+    /// The decision waiting for `id`, if any.
+    pub fn take_plan(&self, id: RequestId) -> Option<Decision> {
+        self.plans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .plans
+            .remove(&id)
+    }
+
+    /// A receiver that changes whenever a decision for a watched request arrives.
+    pub fn plans_changed(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.plans_tx.subscribe()
+    }
+
+    /// A node registered (or re-registered) with this admin address.
+    pub fn node_registered(&self, node: u64, admin_addr: &str) {
+        self.nodes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(node, admin_addr.to_string());
+    }
+
+    /// A node's registration is gone.
+    pub fn node_gone(&self, node: u64) {
+        self.nodes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&node);
+    }
+
+    /// A registered node's admin address.
+    pub fn node_admin(&self, node: u64) -> Option<String> {
+        self.nodes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&node)
+            .cloned()
+    }
+
+    /// Admit a request now.
+    ///
+    /// # Errors
+    /// Those of [`Controller::admit`].
+    pub fn admit(&self, req: AdmitRequest) -> crate::Result<crate::control::Admission> {
+        let now = self.now_ms();
+        self.lock().admit(req, now)
+    }
+
+    /// Fail `workers` now; the plan (its decisions also reach the front's requests).
+    ///
+    /// # Errors
+    /// Those of [`Controller::fail_workers`].
+    pub fn fail(&self, workers: &[WorkerId]) -> crate::Result<crate::control::RecoveryPlan> {
+        let now = self.now_ms();
+        let plan = self.lock().fail_workers(workers, now)?;
+        self.note(&plan.clone().into_decisions());
+        Ok(plan)
+    }
+
+    /// The controller's counters.
+    pub fn stats(&self) -> crate::control::Stats {
+        self.lock().stats().clone()
+    }
+
+    /// Update the front's counters.
+    pub fn count_front(&self, f: impl FnOnce(&mut crate::control_front::FrontStats)) {
+        f(&mut self.front_stats.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    /// The front's counters.
+    pub fn front_stats(&self) -> crate::control_front::FrontStats {
+        self.front_stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Controller> {
@@ -209,17 +358,21 @@ async fn events(State(s): State<Arc<Shared>>, Json(batch): Json<EventBatch>) -> 
         .into());
     }
     let now = s.now_ms();
+    let mut noted = Vec::new();
     let mut c = s.lock();
     let results = batch
         .events
         .iter()
         .map(|e| match c.apply(e, now) {
-            Ok(decisions) => EventResult {
-                ok: true,
-                decisions,
-                code: None,
-                error: None,
-            },
+            Ok(decisions) => {
+                noted.extend(decisions.iter().cloned());
+                EventResult {
+                    ok: true,
+                    decisions,
+                    code: None,
+                    error: None,
+                }
+            }
             Err(e) => EventResult {
                 ok: false,
                 decisions: vec![],
@@ -228,6 +381,8 @@ async fn events(State(s): State<Arc<Shared>>, Json(batch): Json<EventBatch>) -> 
             },
         })
         .collect();
+    drop(c);
+    s.note(&noted);
     Ok(Json(BatchResults { results }))
 }
 
@@ -243,8 +398,7 @@ async fn workers_failed(
     State(s): State<Arc<Shared>>,
     Json(body): Json<FailedWorkers>,
 ) -> Api<crate::control::RecoveryPlan> {
-    let now = s.now_ms();
-    Ok(Json(s.lock().fail_workers(&body.workers, now)?))
+    Ok(Json(s.fail(&body.workers)?))
 }
 
 async fn workers(State(s): State<Arc<Shared>>) -> Api<crate::control::LoadTable> {
@@ -267,7 +421,13 @@ async fn stats(State(s): State<Arc<Shared>>) -> Api<crate::control::Stats> {
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
-    let m = ControllerMetrics::read(&s.lock());
+    let mut m = ControllerMetrics::read(&s.lock());
+    if let Ok(serde_json::Value::Object(map)) = serde_json::to_value(s.front_stats()) {
+        m.stats.extend(
+            map.into_iter()
+                .filter_map(|(k, v)| v.as_u64().map(|v| (format!("front_{k}"), v))),
+        );
+    }
     let mut registry = prometheus_client::registry::Registry::default();
     registry.register_collector(Box::new(m));
     let mut text = String::with_capacity(4096);
@@ -394,6 +554,10 @@ fn shared(controller: Controller, clock_offset_ms: u64) -> Arc<Shared> {
         controller: Mutex::new(controller),
         clock: MonotonicClock::new(),
         clock_offset_ms,
+        plans: Mutex::default(),
+        plans_tx: tokio::sync::watch::channel(0).0,
+        nodes: Mutex::default(),
+        front_stats: Mutex::default(),
     })
 }
 
@@ -423,10 +587,12 @@ fn snapshot_offset(snap: &ControllerSnapshot) -> u64 {
 }
 
 impl Shared {
-    /// Apply `event` now; its decisions.
+    /// Apply `event` now; its decisions (those about the front's requests reach them too).
     pub fn apply(&self, event: &Event) -> crate::Result<Vec<Decision>> {
         let now = self.now_ms();
-        self.lock().apply(event, now)
+        let d = self.lock().apply(event, now)?;
+        self.note(&d);
+        Ok(d)
     }
 
     /// The controller's snapshot.
@@ -445,6 +611,12 @@ impl Shared {
 /// # Errors
 /// Bad arguments, an unreadable or invalid snapshot.
 pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u64)> {
+    if !args.front.engines.is_empty() && args.etcd.is_empty() {
+        return Err(Error::InvalidArgument(
+            "--engine needs --etcd: the front learns the workers, their capacities and the holders' admin addresses from the nodes' registrations".into(),
+        ));
+    }
+    crate::control_front::parse_engines(&args.front.engines)?;
     if !args.listen.ip().is_loopback() && !args.allow_remote {
         return Err(Error::InvalidArgument(format!(
             "{} is not a loopback address; pass --allow-remote to listen there",
@@ -536,6 +708,19 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
             }
         };
         let shared = shared(controller, offset);
+        let mut app = routes(Arc::clone(&shared));
+        if !args.front.engines.is_empty() {
+            let front = match crate::control_front::Front::new(Arc::clone(&shared), args.front.clone()) {
+                Ok(f) => f,
+                Err(e) => {
+                    eprintln!("kvd control: {e}");
+                    return Err(std::io::Error::other(e.to_string()));
+                }
+            };
+            front.spawn_health_watch();
+            app = app.merge(front.routes());
+            println!("kvd control: the streaming front serves POST /v1/completions for {} engines", args.front.engines.len());
+        }
         if !args.etcd.is_empty() {
             tokio::spawn(crate::control_membership::run(
                 args.etcd.clone(),
@@ -548,7 +733,7 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
         println!("kvd control listening on {}", listener.local_addr()?);
         use std::io::Write;
         std::io::stdout().flush()?;
-        axum::serve(listener, routes(shared))
+        axum::serve(listener, app)
             .with_graceful_shutdown(async {
                 let _ = tokio::signal::ctrl_c().await;
             })

@@ -175,6 +175,44 @@ def test_a_checkpoint_is_extended_restored_and_ended(daemon):
         assert c.health_check() > 0
 
 
+def test_the_admin_port_reports_a_checkpoint_and_ends_it_for_its_epoch_only(daemon):
+    import json
+    import urllib.error
+    import urllib.request
+
+    def call(method: str, path: str) -> tuple[int, bytes]:
+        req = urllib.request.Request(f"http://{daemon.admin}{path}", method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    assert call("GET", "/checkpoints/12")[0] == 404
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        m = c.manifest_begin(12, 3, ns, reserve_bytes=1 << 20)
+        tokens = list(range(48))
+        ks = [kvd.key(ns, t) for t in kvd.block_tags(ns, 16, tokens)]
+        allocs = c.alloc(ks, checkpoint=(12, 3), reservation=m.reservation)
+        items = [(a.handle, 65536, c.write(a.handle, page(65536, 3), 0, 0)) for a in allocs]
+        c.seal(items)
+        c.manifest_extend(12, 3, [a.handle for a in allocs], 48)
+        status, body = call("GET", "/checkpoints/12")
+        assert status == 200
+        held = json.loads(body)
+        assert held == {"request": 12, "epoch": 3, "committed_tokens": 48, "blocks": 3,
+                        "bytes": 3 * c.pool_info().page_size_bytes}
+        assert call("DELETE", "/checkpoints/12?epoch=2")[0] == 409, "another epoch's end changes nothing"
+        assert call("GET", "/checkpoints/12")[0] == 200
+        assert call("DELETE", "/checkpoints/12")[0] == 400, "the epoch is required"
+        assert call("DELETE", "/checkpoints/12?epoch=3")[0] == 204
+        assert call("GET", "/checkpoints/12")[0] == 404
+        assert c.stats()["manifests"] == 0
+        with pytest.raises(kvd.KvdError):
+            c.manifest(12)
+
+
 def test_a_killed_session_leaves_nothing_pinned(daemon):
     with kvd.Client(daemon.socket) as c:
         ns = c.register_namespace(LAYOUT)

@@ -7,13 +7,18 @@
 //! | GET    | `/metrics` | Prometheus text (see [`super::metrics`])                            |
 //! | GET    | `/status`  | JSON [`StatusReport`], with the [`LimitsReport`] in force           |
 //! | POST   | `/drain`   | `202` and a drain begins; `403` from a non-loopback peer by default |
+//! | GET    | `/checkpoints/{request}` | JSON [`CheckpointReport`]: the manifest this node holds   |
+//! | DELETE | `/checkpoints/{request}?epoch=E` | `204`: the manifest of epoch `E` ends (its blocks  |
+//! |        |            | and reservation are released); `409` for another epoch            |
 //!
 //! At the cap the probes get the `503` too; a liveness probe that must answer under any
 //! admin flood points at the probe listener instead (`--probe-listen`, [`super::probes`]).
 //!
-//! `/drain` is the only endpoint that changes state. Even when the admin address is opened to
-//! other hosts (`--allow-remote-admin`), it answers only loopback peers unless
-//! `--allow-remote-drain` is also given (the trust model, docs/DAEMON.md).
+//! `/drain` and `DELETE /checkpoints/…` are the endpoints that change state. Even when the admin
+//! address is opened to other hosts (`--allow-remote-admin`), they answer only loopback peers
+//! unless `--allow-remote-drain` is also given (the trust model, docs/DAEMON.md). The
+//! checkpoint endpoints are how `kvd control`'s streaming front learns what a holder really
+//! holds before it plans a restore, and ends a checkpoint when its request is over.
 //!
 //! # Bounds
 //!
@@ -205,6 +210,10 @@ pub fn router(a: Arc<Admin>) -> Router {
         .route("/metrics", get(metrics))
         .route("/status", get(status))
         .route("/drain", post(drain))
+        .route(
+            "/checkpoints/{request}",
+            get(checkpoint).delete(end_checkpoint),
+        )
         .with_state(a)
 }
 
@@ -633,6 +642,76 @@ async fn drain(
     tracing::info!(%peer, "drain requested over HTTP");
     d.drain.request();
     (StatusCode::ACCEPTED, "draining\n").into_response()
+}
+
+/// What `GET /checkpoints/{request}` answers: the manifest of one request's checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointReport {
+    /// The request.
+    pub request: u64,
+    /// The epoch that wrote it.
+    pub epoch: u64,
+    /// Tokens its blocks cover (whole blocks, each verified when it was written).
+    pub committed_tokens: u64,
+    /// Its blocks.
+    pub blocks: u64,
+    /// Bytes those blocks take in the pool (blocks × page size).
+    pub bytes: u64,
+}
+
+fn store_error(e: &crate::Error) -> Response {
+    let status = match e {
+        crate::Error::NotFound(_) => StatusCode::NOT_FOUND,
+        crate::Error::StaleEpoch { .. } => StatusCode::CONFLICT,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    (status, format!("{e}\n")).into_response()
+}
+
+async fn checkpoint(
+    State(a): State<Arc<Admin>>,
+    axum::extract::Path(request): axum::extract::Path<u64>,
+) -> Response {
+    match a.d.store.manifest(request) {
+        Ok(m) => Json(CheckpointReport {
+            request,
+            epoch: m.epoch,
+            committed_tokens: m.committed_tokens,
+            blocks: m.tags.len() as u64,
+            bytes: m.tags.len() as u64 * a.d.store.page_size(),
+        })
+        .into_response(),
+        Err(e) => store_error(&e),
+    }
+}
+
+/// The query of `DELETE /checkpoints/{request}`.
+#[derive(Debug, Deserialize)]
+struct EpochQuery {
+    epoch: u64,
+}
+
+async fn end_checkpoint(
+    State(a): State<Arc<Admin>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    axum::extract::Path(request): axum::extract::Path<u64>,
+    axum::extract::Query(q): axum::extract::Query<EpochQuery>,
+) -> Response {
+    if !peer.ip().is_loopback() && !a.d.config.allow_remote_drain {
+        tracing::warn!(%peer, request, "refused to end a checkpoint for a remote peer");
+        return (
+            StatusCode::FORBIDDEN,
+            "checkpoints are ended from loopback only (see --allow-remote-drain)\n",
+        )
+            .into_response();
+    }
+    match a.d.store.manifest_end(request, q.epoch) {
+        Ok(()) => {
+            tracing::info!(%peer, request, epoch = q.epoch, "checkpoint ended over HTTP");
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => store_error(&e),
+    }
 }
 
 #[cfg(test)]
