@@ -42,6 +42,7 @@ T1 = words(3, 60, 17)  # 60 prompt tokens + 4 generated = 64: ends on a block bo
 C = words(77, 300, 19)  # stored by S, loaded by an L request that is then aborted
 PREEMPT = [words(100 + 7 * k, 250, 3 + 2 * k) for k in range(4)]
 TURN2 = {"turn_after": ["base", 2], "then": words(9, 40, 7)}
+IDLE = words(900, 100, 3)  # stored, then loaded after an idle spell longer than the lease
 
 
 def connector(socket: str, module: str = "kvd.vllm", cls: str = "KvdConnector", **extra: Any) -> dict:
@@ -97,6 +98,19 @@ class Run:
         return self.steps[step]["stats"]
 
 
+def other_kv_dtype() -> dict:
+    """Engine settings whose KV cache has another dtype than the float32 engines': an fp8 KV
+    cache where vLLM's CPU backend has one (x86 with AVX-512 or AMX), else the model in
+    bfloat16 (its KV cache then is bfloat16). Either way the bytes mean something else."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    if flags & {"avx512f", "amx_tile"}:
+        return {"engine_args": {"kv_cache_dtype": "fp8"}}
+    return {"dtype": "bfloat16"}
+
+
 def scenario(model: str, steps: list[dict], conn: dict | None = None, **kw: Any) -> dict:
     return {"model": model, "connector": conn, "steps": steps, "block_size": BLOCK, **kw}
 
@@ -140,11 +154,15 @@ def world(tmp_path_factory):
         w["Q"], w["R"] = finish(tmp, "Q", q), finish(tmp, "R", r)
         w["F"] = engine(tmp, "F", scenario(str(model), [step("flooded", [AB], 4)],
                                            connector(sock, "kvd_test_hooks", "RacingConnector", test_race="flood")))
+        # Idle past the session's lease (10 s): nothing renews it while there are no requests.
+        w["I"] = engine(tmp, "I", scenario(str(model), [
+            step("first", [IDLE], 4, False),
+            {**step("after_idle", [IDLE], 4, False), "idle_s": 12, "reset_prefix_cache": True}], connector(sock)))
         # Misses: another model, another KV cache dtype, then other weights at the same path.
         w["S2"] = engine(tmp, "S2", scenario(str(model), [step("A", [A, AB], 4, False)], connector(sock)))
         m1 = start_engine(tmp, "M1", scenario(str(other), [step("A", [A], 4, False)], connector(sock)))
         m2 = start_engine(tmp, "M2", scenario(str(model), [step("A", [A], 4, False)], connector(sock),
-                                              engine_args={"kv_cache_dtype": "fp8"}))
+                                              **other_kv_dtype()))
         w["M1"], w["M2"] = finish(tmp, "M1", m1), finish(tmp, "M2", m2)
         shutil.rmtree(model)
         subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(model), "--seed", "2"],
@@ -278,6 +296,14 @@ def test_another_model_another_kv_dtype_and_new_weights_at_the_same_path_are_mis
         assert st["loaded_blocks"] == 0 and out["cached"] == 0, f"{name} hit another model's KV"
     # S2 stored A under the first weights; M3 is the same path with new weights: a miss above.
     assert world["S2"].stats("A")["saved_blocks"] + world["S2"].stats("A")["save_skipped"] > 0
+
+
+def test_an_engine_idle_past_its_session_lease_still_hits_and_saves_on_its_next_request(world):
+    run = world["I"]
+    assert run.tokens("after_idle") == run.tokens("first")
+    st = run.stats("after_idle")
+    assert st["loaded_blocks"] == full_blocks(100), "the blocks stored before the idle spell load"
+    assert st.get("save_errors", 0) == 0 and run.stats("first").get("save_errors", 0) == 0
 
 
 def test_pipeline_stages_have_their_own_namespaces(world):

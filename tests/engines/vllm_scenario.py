@@ -53,6 +53,8 @@ def main() -> None:
         extra = {"kv_transfer_params": step["kv_transfer_params"]} if step.get("kv_transfer_params") else None
         sp = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True,
                             extra_args=extra)
+        if step.get("idle_s"):  # the engine idles (no requests, so no connector calls)
+            time.sleep(float(step["idle_s"]))
         if step.get("reset_prefix_cache"):
             assert llm.reset_prefix_cache()
         before = _worker_stats()

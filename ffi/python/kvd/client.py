@@ -381,7 +381,9 @@ class Client:
             pass
 
     def reconnect(self) -> None:
-        """A fresh session replacing this one: every handle, pin and view is gone."""
+        """A fresh session replacing this one: every handle, pin and view is gone. An
+        asynchronous queue (``async_start``) carries on over the new session; it is not
+        started again."""
         self._release_views()
         check(L.kvd_reconnect(self._c()))
 

@@ -70,6 +70,10 @@ from typing import Any, Iterable, Optional
 
 from .client import Client, Namespace, block_tags, key
 from .errors import AlreadyExists, Disconnected, KvdError, Overloaded
+
+# Renew the session's lease before a call when less than this is left (the client's lease is
+# 10 s; an engine renews it with every call, but makes none while it has no requests).
+RENEW_BELOW_MS = 5_000
 from .identity import weights_identity
 from .vllm_checkpoint import CheckpointStep, Restorer, Streamer, params
 from .vllm_layout import BlockLayout, LayoutError
@@ -364,15 +368,16 @@ class KvdConnector(KVConnectorBase_V1):
 
     def _usable(self) -> bool:
         if self._down_since is None:
-            return True
+            return self._fresh()
         now = time.monotonic()
         if now - self._last_reconnect < self.reconnect_s:
             return False
         self._last_reconnect = now
         try:
+            # The asynchronous queue runs on the same client, so it carries on over the new
+            # connection; starting it again is refused (and was: a scheduler that reconnected
+            # used to miss on every lookup from then on).
             self.client.reconnect()
-            if self.is_scheduler and self.async_lookup:
-                self.client.async_start(int(self.extra.get("max_inflight_lookups", 256)))
         except KvdError:
             return False
         for p, t in self._shards():  # a restarted daemon has forgotten them
@@ -385,6 +390,25 @@ class KvdConnector(KVConnectorBase_V1):
         self._down_since = None
         log.warning("kvd: daemon reachable again")
         return True
+
+    def _fresh(self) -> bool:
+        """The session is usable now: a lease that an idle spell left short is renewed (one
+        round trip, only then), and one that lapsed is reopened at once. An engine with no
+        requests makes no connector calls, so nothing renews its lease while it idles; without
+        this its first request after an idle spell longer than the lease was a miss (and its
+        saves failed) until the rate-limited reconnect."""
+        try:
+            left_ms, broken = self.client.lease_left()
+            if not broken and left_ms > 0:
+                if left_ms < RENEW_BELOW_MS:
+                    self.client.heartbeat()
+                return True
+        except KvdError:
+            pass
+        log.info("kvd: the daemon session lapsed while the engine was idle: reopening it")
+        self._down_since = time.monotonic()
+        self._last_reconnect = 0.0  # not an outage: no wait before the first try
+        return self._usable()
 
     def _shards(self) -> list[tuple[int, int]]:
         if self.is_scheduler:

@@ -294,6 +294,21 @@ def test_an_asynchronous_release_hands_pins_back_without_waiting(daemon):
         assert polled(c, c.submit_release([b.handle for b in pinned])) == []
 
 
+def test_the_asynchronous_queue_carries_on_over_a_reconnect(daemon):
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        tags = kvd.block_tags(ns, 16, list(range(32)))
+        c.put([kvd.key(ns, t) for t in tags], [page(4096, 3)] * 2)
+        c.async_start(4)
+        assert len(polled(c, c.submit_lookup_prefix(ns, tags))) == 2
+        c.reconnect()  # a lapsed lease, a restarted daemon: the queue runs on the new session
+        with pytest.raises(kvd.InvalidArgument):
+            c.async_start(4)  # started already
+        c.register_namespace(LAYOUT)
+        assert len(polled(c, c.submit_lookup_prefix(ns, tags, pin=True, pin_ttl_ms=5000))) == 2
+        assert c.stats()["pins"] == 2, "the pins belong to the new session"
+
+
 def polled(c, ticket: int):
     """The completion of one asynchronous call (bounded: 100 polls of at most 1 s)."""
     for _ in range(100):
