@@ -71,8 +71,8 @@ def committed(c: "kvd.Client", request: int) -> int:
         return 0
 
 
-def kvd_params(kind: str, holder: int, request: int, epoch: int) -> dict:
-    return {"kvd": {kind: {"holder": holder, "request": request, "epoch": epoch}}}
+def kvd_params(kind: str, holder: int, request: int, epoch: int, **more) -> dict:
+    return {"kvd": {kind: {"holder": holder, "request": request, "epoch": epoch, **more}}}
 
 
 def test_a_request_checkpointed_to_a_holder_resumes_on_a_third_node_with_the_plain_tokens(cluster):
@@ -121,3 +121,27 @@ def test_with_the_holder_gone_the_resubmitted_request_recomputes_and_gives_the_s
     assert survivor.tokens("rest")[0] == full[SPLIT:]
     assert survivor.steps["rest"]["outputs"][0]["cached"] == 0, "nothing to restore: all recomputed"
     assert survivor.r["scheduler_totals"].get("restores_failed") == 1
+
+
+def test_a_request_resumed_on_its_holder_loads_the_checkpoint_from_its_own_daemon(cluster):
+    tmp, model, nodes = cluster
+    prompt = words(17, 300, 31)
+    plain = engine(tmp, "plain3", scenario(model, [step("full", [prompt], TOTAL, False)]))
+    full = plain.tokens("full")[0]
+    engine(tmp, "worker3", scenario(model, [
+        dict(step("part", [prompt], SPLIT, False), kv_transfer_params=kvd_params("checkpoint", 3, 4444, 1))],
+        connector(nodes[1].socket)))
+    computed = 300 + SPLIT - 1
+    with kvd.Client(nodes[3].socket, name="test") as c:
+        wait_until("the holder's manifest has every step",
+                   lambda: committed(c, 4444) == computed // BLOCK * BLOCK)
+    resumed = {"tokens": plain.steps["full"]["outputs"][0]["prompt"] + full[:SPLIT]}
+    survivor = engine(tmp, "on-holder", scenario(model, [
+        dict(step("rest", [resumed], TOTAL - SPLIT, False),
+             kv_transfer_params=kvd_params("restore", 3, 4444, 1, local=True))],
+        connector(nodes[3].socket)))
+    assert survivor.tokens("rest")[0] == full[SPLIT:]
+    assert survivor.steps["rest"]["outputs"][0]["cached"] == computed // BLOCK * BLOCK
+    assert survivor.stats("rest")["loaded_blocks"] == computed // BLOCK
+    assert survivor.r["scheduler_totals"].get("restores_local") == 1
+    assert "restores_started" not in survivor.r["scheduler_totals"], "nothing fetched"

@@ -12,7 +12,8 @@ and a push that fails costs only the checkpoint (``checkpoint_failed``).
 
 A request resubmitted with ``{"kvd": {"restore": {"holder": NODE, "request": ID, "epoch": E}}}``
 (its prompt being the original prompt and the tokens committed before the failure) gets its
-prefix from the holder: the scheduler asks the local daemon for the recovery read
+prefix from the holder (``"local": true`` says the survivor is the holder itself: the blocks
+are looked up here, nothing is fetched): the scheduler asks the local daemon for the recovery read
 (``fetch_prefix``: the holder serves the longest verified prefix its manifest holds, which lands
 here as published blocks), answers "ask again" until the read ends (at most
 ``restore_timeout_ms``), then looks the prefix up and loads it like any hit, so vLLM computes
@@ -48,13 +49,14 @@ class Binding:
     holder: int
     request: int
     epoch: int
+    local: bool = False  # a restore onto the holder itself
 
     @staticmethod
     def parse(v: Any) -> Optional["Binding"]:
         if not isinstance(v, dict):
             return None
         try:
-            b = Binding(int(v["holder"]), int(v["request"]), int(v["epoch"]))
+            b = Binding(int(v["holder"]), int(v["request"]), int(v["epoch"]), bool(v.get("local", False)))
         except (KeyError, TypeError, ValueError):
             log.warning("kvd: ignoring malformed checkpoint parameters %r", v)
             return None
@@ -107,7 +109,7 @@ class Restorer:
             st = self._by_req[rid] = _Restore(tags=block_tags(self.namespace, self.block_size, tokens))
             st.deadline = time.monotonic() + self.timeout_s
             local = len(self.client.lookup_prefix(self.namespace, st.tags))
-            if restore is None or local == len(st.tags):
+            if restore is None or restore.local or local == len(st.tags):
                 st.done = True  # all of it is here already (a restore onto the holder itself)
                 self.figures["restores_local"] += 1
             else:
