@@ -244,6 +244,11 @@ impl Shared {
         Ok(plan)
     }
 
+    /// A request's record (live or retained terminal).
+    pub fn request(&self, id: RequestId) -> Option<crate::control::RequestRecord> {
+        self.lock().request(id).cloned()
+    }
+
     /// The controller's counters.
     pub fn stats(&self) -> crate::control::Stats {
         self.lock().stats().clone()
@@ -646,6 +651,7 @@ pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u6
 
 /// Run `kvd control` until Ctrl-C. Prints `kvd control listening on ADDR` once bound.
 pub fn run(args: ControlArgs) -> std::process::ExitCode {
+    crate::daemon::init_logging();
     let (controller, offset) = match controller_from_args(&args) {
         Ok(c) => c,
         Err(e) => {

