@@ -554,7 +554,7 @@ pub fn router(controller: Controller, clock_offset_ms: u64) -> Router {
     routes(shared(controller, clock_offset_ms))
 }
 
-fn shared(controller: Controller, clock_offset_ms: u64) -> Arc<Shared> {
+pub(crate) fn shared(controller: Controller, clock_offset_ms: u64) -> Arc<Shared> {
     Arc::new(Shared {
         controller: Mutex::new(controller),
         clock: MonotonicClock::new(),

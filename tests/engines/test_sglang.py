@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -246,6 +247,19 @@ def test_the_launch_json_builds_kvd_through_the_factory_with_zero_copy_io(daemon
 
 
 # -- round trips: every layout of SGLang's MHA and MLA host pools, both I/O paths ----------
+
+
+def test_a_backend_idle_past_its_session_lease_still_stores_and_loads(daemon, model_dir):
+    s = Stack(daemon.socket, "mha", "page_first", True, model_dir)
+    try:
+        time.sleep(11)  # the session's lease is 10 s; an idle SGLang makes no calls to renew it
+        tokens = fresh_tokens(2)
+        stored, _ = s.write(tokens)
+        assert stored == len(tokens)
+        hit, loaded, _ = s.read(tokens)
+        assert hit == loaded == len(tokens)
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize("kind,layout,v1", list(cases()))

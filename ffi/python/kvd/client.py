@@ -387,6 +387,24 @@ class Client:
         self._release_views()
         check(L.kvd_reconnect(self._c()))
 
+    def keep_alive(self, renew_below_ms: int = 5_000) -> bool:
+        """Make the session usable now: renew a lease that an idle spell left shorter than
+        ``renew_below_ms`` (one round trip, only then), reopen one that lapsed or broke. True
+        when a new session was opened: the caller registers its namespaces again (pins and
+        handles do not carry over). An engine adapter calls this before its work, because an
+        engine with no requests makes no calls, and nothing else renews the lease. Raises what
+        ``reconnect`` raises when the daemon cannot be reached."""
+        try:
+            left_ms, broken = self.lease_left()
+            if not broken and left_ms > 0:
+                if left_ms < renew_below_ms:
+                    self.heartbeat()
+                return False
+        except KvdError:
+            pass
+        self.reconnect()
+        return True
+
     def heartbeat(self) -> int:
         """Renew the lease; the ms until it expires."""
         ms = ctypes.c_uint64()

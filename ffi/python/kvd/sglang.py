@@ -369,9 +369,20 @@ class KvdHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     # -- the copies ------------------------------------------------------------------------
 
     def _client(self) -> Client:
+        """The session, usable now: renewed after an idle spell, reopened when it lapsed or
+        broke (``Client.keep_alive``; an idle SGLang makes no calls, so nothing else renews
+        it, and a lapsed session used to fail every later call). When the daemon is gone the
+        calls fail as they did, and the next one tries again."""
         c = self.client
         if c is None:
             raise ValueError("kvd: the storage backend is closed")
+        try:
+            if c.keep_alive() and self._ns:
+                log.info("kvd: the daemon session lapsed or broke: reopened")
+                for io in self._ns:
+                    c.register_namespace(self.namespace_descriptor(io))
+        except KvdError as e:
+            log.warning("kvd: the daemon cannot be reached (%s): its calls fail until it is back", e)
         return c
 
     def _record(self, what: str, pages: int, seconds: float) -> None:

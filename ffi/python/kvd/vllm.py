@@ -378,37 +378,36 @@ class KvdConnector(KVConnectorBase_V1):
             # connection; starting it again is refused (and was: a scheduler that reconnected
             # used to miss on every lookup from then on).
             self.client.reconnect()
+            self._reopened()
         except KvdError:
             return False
-        for p, t in self._shards():  # a restarted daemon has forgotten them
-            self.client.register_namespace(self.namespace_descriptor(p, t))
-        self._lookups.clear()
-        self._ticket_req.clear()
-        self._release_tickets.clear()
-        self._loading_pins.clear()  # the old session's pins died with it
-        self._loading_blocks.clear()
         self._down_since = None
         log.warning("kvd: daemon reachable again")
         return True
 
+    def _reopened(self) -> None:
+        """A new session: register the namespaces again (a restarted daemon has forgotten
+        them) and forget what belonged to the old one (its lookups, tickets and pins)."""
+        for p, t in self._shards():
+            self.client.register_namespace(self.namespace_descriptor(p, t))
+        self._lookups.clear()
+        self._ticket_req.clear()
+        self._release_tickets.clear()
+        self._loading_pins.clear()
+        self._loading_blocks.clear()
+
     def _fresh(self) -> bool:
-        """The session is usable now: a lease that an idle spell left short is renewed (one
-        round trip, only then), and one that lapsed is reopened at once. An engine with no
-        requests makes no connector calls, so nothing renews its lease while it idles; without
-        this its first request after an idle spell longer than the lease was a miss (and its
-        saves failed) until the rate-limited reconnect."""
+        """The session is usable now (``Client.keep_alive``): an engine with no requests makes
+        no connector calls, so nothing renews its lease while it idles; without this its first
+        request after an idle spell longer than the lease was a miss (and its saves failed)."""
         try:
-            left_ms, broken = self.client.lease_left()
-            if not broken and left_ms > 0:
-                if left_ms < RENEW_BELOW_MS:
-                    self.client.heartbeat()
-                return True
-        except KvdError:
-            pass
-        log.info("kvd: the daemon session lapsed while the engine was idle: reopening it")
-        self._down_since = time.monotonic()
-        self._last_reconnect = 0.0  # not an outage: no wait before the first try
-        return self._usable()
+            if self.client.keep_alive(RENEW_BELOW_MS):
+                log.info("kvd: the daemon session lapsed while the engine was idle: reopened")
+                self._reopened()
+            return True
+        except KvdError as e:
+            self._lost(e)
+            return False
 
     def _shards(self) -> list[tuple[int, int]]:
         if self.is_scheduler:

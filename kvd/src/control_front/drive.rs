@@ -83,16 +83,7 @@ impl Front {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&id);
-        // readable for late clients a while, then gone
-        let f = Arc::clone(&self);
-        let retain = Duration::from_millis(self.args.retain_ms);
-        tokio::spawn(async move {
-            tokio::time::sleep(retain).await;
-            f.streams
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&id);
-        });
+        self.finished(id);
     }
 
     pub(super) fn fail_stream(&self, run: &Run, msg: &str) {

@@ -98,8 +98,9 @@ pub struct FrontArgs {
     /// A request's deadline from its arrival, ms; recovery never runs past it.
     #[arg(long, default_value_t = 600_000)]
     pub request_deadline_ms: u64,
-    /// Streams at once (requests in flight plus finished ones still retained); past it new
-    /// requests get 429.
+    /// Requests streaming at once; past it new requests get 429. As many finished streams
+    /// are kept for clients that reconnect late (each at most --retain-ms; past that bound the
+    /// oldest goes first).
     #[arg(long, default_value_t = 256)]
     pub max_streams: usize,
     /// Bytes of events kept per stream for clients that reconnect; past it the oldest go.
@@ -222,6 +223,8 @@ pub struct Front {
     args: FrontArgs,
     engines: BTreeMap<WorkerId, Endpoint>,
     streams: Mutex<HashMap<RequestId, Arc<StreamLog>>>,
+    /// Finished streams still readable, oldest first (when each finished).
+    finished: Mutex<VecDeque<(Instant, RequestId)>>,
     active: Mutex<HashMap<RequestId, Active>>,
     recoveries: Mutex<VecDeque<RecoveryRecord>>,
 }
@@ -350,6 +353,7 @@ impl Front {
             args,
             engines,
             streams: Mutex::default(),
+            finished: Mutex::default(),
             active: Mutex::default(),
             recoveries: Mutex::default(),
         }))
@@ -482,14 +486,12 @@ impl Front {
         if prompt.is_empty() {
             return Err(Error::InvalidArgument("an empty prompt".into()));
         }
-        {
-            let streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
-            if streams.len() >= self.args.max_streams {
-                return Err(Error::Overloaded {
-                    what: format!("{} streams (--max-streams)", streams.len()),
-                    retry_after_ms: 1000,
-                });
-            }
+        let running = self.retire_finished();
+        if running >= self.args.max_streams {
+            return Err(Error::Overloaded {
+                what: format!("{running} requests streaming (--max-streams)"),
+                retry_after_ms: 1000,
+            });
         }
         let id = new_request_id();
         let reserve = if checkpoint {
@@ -565,7 +567,33 @@ impl Front {
     }
 
     /// The request's task: attempts until it finishes, fails, or its client leaves.
+    /// A stream finished: readable a while longer (see [`Front::retire_finished`]).
+    fn finished(&self, id: RequestId) {
+        self.finished
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back((Instant::now(), id));
+        self.retire_finished();
+    }
+
+    /// Drop the finished streams past `--retain-ms` or past `--max-streams` of them (oldest
+    /// first); how many requests are streaming.
+    fn retire_finished(&self) -> usize {
+        let retain = Duration::from_millis(self.args.retain_ms);
+        let mut finished = self.finished.lock().unwrap_or_else(|p| p.into_inner());
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some(&(at, id)) = finished.front() {
+            if at.elapsed() < retain && finished.len() <= self.args.max_streams {
+                break;
+            }
+            finished.pop_front();
+            streams.remove(&id);
+        }
+        streams.len().saturating_sub(finished.len())
+    }
+
     fn log_of(&self, id: RequestId) -> Option<Arc<StreamLog>> {
+        self.retire_finished();
         self.streams
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -772,6 +800,49 @@ mod tests {
         assert_eq!(token_ids(&json!(["a"])), None);
         assert_eq!(token_ids(&json!([-1])), None);
         assert_eq!(token_ids(&json!("x")), None);
+    }
+
+    fn front(max_streams: usize, retain_ms: u64) -> Arc<Front> {
+        let c = crate::control::Controller::new(crate::control::ControlConfig::default()).unwrap();
+        let args = FrontArgs {
+            engines: vec![],
+            kv_bytes_per_token: 1024,
+            reconnect_grace_ms: 1000,
+            retain_ms,
+            engine_timeout_ms: 1000,
+            request_deadline_ms: 1000,
+            max_streams,
+            max_stream_bytes: 1 << 20,
+        };
+        Front::new(crate::control_service::shared(c, 0), args).unwrap()
+    }
+
+    #[test]
+    fn finished_streams_stay_readable_within_their_bounds_and_do_not_count_as_running() {
+        let f = front(2, 60_000);
+        for id in 1..=4 {
+            f.streams.lock().unwrap().insert(id, StreamLog::new(1024));
+        }
+        assert_eq!(f.retire_finished(), 4, "four running");
+        f.finished(1);
+        f.finished(2);
+        assert_eq!(
+            f.retire_finished(),
+            2,
+            "finished streams are not running ones"
+        );
+        assert!(f.log_of(1).is_some() && f.log_of(2).is_some());
+        f.finished(3);
+        assert!(
+            f.log_of(1).is_none(),
+            "past --max-streams finished ones, the oldest goes"
+        );
+        assert!(f.log_of(2).is_some() && f.log_of(3).is_some());
+        assert_eq!(f.retire_finished(), 1);
+        let g = front(8, 0);
+        g.streams.lock().unwrap().insert(9, StreamLog::new(1024));
+        g.finished(9);
+        assert!(g.log_of(9).is_none(), "past --retain-ms it is gone");
     }
 
     #[test]
