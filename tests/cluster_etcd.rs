@@ -64,8 +64,7 @@ fn raw_offer_to(secret: &Path, d: &Daemon, id: u64, generation: u64, to: Option<
         }],
         checkpoint: None,
     };
-    kvd::protocol::frame::write_frame(&mut s, &offer).unwrap();
-    kvd::protocol::frame::read_frame(&mut s).unwrap()
+    kvd::daemon::transfer::wire::ask(&mut s, &offer).unwrap()
 }
 
 #[test]

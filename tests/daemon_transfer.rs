@@ -14,6 +14,7 @@ use kvd::keys::BlockKey;
 use kvd::protocol::{TransferState, WireError};
 use support::Daemon;
 use transport::auth::ClusterSecret;
+use transport::channel::Channel;
 use transport::engine::{HeapMemory, Memory, Op, OpFailure, OpKind, Transport};
 use transport::grant::{SegmentId, TransferId};
 use transport::segment::SegmentDescriptor;
@@ -237,7 +238,7 @@ impl RawSource {
         self.engine.wait(batch, Duration::from_secs(20)).unwrap()
     }
 
-    fn control(&self) -> (std::net::TcpStream, u64) {
+    fn control(&self) -> (Channel, u64) {
         let (s, bind) = self.engine.open_control(&self.peer).unwrap();
         (s, bind.node_generation)
     }
@@ -279,7 +280,7 @@ impl RawSource {
 /// A commit of `transfer` is refused as corrupt and none of `keys` became visible on `d`; the
 /// reader's client.
 fn commit_is_refused_as_corrupt(
-    s: &mut std::net::TcpStream,
+    s: &mut Channel,
     transfer: u64,
     d: &Daemon,
     keys: &[BlockKey],
@@ -311,9 +312,8 @@ fn accepted(r: PeerReply) -> (u64, Vec<u8>, Vec<Option<u64>>) {
     (transfer, segment, offsets)
 }
 
-fn ask(s: &mut std::net::TcpStream, r: &PeerRequest) -> PeerReply {
-    kvd::protocol::frame::write_frame(s, r).unwrap();
-    kvd::protocol::frame::read_frame(s).unwrap()
+fn ask(s: &mut Channel, r: &PeerRequest) -> PeerReply {
+    kvd::daemon::transfer::wire::ask(s, r).unwrap()
 }
 
 #[test]

@@ -29,7 +29,7 @@ fuzz_target!(|data: &[u8]| {
         && let Ok(m) = Message::decode(kind, payload)
     {
         let f = m.encode();
-        assert_eq!(Message::recv(&mut &f[..]).unwrap(), m);
+        assert_eq!(Message::parse(&f).unwrap(), m);
     }
-    let _ = Message::recv(&mut &data[..]);
+    let _ = Message::parse(data);
 });

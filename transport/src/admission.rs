@@ -1,36 +1,52 @@
-//! Bounds on connections being admitted, in all and per source address: what keeps a flood of
+//! Bounds on connections being admitted, in all and per source: what keeps a flood of
 //! connections that never finish (a handshake, a request line) from one place from taking the
 //! slots of peers connecting from elsewhere. Used by the data port's handshakes
-//! (`tcp::handshake`) and the daemon's probe listener.
+//! (`tcp::handshake`, by source address before authentication and by peer node and purpose
+//! after it) and the daemon's probe listener.
 
 use std::collections::HashMap;
+use std::fmt::{Debug, Display};
+use std::hash::Hash;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 
-#[derive(Debug, Default)]
-struct Open {
+/// What a bound is kept per: a source address, a peer node's connections of one purpose.
+pub trait Source: Hash + Eq + Clone + Display + Debug + Send + 'static {}
+impl<T: Hash + Eq + Clone + Display + Debug + Send + 'static> Source for T {}
+
+#[derive(Debug)]
+struct Open<K> {
     total: usize,
-    by_source: HashMap<IpAddr, usize>,
+    by_source: HashMap<K, usize>,
+}
+
+impl<K> Default for Open<K> {
+    fn default() -> Self {
+        Open {
+            total: 0,
+            by_source: HashMap::new(),
+        }
+    }
 }
 
 /// The connections admitted now, within `max_total` and `max_per_source`.
 #[derive(Debug, Clone)]
-pub struct Admission {
-    open: Arc<Mutex<Open>>,
+pub struct Admission<K: Source = IpAddr> {
+    open: Arc<Mutex<Open<K>>>,
     max_total: usize,
     max_per_source: usize,
 }
 
 /// One admitted connection's place; given back when dropped.
 #[derive(Debug)]
-pub struct Admitted {
-    open: Arc<Mutex<Open>>,
-    source: IpAddr,
+pub struct Admitted<K: Source = IpAddr> {
+    open: Arc<Mutex<Open<K>>>,
+    source: K,
 }
 
-impl Admission {
+impl<K: Source> Admission<K> {
     /// Bounds of `max_total` connections at once, `max_per_source` of them from one address.
-    pub fn new(max_total: usize, max_per_source: usize) -> Admission {
+    pub fn new(max_total: usize, max_per_source: usize) -> Admission<K> {
         Admission {
             open: Arc::default(),
             max_total,
@@ -43,7 +59,7 @@ impl Admission {
     ///
     /// # Errors
     /// The bound reached.
-    pub fn admit(&self, source: IpAddr) -> std::result::Result<Admitted, String> {
+    pub fn admit(&self, source: K) -> std::result::Result<Admitted<K>, String> {
         let mut o = self.open.lock().unwrap_or_else(PoisonError::into_inner);
         let from = o.by_source.get(&source).copied().unwrap_or(0);
         if o.total >= self.max_total {
@@ -53,7 +69,7 @@ impl Admission {
             return Err(format!("{} at once from {source}", self.max_per_source));
         }
         o.total += 1;
-        o.by_source.insert(source, from + 1);
+        o.by_source.insert(source.clone(), from + 1);
         Ok(Admitted {
             open: self.open.clone(),
             source,
@@ -61,7 +77,7 @@ impl Admission {
     }
 }
 
-impl Drop for Admitted {
+impl<K: Source> Drop for Admitted<K> {
     fn drop(&mut self) {
         let mut o = self.open.lock().unwrap_or_else(PoisonError::into_inner);
         o.total -= 1;

@@ -17,6 +17,21 @@
 //! (reflection). Proofs are compared in constant time (`blake3::Hash`'s equality). The keyed
 //! hash is blake3's own keyed mode, not a construction of ours. An unauthenticated connection
 //! can do nothing but fail this handshake.
+//!
+//! The handshake also gives both ends a key of the connection's own ([`SessionKey`]:
+//! `blake3::keyed_hash(key, "kvd session key v1" ‖ initiator nonce ‖ responder nonce)`),
+//! which nobody without the secret can compute. Every frame after the proofs carries a tag
+//! over it ([`Sealer`], [`Unsealer`]):
+//!
+//! ```text
+//! tag = blake3::keyed_hash(session key, "kvd frame v1" ‖ direction ‖ sequence ‖ frame)[..16]
+//! ```
+//!
+//! The direction byte (initiator → responder or back) stops a frame reflected to its sender;
+//! the sequence number (a count per direction, never sent) stops a frame replayed, dropped or
+//! reordered within the connection; the session key stops one moved from another connection.
+//! A frame whose tag is wrong closes its connection: a network that flips bits or an on-path
+//! attacker without the secret can cut a connection, never change what it says.
 
 use std::path::Path;
 
@@ -31,6 +46,11 @@ pub const MAX_SECRET_BYTES: usize = 4096;
 
 const KEY_CONTEXT: &str = "kvd cluster secret v1";
 const PROOF_DOMAIN: &[u8] = b"kvd peer auth v1";
+const SESSION_DOMAIN: &[u8] = b"kvd session key v1";
+const FRAME_DOMAIN: &[u8] = b"kvd frame v1";
+
+/// Bytes of the tag every frame after the handshake carries.
+pub const TAG_BYTES: usize = 16;
 
 /// The cluster secret, as a key derived from the secret file. Its `Debug` shows nothing of it.
 #[derive(Clone)]
@@ -92,6 +112,149 @@ impl ClusterSecret {
         h.update(&initiator.0);
         h.update(&responder.0);
         h.finalize()
+    }
+
+    fn session(&self, initiator: &Nonce, responder: &Nonce) -> SessionKey {
+        let mut h = blake3::Hasher::new_keyed(&self.key);
+        h.update(SESSION_DOMAIN);
+        h.update(&initiator.0);
+        h.update(&responder.0);
+        SessionKey(*h.finalize().as_bytes())
+    }
+}
+
+/// The key one connection's handshake gave both its ends (and nobody else). Its `Debug`
+/// shows nothing of it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SessionKey([u8; 32]);
+
+impl std::fmt::Debug for SessionKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SessionKey(..)")
+    }
+}
+
+impl SessionKey {
+    /// The two halves of a connection's integrity for the end `me`: what tags the frames it
+    /// sends, what checks the frames it receives.
+    pub fn split(&self, me: Role) -> (Sealer, Unsealer) {
+        let other = match me {
+            Role::Initiator => Role::Responder,
+            Role::Responder => Role::Initiator,
+        };
+        (
+            Sealer(Tagger::new(&self.0, me)),
+            Unsealer(Tagger::new(&self.0, other)),
+        )
+    }
+}
+
+/// The tags of one direction of a connection: the sender's role and the next sequence number.
+#[derive(Clone)]
+struct Tagger {
+    key: [u8; 32],
+    from: Role,
+    seq: u64,
+}
+
+impl std::fmt::Debug for Tagger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tagger")
+            .field("from", &self.from)
+            .field("seq", &self.seq)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tagger {
+    fn new(key: &[u8; 32], from: Role) -> Tagger {
+        Tagger {
+            key: *key,
+            from,
+            seq: 0,
+        }
+    }
+
+    /// The next frame's tag (the sequence moves on).
+    fn next(&mut self, frame: &[&[u8]]) -> [u8; TAG_BYTES] {
+        let mut h = blake3::Hasher::new_keyed(&self.key);
+        h.update(FRAME_DOMAIN);
+        h.update(&[self.from as u8]);
+        h.update(&self.seq.to_le_bytes());
+        for part in frame {
+            h.update(part);
+        }
+        self.seq += 1;
+        let mut tag = [0u8; TAG_BYTES];
+        tag.copy_from_slice(&h.finalize().as_bytes()[..TAG_BYTES]);
+        tag
+    }
+}
+
+/// Tags the frames one end sends on a connection, in the order they go on the wire.
+#[derive(Debug, Clone)]
+pub struct Sealer(Tagger);
+
+impl Sealer {
+    /// The tag of the next frame sent, made of its parts in order (the frame's bytes are
+    /// their concatenation).
+    pub fn tag(&mut self, frame: &[&[u8]]) -> [u8; TAG_BYTES] {
+        self.0.next(frame)
+    }
+
+    /// Tag a frame held in `buf` whose last [`TAG_BYTES`] are its tag's place.
+    ///
+    /// # Panics
+    /// If `buf` is shorter than a tag (a caller's bug: frames are fixed-size or length-framed).
+    pub fn seal(&mut self, buf: &mut [u8]) {
+        let at = buf.len() - TAG_BYTES;
+        let tag = self.0.next(&[&buf[..at]]);
+        buf[at..].copy_from_slice(&tag);
+    }
+}
+
+/// Checks the frames one end receives on a connection, in the order they arrive.
+#[derive(Debug, Clone)]
+pub struct Unsealer(Tagger);
+
+impl Unsealer {
+    /// Check the next frame received against `tag`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the tag is wrong: the frame was changed, replayed,
+    /// reordered or made without the session's key. The connection is out of step from here
+    /// on and must be closed.
+    pub fn check(&mut self, frame: &[&[u8]], tag: &[u8]) -> Result<()> {
+        let want = self.0.next(frame);
+        // constant time: every byte is looked at whatever the first difference
+        let diff = want
+            .iter()
+            .zip(tag.iter())
+            .fold(u8::from(tag.len() != TAG_BYTES), |acc, (a, b)| {
+                acc | (a ^ b)
+            });
+        if diff == 0 {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(
+                "a frame failed its integrity check (changed in flight, replayed, or not \
+                 from the authenticated peer); the connection is closed"
+                    .into(),
+            ))
+        }
+    }
+
+    /// Check a frame held in `buf` whose last [`TAG_BYTES`] are its tag.
+    ///
+    /// # Errors
+    /// As [`Unsealer::check`]; also for a `buf` shorter than a tag.
+    pub fn open(&mut self, buf: &[u8]) -> Result<()> {
+        let Some(at) = buf.len().checked_sub(TAG_BYTES) else {
+            return Err(Error::InvalidArgument(
+                "a frame shorter than its tag".into(),
+            ));
+        };
+        self.check(&[&buf[..at]], &buf[at..])
     }
 }
 
@@ -237,16 +400,17 @@ impl<'a> Responder<'a> {
         (r, Challenge { nonce, proof })
     }
 
-    /// Check the initiator's proof; only `Ok` lets the connection do anything.
+    /// Check the initiator's proof; only `Ok` lets the connection do anything, and it
+    /// carries the connection's key.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when the initiator does not hold the secret.
-    pub fn verify(self, p: &Proof) -> Result<()> {
+    pub fn verify(self, p: &Proof) -> Result<SessionKey> {
         let want = self
             .secret
             .proof(Role::Initiator, &self.initiator, &self.nonce);
         if want == blake3::Hash::from_bytes(p.0) {
-            Ok(())
+            Ok(self.secret.session(&self.initiator, &self.nonce))
         } else {
             Err(refused("initiator"))
         }
@@ -270,22 +434,24 @@ impl<'a> Initiator<'a> {
         Ok((Initiator { secret, nonce }, Hello { nonce }))
     }
 
-    /// Check the responder's proof; if it holds, the proof to send back.
+    /// Check the responder's proof; if it holds, the proof to send back and the
+    /// connection's key.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when the responder does not hold the secret (send nothing,
     /// close the connection).
-    pub fn respond(self, c: &Challenge) -> Result<Proof> {
+    pub fn respond(self, c: &Challenge) -> Result<(Proof, SessionKey)> {
         let want = self.secret.proof(Role::Responder, &self.nonce, &c.nonce);
         if want != blake3::Hash::from_bytes(c.proof) {
             return Err(refused("responder"));
         }
-        Ok(Proof(
+        let proof = Proof(
             *self
                 .secret
                 .proof(Role::Initiator, &self.nonce, &c.nonce)
                 .as_bytes(),
-        ))
+        );
+        Ok((proof, self.secret.session(&self.nonce, &c.nonce)))
     }
 }
 
@@ -304,8 +470,10 @@ mod tests {
         let hello = Hello::decode(&hello.encode()).unwrap();
         let (r, challenge) = Responder::answer(&s, &hello).unwrap();
         let challenge = Challenge::decode(&challenge.encode());
-        let proof = i.respond(&challenge).unwrap();
-        r.verify(&proof).unwrap();
+        let (proof, key_i) = i.respond(&challenge).unwrap();
+        let key_r = r.verify(&proof).unwrap();
+        assert_eq!(key_i, key_r, "both ends hold the same connection key");
+        assert_eq!(format!("{key_i:?}"), "SessionKey(..)");
     }
 
     #[test]
@@ -333,7 +501,7 @@ mod tests {
         // Replay: a valid proof of one connection, presented on the next.
         let (i, hello) = Initiator::start(&s).unwrap();
         let (r1, c1) = Responder::answer(&s, &hello).unwrap();
-        let good = i.respond(&c1).unwrap();
+        let (good, _) = i.respond(&c1).unwrap();
         r1.verify(&good).unwrap();
         let (r2, _) = Responder::answer(&s, &hello).unwrap();
         assert!(
@@ -353,7 +521,7 @@ mod tests {
             secret: &s,
             nonce: hello.nonce,
         };
-        let p = i.respond(&c).unwrap();
+        let (p, _) = i.respond(&c).unwrap();
         assert_ne!(p.0, c.proof, "the roles give different proofs");
         r.verify(&p).unwrap();
     }
@@ -389,6 +557,58 @@ mod tests {
                 .to_string()
                 .contains("version 9")
         );
+    }
+
+    /// A connection's two ends, keyed by a real handshake.
+    fn session_pair() -> ((Sealer, Unsealer), (Sealer, Unsealer)) {
+        let s = secret(5);
+        let (i, hello) = Initiator::start(&s).unwrap();
+        let (r, c) = Responder::answer(&s, &hello).unwrap();
+        let (p, ki) = i.respond(&c).unwrap();
+        let kr = r.verify(&p).unwrap();
+        (ki.split(Role::Initiator), kr.split(Role::Responder))
+    }
+
+    #[test]
+    fn frames_in_order_pass_and_any_change_replay_reorder_or_reflection_fails() {
+        let ((mut i_seal, mut i_open), (mut r_seal, mut r_open)) = session_pair();
+        // in order, both ways, whole or in parts
+        for n in 0..4u8 {
+            let mut f = vec![n; 40];
+            i_seal.seal(&mut f);
+            r_open.open(&f).unwrap();
+            let t = r_seal.tag(&[b"head", &[n]]);
+            i_open.check(&[b"he", b"ad", &[n]], &t).unwrap();
+        }
+        // one flipped bit anywhere, the tag included
+        for bit in 0..(40 * 8) {
+            let ((mut s, _), (_, mut o)) = session_pair();
+            let mut f = vec![7u8; 40];
+            s.seal(&mut f);
+            f[bit / 8] ^= 1 << (bit % 8);
+            assert!(o.open(&f).is_err(), "bit {bit} flipped passed");
+        }
+        // replay: the same frame twice; reorder: the second before the first
+        let ((mut s, _), (_, mut o)) = session_pair();
+        let (mut a, mut b) = (vec![1u8; 24], vec![2u8; 24]);
+        s.seal(&mut a);
+        s.seal(&mut b);
+        let mut replayed = o.clone();
+        replayed.open(&a).unwrap();
+        assert!(replayed.open(&a).is_err(), "a replayed frame");
+        assert!(o.open(&b).is_err(), "a frame out of order");
+        // reflection: a frame sent back to its sender
+        let ((mut s, mut back), _) = session_pair();
+        let mut f = vec![3u8; 24];
+        s.seal(&mut f);
+        assert!(back.open(&f).is_err(), "a reflected frame");
+        // another connection's frame, in its place
+        let ((mut s1, _), _) = session_pair();
+        let (_, (_, mut o2)) = session_pair();
+        let mut f = vec![4u8; 24];
+        s1.seal(&mut f);
+        assert!(o2.open(&f).is_err(), "a frame from another connection");
+        assert!(o2.open(&[0u8; 3]).is_err(), "shorter than a tag");
     }
 
     fn tempfile_dir() -> std::path::PathBuf {

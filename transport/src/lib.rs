@@ -4,7 +4,10 @@
 //!   every engine), the page-generation table, a non-temporal copy for large transfers and a
 //!   copy fused with a CRC-32C, so a block's checksum costs no second pass over cold memory.
 //! - [`auth`]: peer authentication by challenge-response over the cluster secret (blake3's
-//!   keyed hash over both ends' nonces; the secret never crosses the wire).
+//!   keyed hash over both ends' nonces; the secret never crosses the wire), and the
+//!   per-connection key that tags every frame after it.
+//! - [`channel`]: an authenticated connection, its key and its place under the per-peer
+//!   bound; tagged, length-framed messages for the daemons' control traffic.
 //! - [`engine`]: the transfer interface every backend implements ([`engine::Transport`]),
 //!   with the bookkeeping they share; backends: [`local::LocalTransport`], [`tcp::TcpTransport`],
 //!   and with the `rdma` feature `rdma::RdmaTransport` (RC queue pairs over sideway).
@@ -19,6 +22,7 @@
 
 pub mod admission;
 pub mod auth;
+pub mod channel;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;

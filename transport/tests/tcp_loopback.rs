@@ -387,30 +387,25 @@ fn a_descriptor_of_an_earlier_incarnation_is_refused_as_stale() {
 
 #[test]
 fn control_connections_reach_the_handler_authenticated_and_only_with_the_secret() {
-    use std::io::{Read, Write};
+    use std::io::Read;
     let b = engine(2, |_| {});
     let a = engine(1, |_| {});
     // without a handler a control connection is closed after the handshake
-    let (mut s, bind) = a.open_control(&peer(&b, 2)).unwrap();
+    let (s, bind) = a.open_control(&peer(&b, 2)).unwrap();
     assert_eq!(bind.node_id, 2);
     let mut byte = [0u8; 1];
-    assert!(matches!(s.read(&mut byte), Ok(0) | Err(_)));
-    // with one, the handler gets the stream and who is on the other end
-    b.set_control_handler(Arc::new(|mut s: std::net::TcpStream, who| {
+    assert!(matches!(s.stream().read(&mut byte), Ok(0) | Err(_)));
+    // with one, the handler gets the channel and who is on the other end
+    b.set_control_handler(Arc::new(|mut s: transport::channel::Channel, who| {
         std::thread::spawn(move || {
-            let mut buf = [0u8; 5];
-            s.read_exact(&mut buf).unwrap();
-            s.write_all(
-                format!("{}:{}", who.node_id, std::str::from_utf8(&buf).unwrap()).as_bytes(),
-            )
-            .unwrap();
+            let got = s.recv(64).unwrap();
+            s.send(format!("{}:{}", who.node_id, std::str::from_utf8(&got).unwrap()).as_bytes())
+                .unwrap();
         });
     }));
     let (mut s, _) = a.open_control(&peer(&b, 2)).unwrap();
-    s.write_all(b"hello").unwrap();
-    let mut answer = [0u8; 7];
-    s.read_exact(&mut answer).unwrap();
-    assert_eq!(&answer, b"1:hello");
+    s.send(b"hello").unwrap();
+    assert_eq!(s.recv(64).unwrap(), b"1:hello");
     // a peer without the secret gets no control connection either
     let mut c = TcpConfig::new(3, 1, "127.0.0.1:0".parse().unwrap(), secret(9));
     c.connect_timeout = Duration::from_secs(2);

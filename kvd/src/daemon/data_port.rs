@@ -104,6 +104,9 @@ pub struct EngineCounters {
     pub connections_failed: u64,
     /// Connections refused at the handshake (no secret, malformed, too many).
     pub handshakes_refused: u64,
+    /// Frames that failed their integrity tag (changed in flight, replayed, forged); each
+    /// closed its connection.
+    pub integrity_failures: u64,
 }
 
 impl From<TcpStats> for EngineCounters {
@@ -116,6 +119,7 @@ impl From<TcpStats> for EngineCounters {
             refused: s.refused,
             connections_failed: s.connections_failed,
             handshakes_refused: s.handshakes_refused,
+            integrity_failures: s.integrity_failures,
         }
     }
 }
@@ -137,6 +141,9 @@ impl DataPort {
         // instead of computing one (and the receiver's check is end to end). Every daemon uses
         // the same size: it is also the largest chunk one accepts.
         tcp.chunk_bytes = CHUNK_BYTES;
+        // A peer's own share of connections per purpose: its transfers into here (one control
+        // connection each, and as many idle ones kept), with room to spare.
+        tcp.max_connections_per_peer = (2 * config.max_incoming_per_peer as usize).max(16);
         let tcp = TcpTransport::start(tcp)
             .map_err(|e| Error::Io(format!("the data port {}: {e}", config.listen)))?;
         let region = store.pool_region();

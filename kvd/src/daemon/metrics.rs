@@ -506,6 +506,12 @@ impl Collector for DataPortCollector {
                 "Data connections refused at the handshake (no secret, malformed, too many)",
                 c.handshakes_refused,
             ),
+            (
+                "kvd_transfer_integrity_failures",
+                "Frames between daemons that failed their integrity tag (changed in flight, \
+                 replayed, forged); each closed its connection",
+                c.integrity_failures,
+            ),
         ] {
             counter(&mut e, name, help, v)?;
         }

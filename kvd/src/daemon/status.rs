@@ -217,7 +217,7 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
                 o,
                 "data port {} (node {}): {} ops / {} bytes in flight, {} grants live, peers [{}]; \
                  chunks {} done / {} served, {} refused, {} checksum failures, {} connections \
-                 failed, {} handshakes refused",
+                 failed, {} handshakes refused, {} frames failed integrity",
                 dp.listen,
                 dp.node_id,
                 dp.ops_in_flight,
@@ -229,7 +229,8 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
                 e.refused,
                 e.checksum_failures,
                 e.connections_failed,
-                e.handshakes_refused
+                e.handshakes_refused,
+                e.integrity_failures
             );
             let t = &dp.transport;
             let per_peer: Vec<String> = t

@@ -58,6 +58,9 @@ pub enum OpFailure {
     Corrupt,
     /// The peer answered outside the protocol (the endpoint was closed).
     Protocol,
+    /// A frame failed its integrity tag: changed in flight, replayed, or not from the
+    /// authenticated peer (the endpoint was closed).
+    Tampered,
     /// This side closed the endpoint (or the engine) with the op in flight.
     Closed,
 }
@@ -70,6 +73,7 @@ impl std::fmt::Display for OpFailure {
             OpFailure::Refused(r) => write!(f, "the peer refused the access (reason {r})"),
             OpFailure::Corrupt => f.write_str("a chunk failed its CRC-32C"),
             OpFailure::Protocol => f.write_str("the peer broke the protocol"),
+            OpFailure::Tampered => f.write_str("a frame failed its integrity check"),
             OpFailure::Closed => f.write_str("the endpoint was closed here"),
         }
     }

@@ -2,7 +2,7 @@
 //! keys, the send queue's doorbells, completions, endpoint failure and rebuild, and the
 //! progress thread that drives them.
 
-use std::net::TcpStream;
+use crate::channel::Channel;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -26,11 +26,12 @@ impl<V: Verbs> Shared<V> {
     }
 
     /// A queue pair connected to the peer at the other end of `side`.
-    pub(super) fn connect_qp(&self, side: &mut TcpStream) -> Result<V::Qp> {
+    pub(super) fn connect_qp(&self, side: &mut Channel) -> Result<V::Qp> {
         let v = &self.verbs;
         let mut qp = v.create_qp(&self.cq, self.config.send_depth)?;
         v.modify_qp(&mut qp, QpState::Init, None)?;
-        side.set_read_timeout(Some(self.config.side_timeout))
+        side.stream()
+            .set_read_timeout(Some(self.config.side_timeout))
             .map_err(|e| Error::PeerUnavailable(e.to_string()))?;
         Message::Connect(v.qp_info(&qp)).send(side)?;
         let answer = Message::recv(side).map_err(|e| match e {
@@ -87,7 +88,9 @@ impl<V: Verbs> Shared<V> {
     /// Keys for every op of a batch, over the endpoint's side channel.
     pub(super) fn resolve_remote(&self, e: &Endpoint<V>, ops: &[Op]) -> Result<Vec<Key>> {
         let mut side = lock(&e.side);
-        let _ = side.set_read_timeout(Some(self.config.side_timeout));
+        let _ = side
+            .stream()
+            .set_read_timeout(Some(self.config.side_timeout));
         let mut keys = Vec::with_capacity(ops.len());
         for part in ops.chunks(wire::MAX_RESOLVE) {
             let rs = part

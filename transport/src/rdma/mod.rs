@@ -60,8 +60,8 @@ pub use self::gpu::GpuPath;
 
 use self::target::RemoteRegions;
 
+use crate::channel::Channel;
 use std::collections::HashMap;
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -263,7 +263,7 @@ struct EndpointIo<V: Verbs> {
 
 struct Endpoint<V: Verbs> {
     node_id: u64,
-    side: Mutex<TcpStream>,
+    side: Mutex<Channel>,
     io: Mutex<EndpointIo<V>>,
 }
 
@@ -395,7 +395,7 @@ impl<V: Verbs> RdmaTransport<V> {
 
     /// Serve a peer's side connection (already authenticated; `peer` introduced it) on a
     /// thread of its own; past [`RdmaConfig::max_side_connections`] it is refused.
-    pub fn serve_side(&self, stream: TcpStream, peer: Bind) {
+    pub fn serve_side(&self, stream: Channel, peer: Bind) {
         let s = &self.shared;
         let n = s.side_connections.fetch_add(1, Ordering::AcqRel);
         if n >= s.config.max_side_connections {

@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 use std::net::TcpStream;
+
+use crate::channel::Channel;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -49,13 +51,13 @@ fn wait_readable(s: &TcpStream, timeout: Duration) -> bool {
 
 impl<V: Verbs> Shared<V> {
     /// The target's side: answer one peer's side connection until it closes.
-    pub(super) fn serve_side(&self, mut s: TcpStream, peer: Bind) {
+    pub(super) fn serve_side(&self, mut s: Channel, peer: Bind) {
         let mut qp: Option<V::Qp> = None;
         while !self.stop.load(Ordering::Acquire) {
-            if !wait_readable(&s, Duration::from_millis(100)) {
+            if !wait_readable(s.stream(), Duration::from_millis(100)) {
                 continue;
             }
-            let _ = s.set_read_timeout(Some(self.config.side_timeout));
+            let _ = s.stream().set_read_timeout(Some(self.config.side_timeout));
             let reply = match Message::recv(&mut s) {
                 Ok(Message::Connect(theirs)) => match self.accept_qp(&theirs) {
                     Ok((q, mine)) => {

@@ -12,11 +12,12 @@
 //! ```
 //!
 //! Every frame is `kind: u8, 0, 0, 0, len: u32 LE` and `len` bytes (at most
-//! [`MAX_FRAME_BYTES`]); little-endian fields. A malformed frame closes the connection.
-
-use std::io::{Read, Write};
+//! [`MAX_FRAME_BYTES`]); little-endian fields; it travels as one message of the connection's
+//! [`Channel`], tagged with its key (a queue pair number or a key changed in flight fails the
+//! tag). A malformed frame closes the connection.
 
 use super::verbs::QpInfo;
+use crate::channel::Channel;
 use crate::error::{Error, Result};
 use crate::grant::{Direction, SegmentId, TransferId};
 
@@ -242,44 +243,48 @@ impl Message {
         })
     }
 
-    /// Write the frame.
+    /// Send the frame on the side channel (tagged by the channel).
     ///
     /// # Errors
     /// [`Error::PeerUnavailable`] when the connection fails.
-    pub fn send(&self, w: &mut impl Write) -> Result<()> {
-        w.write_all(&self.encode())
+    pub fn send(&self, ch: &mut Channel) -> Result<()> {
+        ch.send(&self.encode())
             .map_err(|e| protocol(format!("send: {e}")))
     }
 
-    /// Read one frame.
+    /// Receive one frame from the side channel, its tag checked.
     ///
     /// # Errors
-    /// [`Error::PeerUnavailable`] when the connection fails or the frame is malformed.
-    pub fn recv(r: &mut impl Read) -> Result<Message> {
-        let mut h = [0u8; 8];
-        r.read_exact(&mut h).map_err(|e| {
-            // closed at once: an EOF, or a reset when our frame was still unread there
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
-            ) {
-                protocol(format!(
-                    "receive: {e} (a peer without RDMA closes the side channel at once)"
-                ))
-            } else {
-                protocol(format!("receive: {e}"))
-            }
+    /// [`Error::PeerUnavailable`] when the connection fails or the frame is malformed or
+    /// fails its tag.
+    pub fn recv(ch: &mut Channel) -> Result<Message> {
+        let f = ch.recv(8 + MAX_FRAME_BYTES).map_err(|e| match e {
+            // closed at once: a peer that does not serve RDMA
+            Error::PeerUnavailable(m) if m.contains("closed") => protocol(format!(
+                "receive: {m} (a peer without RDMA closes the side channel at once)"
+            )),
+            e => protocol(format!("receive: {e}")),
         })?;
-        let len = u32_at(&h, 4) as usize;
-        if len > MAX_FRAME_BYTES {
+        Message::parse(&f)
+    }
+
+    /// Parse one whole frame (header and payload, nothing else).
+    ///
+    /// # Errors
+    /// [`Error::PeerUnavailable`] for a frame that is malformed or whose length disagrees
+    /// with its bytes.
+    pub fn parse(f: &[u8]) -> Result<Message> {
+        let Some(h) = f.first_chunk::<8>() else {
+            return Err(protocol("a frame shorter than its header"));
+        };
+        let len = u32_at(h, 4) as usize;
+        if len > MAX_FRAME_BYTES || f.len() - 8 != len {
             return Err(protocol(format!(
-                "a frame of {len} bytes (at most {MAX_FRAME_BYTES})"
+                "a frame announcing {len} bytes with {} (at most {MAX_FRAME_BYTES})",
+                f.len() - 8
             )));
         }
-        let mut p = vec![0u8; len];
-        r.read_exact(&mut p)
-            .map_err(|e| protocol(format!("receive: {e}")))?;
-        Message::decode(h[0], &p)
+        Message::decode(h[0], &f[8..])
     }
 }
 
@@ -290,7 +295,7 @@ mod tests {
 
     fn roundtrip(m: &Message) -> Message {
         let f = m.encode();
-        Message::recv(&mut &f[..]).unwrap()
+        Message::parse(&f).unwrap()
     }
 
     proptest! {
@@ -341,7 +346,8 @@ mod tests {
     fn frames_past_the_bound_and_unknown_fields_are_refused() {
         let mut f = vec![RESOLVE, 0, 0, 0];
         f.extend_from_slice(&((MAX_FRAME_BYTES as u32) + 1).to_le_bytes());
-        assert!(Message::recv(&mut &f[..]).is_err());
+        assert!(Message::parse(&f).is_err());
+        assert!(Message::parse(&f[..3]).is_err(), "shorter than a header");
         // more entries than one Resolve may carry
         let too_many = vec![0u8; ENTRY_BYTES * (MAX_RESOLVE + 1)];
         assert!(Message::decode(RESOLVE, &too_many).is_err());
@@ -353,8 +359,5 @@ mod tests {
         assert!(Message::decode(RESOLVE, &e).is_err());
         assert!(Message::decode(CONNECT, &[0u8; QP_BYTES - 1]).is_err());
         assert!(Message::decode(77, &[]).is_err());
-        // a closed connection says what it usually means
-        let err = Message::recv(&mut &[][..]).unwrap_err().to_string();
-        assert!(err.contains("without RDMA"), "{err}");
     }
 }

@@ -16,6 +16,15 @@
 //! The initiator reads the refusal frame where the challenge would be and reports a retryable
 //! [`Error::Overloaded`] naming the bound, so a lockout never reads as a wrong secret (which
 //! shows as a failed proof, later in the handshake).
+//!
+//! Once authenticated, a peer has a bound of its own per purpose
+//! (`max_connections_per_peer` data connections, as many control and RDMA side
+//! connections): a node holding the secret that opens and idles connections takes its own
+//! share, never another peer's. Past it the responder sends a tagged [`Refusal`] where its
+//! bind would be, which the initiator reports as a retryable [`Error::Overloaded`].
+//!
+//! The binds are the first tagged frames of the connection ([`crate::auth::Sealer`]); the
+//! [`Channel`] returned carries the key on.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -23,10 +32,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::wire::{Bind, Purpose};
+use super::wire::{Bind, Purpose, Refusal};
 use super::{Command, Shared, TcpConfig, TcpPeer};
 use crate::admission::Admission;
-use crate::auth::{Challenge, Hello, Initiator, Proof, Responder};
+use crate::auth::{Challenge, Hello, Initiator, Proof, Responder, Role};
+use crate::channel::{Channel, PeerPurpose};
 use crate::error::{Error, Result};
 
 fn io(what: &str, e: std::io::Error) -> Error {
@@ -117,11 +127,13 @@ fn bind_of(config: &TcpConfig, generation: u64, purpose: Purpose) -> Bind {
 /// Connect one connection for `purpose` to `peer` and authenticate it (the initiator's
 /// side); the peer's introduction with it.
 pub(super) fn connect(
-    config: &TcpConfig,
-    generation: u64,
+    shared: &Shared,
     peer: &TcpPeer,
     purpose: Purpose,
-) -> Result<(TcpStream, Bind)> {
+) -> Result<(Channel, Bind)> {
+    let config = &shared.config;
+    let generation = shared.target.node_generation();
+    let failures = &shared.counters.integrity_failures;
     let shown = peer.addr;
     let mut s = TcpStream::connect_timeout(&peer.addr, config.connect_timeout)
         .map_err(|e| io(&format!("connect to {shown}"), e))?;
@@ -139,12 +151,15 @@ pub(super) fn connect(
     if let Some(refused) = refusal_of(&c) {
         return Err(refused);
     }
-    let proof = me
+    let (proof, key) = me
         .respond(&Challenge::decode(&c))
         .map_err(|e| Error::PeerUnavailable(format!("{shown}: {e}")))?;
+    let (mut seal, mut unseal) = key.split(Role::Initiator);
     s.write_all(&proof.0)
         .map_err(|e| io(&format!("handshake with {shown}"), e))?;
-    s.write_all(&bind_of(config, generation, purpose).encode())
+    let mut ours = bind_of(config, generation, purpose).encode();
+    seal.seal(&mut ours);
+    s.write_all(&ours)
         .map_err(|e| io(&format!("bind with {shown}"), e))?;
     let mut b = [0u8; Bind::WIRE_BYTES];
     s.read_exact(&mut b).map_err(|e| {
@@ -153,6 +168,19 @@ pub(super) fn connect(
             e,
         )
     })?;
+    unseal.open(&b).map_err(|e| {
+        failures.fetch_add(1, Ordering::Relaxed);
+        Error::PeerUnavailable(format!("bind with {shown}: {e}"))
+    })?;
+    if let Some(r) = Refusal::decode(&b) {
+        return Err(Error::Overloaded {
+            what: format!(
+                "{shown} refused the connection: it serves this node {} {:?} connections at most",
+                r.limit, r.purpose
+            ),
+            retry_after_ms: u64::from(r.retry_after_ms),
+        });
+    }
     let theirs = Bind::decode(&b).map_err(|e| Error::PeerUnavailable(e.to_string()))?;
     if theirs.node_id != peer.node_id {
         return Err(Error::PeerUnavailable(format!(
@@ -165,17 +193,21 @@ pub(super) fn connect(
             "{shown} took the connection for another purpose"
         )));
     }
-    Ok((s, theirs))
+    let channel = Channel::new(s, seal, unseal, None).counting(failures.clone());
+    Ok((channel, theirs))
 }
 
-/// The responder's side of one connection, all of it by `deadline`; the initiator's
-/// introduction with it.
+/// The responder's side of one connection, all of it by `deadline`, within the per-peer
+/// bounds of `peers`; the initiator's introduction with it.
 fn accept_one(
-    config: &TcpConfig,
-    generation: u64,
+    shared: &Shared,
+    peers: &Admission<PeerPurpose>,
     mut s: TcpStream,
     deadline: Instant,
-) -> Result<(TcpStream, Bind)> {
+) -> Result<(Channel, Bind)> {
+    let config = &shared.config;
+    let generation = shared.target.node_generation();
+    let failures = &shared.counters.integrity_failures;
     tune(&s, config).map_err(|e| io("socket options", e))?;
     let mut h = [0u8; Hello::WIRE_BYTES];
     read_by(&mut s, &mut h, deadline).map_err(|e| io("handshake", e))?;
@@ -184,15 +216,37 @@ fn accept_one(
         .map_err(|e| io("handshake", e))?;
     let mut p = [0u8; 32];
     read_by(&mut s, &mut p, deadline).map_err(|e| io("handshake", e))?;
-    me.verify(&Proof(p))?;
+    let key = me.verify(&Proof(p))?;
+    let (mut seal, mut unseal) = key.split(Role::Responder);
     let mut b = [0u8; Bind::WIRE_BYTES];
     read_by(&mut s, &mut b, deadline).map_err(|e| io("bind", e))?;
     s.set_read_timeout(Some(config.connect_timeout))
         .map_err(|e| io("socket options", e))?;
+    unseal.open(&b).inspect_err(|_| {
+        failures.fetch_add(1, Ordering::Relaxed);
+    })?;
     let theirs = Bind::decode(&b)?;
-    s.write_all(&bind_of(config, generation, theirs.purpose).encode())
-        .map_err(|e| io("bind", e))?;
-    Ok((s, theirs))
+    let place = peers.admit(PeerPurpose {
+        node: theirs.node_id,
+        purpose: theirs.purpose,
+    });
+    let mut answer = match &place {
+        Ok(_) => bind_of(config, generation, theirs.purpose).encode(),
+        Err(_) => Refusal {
+            purpose: theirs.purpose,
+            limit: u32::try_from(config.max_connections_per_peer).unwrap_or(u32::MAX),
+            retry_after_ms: REFUSAL_RETRY_MS as u32,
+        }
+        .encode(),
+    };
+    seal.seal(&mut answer);
+    s.write_all(&answer).map_err(|e| io("bind", e))?;
+    let place = place.map_err(|bound| Error::Overloaded {
+        what: format!("a peer's connections: {bound}"),
+        retry_after_ms: REFUSAL_RETRY_MS,
+    })?;
+    let channel = Channel::new(s, seal, unseal, Some(place)).counting(failures.clone());
+    Ok((channel, theirs))
 }
 
 /// Refuse a connection at a bound: read off what it sent, one non-blocking write of the
@@ -216,6 +270,9 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
         shared.config.max_handshakes,
         shared.config.max_handshakes_per_source,
     );
+    // after authentication: each peer's own share per purpose (the totals are bounded apart)
+    let peers: Admission<PeerPurpose> =
+        Admission::new(usize::MAX, shared.config.max_connections_per_peer);
     let tick = Timespec {
         tv_sec: 0,
         tv_nsec: 50_000_000,
@@ -252,26 +309,28 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
             }
         };
         let s = Arc::clone(shared);
+        let peers = peers.clone();
         let _spawned = std::thread::Builder::new()
             .name("kvd-tcp-handshake".into())
             .spawn(move || {
                 let _place = place;
-                match accept_one(&s.config, s.target.node_generation(), stream, deadline) {
-                    Ok((stream, bind)) if bind.purpose == Purpose::Data => {
+                let accepted = accept_one(&s, &peers, stream, deadline);
+                match accepted {
+                    Ok((channel, bind)) if bind.purpose == Purpose::Data => {
                         s.target_connections.fetch_add(1, Ordering::AcqRel);
                         s.send(Command::Serve {
-                            stream,
+                            channel,
                             peer: bind.node_id,
                         });
                     }
-                    Ok((stream, bind)) => {
+                    Ok((channel, bind)) => {
                         let slot = match bind.purpose {
                             Purpose::Rdma => &s.rdma,
                             _ => &s.control,
                         };
                         let handler = slot.lock().unwrap_or_else(|p| p.into_inner()).clone();
                         match handler {
-                            Some(h) => h(stream, bind),
+                            Some(h) => h(channel, bind),
                             // nobody takes control connections here: close it
                             None => {
                                 s.counters

@@ -30,13 +30,14 @@ mod ring;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::auth::ClusterSecret;
+use crate::channel::Channel;
 use crate::engine::batches::Batches;
 use crate::engine::chunk;
 use crate::engine::{
@@ -96,6 +97,9 @@ pub struct TcpConfig {
     /// Handshakes in progress at once from one source address: connections that never finish
     /// their handshake cannot take the slots of peers connecting from elsewhere.
     pub max_handshakes_per_source: usize,
+    /// Connections of one purpose (data, control, RDMA side) one authenticated peer may hold
+    /// open here: a node with the secret that idles connections cannot take another's slots.
+    pub max_connections_per_peer: usize,
 }
 
 impl TcpConfig {
@@ -123,6 +127,7 @@ impl TcpConfig {
             max_target_connections: 256,
             max_handshakes: 64,
             max_handshakes_per_source: 4,
+            max_connections_per_peer: 16,
         }
     }
 
@@ -142,6 +147,9 @@ impl TcpConfig {
         }
         if self.max_handshakes == 0 || self.max_handshakes_per_source == 0 {
             return bad("handshakes at once, in all and per source: at least 1");
+        }
+        if self.max_connections_per_peer < self.connections {
+            return bad("connections per peer: at least the connections of one endpoint");
         }
         Ok(())
     }
@@ -191,6 +199,9 @@ pub struct TcpStats {
     pub connections_failed: u64,
     /// Connections refused at the handshake (wrong secret, malformed, too many).
     pub handshakes_refused: u64,
+    /// Frames (chunk headers, binds, control messages) whose integrity tag was wrong: changed
+    /// in flight, replayed, or not from the authenticated peer. Each closed its connection.
+    pub integrity_failures: u64,
 }
 
 #[derive(Debug, Default)]
@@ -204,6 +215,8 @@ struct Counters {
     copied_sends: AtomicU64,
     connections_failed: AtomicU64,
     handshakes_refused: AtomicU64,
+    /// Shared with every [`Channel`] this engine hands out (control messages count too).
+    integrity_failures: Arc<AtomicU64>,
     /// Test hook: the Nth payload this engine sends from now (1-based) carries a wrong CRC.
     corrupt_nth: AtomicU64,
 }
@@ -214,10 +227,10 @@ enum Command {
     /// New endpoint connections (initiator side).
     Attach {
         endpoint: EndpointId,
-        streams: Vec<TcpStream>,
+        streams: Vec<Channel>,
     },
     /// A peer's authenticated connection (target side).
-    Serve { stream: TcpStream, peer: u64 },
+    Serve { channel: Channel, peer: u64 },
     /// Chunks of a batch for an endpoint.
     Submit {
         endpoint: EndpointId,
@@ -238,10 +251,10 @@ struct EndpointInfo {
 /// What takes the control connections peers open to this engine (already authenticated;
 /// the [`wire::Bind`] says who the peer is). It runs on the connection's handshake thread and
 /// should hand the stream on quickly.
-pub type ControlHandler = Arc<dyn Fn(TcpStream, wire::Bind) + Send + Sync>;
+pub type ControlHandler = Arc<dyn Fn(Channel, wire::Bind) + Send + Sync>;
 
 /// Opens authenticated connections of one purpose to peers ([`TcpTransport::opener`]).
-pub type Opener = Arc<dyn Fn(&TcpPeer) -> Result<(TcpStream, wire::Bind)> + Send + Sync>;
+pub type Opener = Arc<dyn Fn(&TcpPeer) -> Result<(Channel, wire::Bind)> + Send + Sync>;
 
 struct ControlSlot(Mutex<Option<ControlHandler>>);
 
@@ -412,6 +425,7 @@ impl TcpTransport {
             copied_sends: r(&c.copied_sends),
             connections_failed: r(&c.connections_failed),
             handshakes_refused: r(&c.handshakes_refused),
+            integrity_failures: r(&c.integrity_failures),
         }
     }
 
@@ -447,7 +461,7 @@ impl TcpTransport {
             let s = shared
                 .upgrade()
                 .ok_or_else(|| Error::PeerUnavailable("the TCP engine stopped".into()))?;
-            handshake::connect(&s.config, s.target.node_generation(), peer, purpose)
+            handshake::connect(&s, peer, purpose)
         })
     }
 
@@ -458,14 +472,8 @@ impl TcpTransport {
     ///
     /// # Errors
     /// [`Error::PeerUnavailable`] as for [`Transport::open`].
-    pub fn open_control(&self, peer: &TcpPeer) -> Result<(TcpStream, wire::Bind)> {
-        let generation = self.shared.target.node_generation();
-        handshake::connect(
-            &self.shared.config,
-            generation,
-            peer,
-            wire::Purpose::Control,
-        )
+    pub fn open_control(&self, peer: &TcpPeer) -> Result<(Channel, wire::Bind)> {
+        handshake::connect(&self.shared, peer, wire::Purpose::Control)
     }
 
     /// Ops and bytes in flight.
@@ -541,8 +549,7 @@ impl Transport for TcpTransport {
         }
         let mut streams = Vec::with_capacity(s.config.connections);
         for _ in 0..s.config.connections {
-            let generation = s.target.node_generation();
-            streams.push(handshake::connect(&s.config, generation, peer, wire::Purpose::Data)?.0);
+            streams.push(handshake::connect(s, peer, wire::Purpose::Data)?.0);
         }
         let endpoint = EndpointId(s.next_endpoint.fetch_add(1, Ordering::Relaxed));
         s.endpoints().insert(

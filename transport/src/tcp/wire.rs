@@ -1,40 +1,56 @@
 //! The TCP backend's frames. Every connection starts with the authentication handshake
 //! ([`crate::auth`]), then one [`Bind`] each way, then requests (initiator → target) and
-//! responses (target → initiator) in order. Little-endian, fixed size, versioned.
+//! responses (target → initiator) in order. Little-endian, fixed size, versioned. Every frame
+//! ends in a 16-byte tag of the connection's key over its bytes and its place in the stream
+//! ([`crate::auth::Sealer`]): a frame changed, replayed or reordered in flight closes the
+//! connection.
 //!
 //! ```text
-//! Bind (24 bytes)          Request (64 bytes)                 Response (32 bytes)
+//! Bind (40 bytes)          Request (80 bytes)                 Response (48 bytes)
 //! 0  2 "KB"                0  2 "KQ"                          0  2 "KR"
 //! 2  1 version             2  1 version                       2  1 version
 //! 3  1 purpose (0 data,    3  1 kind (1 write, 2 read)        3  1 status (0 ok, 1 refused,
-//!        1 control)
-//! 4  4 reserved            4  4 flags (bit 0: checksummed)          2 corrupt, 3 bad request)
-//! 8  8 node id             8  8 tag (the initiator's)         4  4 payload bytes that follow
-//! 16 8 node generation     16 8 transfer                      8  8 tag
-//!                          24 8 transfer epoch                16 4 CRC-32C of the payload
-//!                          32 8 target node generation        20 1 refusal code
-//!                          40 4 segment                       21 11 reserved (zero)
+//!        1 control,                                                 2 corrupt, 3 bad request)
+//!        2 rdma)
+//! 4  4 reserved            4  4 flags (bit 0: checksummed)    4  4 payload bytes that follow
+//! 8  8 node id             8  8 tag (the initiator's)         8  8 tag
+//! 16 8 node generation     16 8 transfer                      16 4 CRC-32C of the payload
+//! 24 16 integrity tag      24 8 transfer epoch                20 1 refusal code
+//!                          32 8 target node generation        21 11 reserved (zero)
+//!                          40 4 segment                       32 16 integrity tag
 //!                          44 4 payload bytes
 //!                          48 8 offset within the segment
 //!                          56 4 CRC-32C of the payload (write)
 //!                          60 4 reserved (zero)
+//!                          64 16 integrity tag
 //! ```
 //!
 //! A write request is followed by its payload; a read response with status ok by its
-//! payload. A chunk's payload is at most the target's chunk limit; anything larger, an unknown
-//! kind, magic or version closes the connection (it is out of step or hostile). The offset is
-//! a number within a segment, checked against a grant; never an address.
+//! payload (payloads are checked by their CRC-32C, not tagged: see docs/TRANSFER.md). A
+//! chunk's payload is at most the target's chunk limit; anything larger, an unknown kind,
+//! magic or version, or a wrong tag closes the connection (it is out of step or hostile). The
+//! offset is a number within a segment, checked against a grant; never an address.
+//!
+//! Where the responder's [`Bind`] would be, a responder that will not serve this peer any
+//! more connections of the purpose sends a [`Refusal`] (magic "KN", the bound and a retry
+//! hint), tagged the same way.
 
+use crate::auth::TAG_BYTES;
 use crate::error::{Error, Result};
 
-/// The frame layout this build speaks.
-pub const WIRE_VERSION: u8 = 1;
+/// The frame layout this build speaks (2: every frame tagged).
+pub const WIRE_VERSION: u8 = 2;
+
+/// Where a frame's integrity tag starts in each frame (its last [`TAG_BYTES`]).
+const fn tag_at(wire_bytes: usize) -> usize {
+    wire_bytes - TAG_BYTES
+}
 
 /// Flag: the payload carries a CRC-32C (request: of the write's payload; read: wanted back).
 pub const FLAG_CHECKSUM: u32 = 1;
 
 /// What a connection is for, as its initiator's [`Bind`] says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[repr(u8)]
 pub enum Purpose {
     /// Chunks, for the ring.
@@ -152,7 +168,7 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 
 impl Bind {
     /// Bytes on the wire.
-    pub const WIRE_BYTES: usize = 24;
+    pub const WIRE_BYTES: usize = 24 + TAG_BYTES;
 
     /// The wire form.
     pub fn encode(&self) -> [u8; Self::WIRE_BYTES] {
@@ -187,7 +203,7 @@ impl Bind {
 
 impl Request {
     /// Bytes on the wire.
-    pub const WIRE_BYTES: usize = 64;
+    pub const WIRE_BYTES: usize = 64 + TAG_BYTES;
 
     /// The wire form.
     pub fn encode(&self) -> [u8; Self::WIRE_BYTES] {
@@ -223,7 +239,7 @@ impl Request {
         if flags & !FLAG_CHECKSUM != 0 {
             return Err(protocol(format!("unknown request flags {flags:#x}")));
         }
-        if b[60..64] != [0; 4] {
+        if b[60..tag_at(Self::WIRE_BYTES)] != [0; 4] {
             return Err(protocol("reserved request bytes are not zero".into()));
         }
         let len = u32_at(b, 44);
@@ -247,7 +263,7 @@ impl Request {
 
 impl Response {
     /// Bytes on the wire.
-    pub const WIRE_BYTES: usize = 32;
+    pub const WIRE_BYTES: usize = 32 + TAG_BYTES;
 
     /// The wire form.
     pub fn encode(&self) -> [u8; Self::WIRE_BYTES] {
@@ -290,6 +306,47 @@ impl Response {
     }
 }
 
+/// A responder's "no more connections of this purpose from you", in its bind's place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    /// The purpose refused.
+    pub purpose: Purpose,
+    /// The bound reached (connections of the purpose per peer).
+    pub limit: u32,
+    /// How long to wait before trying again, ms.
+    pub retry_after_ms: u32,
+}
+
+impl Refusal {
+    /// The wire form: as long as a [`Bind`] (its place), tag last.
+    pub fn encode(&self) -> [u8; Bind::WIRE_BYTES] {
+        let mut b = [0u8; Bind::WIRE_BYTES];
+        b[0..2].copy_from_slice(b"KN");
+        b[2] = WIRE_VERSION;
+        b[3] = self.purpose as u8;
+        b[4..8].copy_from_slice(&self.limit.to_le_bytes());
+        b[8..12].copy_from_slice(&self.retry_after_ms.to_le_bytes());
+        b
+    }
+
+    /// The refusal a bind-sized frame holds, if it is one.
+    pub fn decode(b: &[u8; Bind::WIRE_BYTES]) -> Option<Refusal> {
+        if &b[0..2] != b"KN" || b[2] != WIRE_VERSION {
+            return None;
+        }
+        let purpose = match b[3] {
+            0 => Purpose::Data,
+            1 => Purpose::Control,
+            _ => Purpose::Rdma,
+        };
+        Some(Refusal {
+            purpose,
+            limit: u32_at(b, 4),
+            retry_after_ms: u32_at(b, 8),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -324,7 +381,7 @@ mod tests {
 
         #[test]
         fn a_request_with_any_byte_changed_is_refused_or_reads_back_as_exactly_those_bytes(
-            at in 0usize..64, value in any::<u8>(), len in 1u32..,
+            at in 0usize..Request::WIRE_BYTES, value in any::<u8>(), len in 1u32..,
         ) {
             let r = Request {
                 kind: Kind::Read, flags: FLAG_CHECKSUM, tag: 9, transfer: 8, epoch: 7,
@@ -333,7 +390,7 @@ mod tests {
             let mut b = r.encode();
             b[at] = value;
             if let Ok(parsed) = Request::decode(&b) {
-                prop_assert_eq!(parsed.encode(), b);
+                prop_assert_eq!(&parsed.encode()[..64], &b[..64], "the tag is not part of the value");
             }
         }
     }
@@ -371,5 +428,22 @@ mod tests {
         let mut b = r.encode();
         b[44..48].copy_from_slice(&0u32.to_le_bytes());
         assert!(Request::decode(&b).is_err(), "an empty chunk");
+    }
+
+    #[test]
+    fn a_refusal_reads_back_and_a_bind_is_not_one() {
+        let r = Refusal {
+            purpose: Purpose::Control,
+            limit: 16,
+            retry_after_ms: 200,
+        };
+        assert_eq!(Refusal::decode(&r.encode()), Some(r));
+        let b = Bind {
+            node_id: 1,
+            node_generation: 2,
+            purpose: Purpose::Data,
+        };
+        assert_eq!(Refusal::decode(&b.encode()), None);
+        assert!(Bind::decode(&r.encode()).is_err(), "a refusal is no bind");
     }
 }

@@ -9,12 +9,12 @@
 //! flight) and closes the session, which frees whatever it held.
 
 use std::collections::HashMap;
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::daemon::engines::Engines;
+use transport::channel::Channel;
 use transport::grant::{Direction, Grant, TransferId};
 use transport::tcp::wire::Bind;
 
@@ -133,7 +133,7 @@ impl Incoming {
 
     /// Serve one peer's control connection until it closes; whatever it left unfinished is
     /// aborted then. Runs on its own thread.
-    pub fn serve(self: &Arc<Self>, engine: &Engines, mut s: TcpStream, peer: Bind) {
+    pub fn serve(self: &Arc<Self>, engine: &Engines, mut s: Channel, peer: Bind) {
         if self.connections.fetch_add(1, Ordering::AcqRel) >= self.limits.connections as u64 {
             self.connections.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(
@@ -144,14 +144,16 @@ impl Incoming {
         }
         let connection = self.next_connection.fetch_add(1, Ordering::Relaxed);
         // an idle control connection may stay; a half-sent frame may not stall a thread long
-        let _ = s.set_read_timeout(None);
-        let _ = s.set_write_timeout(Some(Duration::from_secs(10)));
-        while let Ok(req) = crate::protocol::frame::read_frame::<_, PeerRequest>(&mut s) {
+        let _ = s.stream().set_read_timeout(None);
+        let _ = s.stream().set_write_timeout(Some(Duration::from_secs(10)));
+        // a frame that fails its tag ends the loop like a closed connection: the transfers it
+        // carried are aborted below
+        while let Ok(req) = super::wire::recv::<PeerRequest>(&mut s) {
             let reply = match self.handle(engine, connection, &peer, req) {
                 Ok(r) => r,
                 Err(e) => PeerReply::Refused(WireError::from(e)),
             };
-            if crate::protocol::frame::write_frame(&mut s, &reply).is_err() {
+            if super::wire::send(&mut s, &reply).is_err() {
                 break;
             }
         }

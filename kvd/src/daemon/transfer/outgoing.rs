@@ -11,6 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use transport::channel::Channel;
 use transport::engine::{Op as TransferOp, OpKind};
 use transport::grant::TransferId;
 use transport::segment::SegmentDescriptor;
@@ -20,7 +21,7 @@ use transport::tcp::wire::Bind;
 use crate::daemon::engines::Engines;
 
 use super::Counters;
-use super::wire::{Binding, CheckpointStep, Offered, PeerReply, PeerRequest, Served};
+use super::wire::{Binding, CheckpointStep, Offered, PeerReply, PeerRequest, Served, ask};
 use crate::daemon::data_port::POOL_SEGMENT;
 use crate::keys::BlockKey;
 use crate::protocol::{TransferInfo, TransferState, WireError};
@@ -102,7 +103,7 @@ pub struct Outgoing {
     limits: OutgoingLimits,
     table: Mutex<Table>,
     /// Control connections whose transfer ended cleanly, per peer, for the next transfer.
-    idle: Mutex<HashMap<u64, Vec<(std::net::TcpStream, Bind)>>>,
+    idle: Mutex<HashMap<u64, Vec<(Channel, Bind)>>>,
     counters: Arc<Counters>,
 }
 
@@ -431,8 +432,8 @@ impl Outgoing {
             // Tell the peer, briefly: if the link is gone it aborts anyway when the
             // connection dies (or at its deadline), and the caller should hear of the failure
             // now, not after another timeout.
-            let _ = s.set_read_timeout(Some(ABORT_TIMEOUT));
-            let _ = s.set_write_timeout(Some(ABORT_TIMEOUT));
+            let _ = s.stream().set_read_timeout(Some(ABORT_TIMEOUT));
+            let _ = s.stream().set_write_timeout(Some(ABORT_TIMEOUT));
             let _ = ask(&mut s, &PeerRequest::Abort { transfer });
             return Err(e);
         }
@@ -454,7 +455,7 @@ impl Outgoing {
         engine: &Engines,
         peer: &TcpPeer,
         request: impl Fn(&Bind) -> PeerRequest,
-    ) -> Result<(std::net::TcpStream, Bind, PeerReply)> {
+    ) -> Result<(Channel, Bind, PeerReply)> {
         let idle = self
             .idle
             .lock()
@@ -467,7 +468,7 @@ impl Outgoing {
             return Ok((s, bind, answer));
         }
         let (mut s, bind) = engine.tcp().open_control(peer)?;
-        let _ = s.set_read_timeout(Some(self.limits.timeout));
+        let _ = s.stream().set_read_timeout(Some(self.limits.timeout));
         let answer = ask(&mut s, &request(&bind))?;
         Ok((s, bind, answer))
     }
@@ -484,7 +485,7 @@ impl Outgoing {
 
     /// Keep a control connection whose transfer ended cleanly for the next one (at most
     /// [`IDLE_CONTROL_PER_PEER`] per peer; more are closed).
-    fn park(&self, peer: u64, s: std::net::TcpStream, bind: Bind) {
+    fn park(&self, peer: u64, s: Channel, bind: Bind) {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         let v = idle.entry(peer).or_default();
         if v.len() < IDLE_CONTROL_PER_PEER {
@@ -577,8 +578,8 @@ impl Outgoing {
         // the peer's pins go in any case (it also releases them when the connection dies or
         // at its deadline, so after a failure the answer is not waited for long)
         if r.is_err() {
-            let _ = s.set_read_timeout(Some(ABORT_TIMEOUT));
-            let _ = s.set_write_timeout(Some(ABORT_TIMEOUT));
+            let _ = s.stream().set_read_timeout(Some(ABORT_TIMEOUT));
+            let _ = s.stream().set_write_timeout(Some(ABORT_TIMEOUT));
         }
         if let Ok(PeerReply::Released) = ask(&mut s, &PeerRequest::Release { transfer })
             && r.is_ok()
@@ -724,13 +725,6 @@ impl Outgoing {
         // session ends, after the batch settles (run_batch returns only then).
         unsafe { engine.run_batch(peer, tcp_peer, ops, checksums, self.limits.timeout) }
     }
-}
-
-fn ask(s: &mut std::net::TcpStream, req: &PeerRequest) -> Result<PeerReply> {
-    crate::protocol::frame::write_frame(s, req)
-        .map_err(|e| Error::Disconnected(format!("the peer's control connection: {e}")))?;
-    crate::protocol::frame::read_frame(s)
-        .map_err(|e| Error::Disconnected(format!("the peer's control connection: {e}")))
 }
 
 fn refusal(r: PeerReply) -> Error {

@@ -1,7 +1,10 @@
 //! Daemon-to-daemon messages, on a control connection of the data port (authenticated by the
 //! transfer engine's handshake, which also told each side the other's node id and generation).
 //! Framed as the local protocol frames its messages (`kvd_core::protocol::frame`, postcard
-//! bodies, at most [`crate::protocol::MAX_FRAME_BYTES`]); one request, one reply, in order.
+//! bodies, at most [`crate::protocol::MAX_FRAME_BYTES`]), each frame one message of the
+//! connection's [`Channel`], tagged with the key its handshake agreed: a key, a checksum or a
+//! binding changed in flight fails the tag and closes the connection (the transfer it carried
+//! aborts, nothing of it is published). One request, one reply, in order.
 //!
 //! A push from A to B:
 //!
@@ -32,10 +35,45 @@
 //!   ◀──────────────────────────── Released
 //! ```
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use transport::channel::Channel;
 
 use crate::keys::{BlockKey, NamespaceDescriptor, NamespaceId};
 use crate::protocol::WireError;
+use crate::protocol::frame::{FRAME_HEADER_BYTES, MAX_FRAME_BYTES, decode_frame, encode};
+use crate::{Error, Result};
+
+/// Send one message on a control connection.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a message over the frame bound; [`Error::Disconnected`]
+/// when the connection fails.
+pub fn send<T: Serialize>(ch: &mut Channel, msg: &T) -> Result<()> {
+    ch.send(&encode(msg)?)
+        .map_err(|e| Error::Disconnected(format!("the peer's control connection: {e}")))
+}
+
+/// Receive one message from a control connection, its tag checked.
+///
+/// # Errors
+/// [`Error::Disconnected`] when the connection fails, closes, or a frame fails its tag or
+/// the bound; [`Error::Protocol`] for a frame that is not one message of type `T`.
+pub fn recv<T: DeserializeOwned>(ch: &mut Channel) -> Result<T> {
+    let f = ch
+        .recv(FRAME_HEADER_BYTES + MAX_FRAME_BYTES as usize)
+        .map_err(|e| Error::Disconnected(format!("the peer's control connection: {e}")))?;
+    decode_frame(&f)
+}
+
+/// One request, its reply.
+///
+/// # Errors
+/// As [`send`] and [`recv`].
+pub fn ask(ch: &mut Channel, req: &PeerRequest) -> Result<PeerReply> {
+    send(ch, req)?;
+    recv(ch)
+}
 
 /// What a transfer is bound to (DESIGN invariant 6). The receiver checks every field it can
 /// against what it knows and drops the transfer, counted, on a mismatch.

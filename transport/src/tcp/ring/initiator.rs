@@ -79,8 +79,13 @@ impl Ring {
         if conn.inflight.is_empty() {
             conn.last_progress = Instant::now();
         }
-        conn.send
-            .add(&chunk.request.encode(), payload, payload_len, held);
+        conn.send.add(
+            &mut conn.seal,
+            &chunk.request.encode(),
+            payload,
+            payload_len,
+            held,
+        );
         conn.inflight.push_back(chunk);
     }
 
@@ -96,9 +101,10 @@ impl Ring {
                 // the next receive starts a fresh header buffer
                 conn.recv.filled = 0;
                 conn.recv.stage = Stage::Header;
+                // the header kept from `initiator_answers`, whose tag was checked there
                 let hdr: [u8; Response::WIRE_BYTES] = conn.recv.hdr[..Response::WIRE_BYTES]
                     .try_into()
-                    .expect("32 bytes");
+                    .expect("a response header");
                 let resp = Response::decode(&hdr).map_err(|_| OpFailure::Protocol)?;
                 let intact = c.request.flags & FLAG_CHECKSUM == 0 || {
                     // SAFETY: the receive just filled these len bytes of the chunk's local
@@ -145,8 +151,12 @@ impl Ring {
             }
             let hdr: [u8; Response::WIRE_BYTES] = conn.recv.hdr[at..at + Response::WIRE_BYTES]
                 .try_into()
-                .expect("32 bytes");
+                .expect("a response header");
             at += Response::WIRE_BYTES;
+            if conn.unseal.open(&hdr).is_err() {
+                self.tampered();
+                return Err(OpFailure::Tampered);
+            }
             let resp = Response::decode(&hdr).map_err(|_| OpFailure::Protocol)?;
             let front = conn.inflight.front().ok_or(OpFailure::Protocol)?;
             if resp.tag != front.request.tag {

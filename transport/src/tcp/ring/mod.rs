@@ -17,6 +17,10 @@
 //! Target: read a request header; check the grant (nothing is touched before that); receive a
 //! write's payload straight into the window (or drain it when refused), check its CRC; send
 //! a read's payload straight from the window; answer in order.
+//!
+//! Every header is tagged with the connection's key as it is queued for sending (the order
+//! it goes on the wire) and its tag checked as it is parsed (the order it arrived); a wrong
+//! tag fails the connection like any other protocol error.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::TcpStream;
@@ -33,6 +37,9 @@ use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
 use super::wire::{Request, Response};
 use super::{Command, Shared, ZeroCopy};
+use crate::admission::Admitted;
+use crate::auth::{Sealer, Unsealer};
+use crate::channel::{Channel, PeerPurpose};
 use crate::engine::batches::ChunkOutcome;
 use crate::engine::target::Window;
 use crate::engine::{BatchId, EndpointId, OpFailure};
@@ -129,9 +136,12 @@ struct SendState {
 }
 
 impl SendState {
-    fn add(&mut self, hdr: &[u8], payload: *const u8, len: usize, held: Held) {
+    /// Add one part: `hdr` (a whole frame, its tag's place last, tagged here by `seal` so
+    /// that tags follow wire order) and its payload.
+    fn add(&mut self, seal: &mut Sealer, hdr: &[u8], payload: *const u8, len: usize, held: Held) {
         let i = self.parts;
         self.hdrs[i][..hdr.len()].copy_from_slice(hdr);
+        seal.seal(&mut self.hdrs[i][..hdr.len()]);
         self.hdr_lens[i] = hdr.len();
         self.payloads[i] = (payload, len);
         self.held[i] = held;
@@ -185,6 +195,12 @@ struct Conn {
     stream: TcpStream,
     fd: RawFd,
     role: Role,
+    /// Tags the headers this end sends, in wire order (at `SendState::add`).
+    seal: Sealer,
+    /// Checks the headers this end receives, in the order they arrive.
+    unseal: Unsealer,
+    /// The connection's place under the per-peer bound (target side), given back with it.
+    _place: Option<Admitted<PeerPurpose>>,
     zero_copy: bool,
     send: SendState,
     recv: RecvState,
@@ -360,8 +376,8 @@ impl Ring {
                     }
                     self.endpoints.insert(endpoint, ep);
                 }
-                Command::Serve { stream, peer } => {
-                    if self.add_conn(stream, Role::Target { peer }).is_none() {
+                Command::Serve { channel, peer } => {
+                    if self.add_conn(channel, Role::Target { peer }).is_none() {
                         self.shared
                             .target_connections
                             .fetch_sub(1, Ordering::AcqRel);
@@ -392,7 +408,8 @@ impl Ring {
         }
     }
 
-    fn add_conn(&mut self, stream: TcpStream, role: Role) -> Option<usize> {
+    fn add_conn(&mut self, channel: Channel, role: Role) -> Option<usize> {
+        let (stream, seal, unseal, place) = channel.into_parts();
         if stream.set_nonblocking(true).is_err() {
             return None;
         }
@@ -417,6 +434,9 @@ impl Ring {
             stream,
             fd,
             role,
+            seal,
+            unseal,
+            _place: place,
             zero_copy,
             send: SendState {
                 busy: false,
@@ -462,6 +482,14 @@ impl Ring {
             }
         };
         Some(slot)
+    }
+
+    /// Count a header whose integrity tag was wrong (its connection then fails).
+    fn tampered(&self) {
+        self.shared
+            .counters
+            .integrity_failures
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Account for one chunk's end. Waiters are woken only when a batch settles (a wake-up

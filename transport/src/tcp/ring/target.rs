@@ -29,7 +29,8 @@ impl Ring {
                     batch: None,
                     window: reply.window,
                 };
-                conn.send.add(&reply.response.encode(), payload, len, held);
+                conn.send
+                    .add(&mut conn.seal, &reply.response.encode(), payload, len, held);
                 if alone {
                     break;
                 }
@@ -55,7 +56,11 @@ impl Ring {
             Stage::Header => {
                 let hdr: &[u8; Request::WIRE_BYTES] = conn.recv.hdr[..Request::WIRE_BYTES]
                     .try_into()
-                    .expect("64 bytes");
+                    .expect("a request header");
+                if conn.unseal.open(hdr).is_err() {
+                    self.tampered();
+                    return Err(OpFailure::Tampered);
+                }
                 let req = Request::decode(hdr).map_err(|_| OpFailure::Protocol)?;
                 if req.len > chunk_bytes {
                     return Err(OpFailure::Protocol);

@@ -1,0 +1,206 @@
+//! An authenticated connection between two nodes after its handshake: the stream, the two
+//! halves of its key ([`crate::auth::Sealer`], [`crate::auth::Unsealer`]) and its place under
+//! the per-peer bound. The TCP engine's ring takes data connections apart
+//! ([`Channel::into_parts`]); everything else a node says to another (the daemons' own
+//! control messages, the RDMA backend's side channel) goes as length-framed messages, each
+//! tagged:
+//!
+//! ```text
+//! 0  4   message bytes (u32 LE, at most the reader's bound)
+//! 4  n   the message
+//! 4+n 16 tag over the length and the message (and the frame's place in the stream)
+//! ```
+//!
+//! A frame whose tag is wrong, or that announces more than the reader allows, is an error
+//! and the channel must be dropped: it is out of step with its peer.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::admission::Admitted;
+use crate::auth::{Sealer, TAG_BYTES, Unsealer};
+use crate::error::{Error, Result};
+use crate::tcp::wire::Purpose;
+
+/// A peer node's connections of one purpose: what the per-peer bound counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PeerPurpose {
+    /// The peer's node id (as it authenticated).
+    pub node: u64,
+    /// What the connections are for.
+    pub purpose: Purpose,
+}
+
+impl std::fmt::Display for PeerPurpose {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.purpose {
+            Purpose::Data => "data",
+            Purpose::Control => "control",
+            Purpose::Rdma => "RDMA side",
+        };
+        write!(f, "node {} ({what} connections)", self.node)
+    }
+}
+
+/// One authenticated connection, ready for tagged frames.
+#[derive(Debug)]
+pub struct Channel {
+    stream: TcpStream,
+    seal: Sealer,
+    unseal: Unsealer,
+    place: Option<Admitted<PeerPurpose>>,
+    /// Where frames that fail their tag are counted (the engine's counter).
+    failures: Option<Arc<AtomicU64>>,
+}
+
+fn io(what: &str, e: &std::io::Error) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => {
+            Error::PeerUnavailable(format!("{what}: the peer closed the connection"))
+        }
+        _ => Error::PeerUnavailable(format!("{what}: {e}")),
+    }
+}
+
+impl Channel {
+    /// A connection whose handshake is done: its key's halves for this end, and its place
+    /// under the per-peer bound (the responder's side holds one).
+    pub fn new(
+        stream: TcpStream,
+        seal: Sealer,
+        unseal: Unsealer,
+        place: Option<Admitted<PeerPurpose>>,
+    ) -> Channel {
+        Channel {
+            stream,
+            seal,
+            unseal,
+            place,
+            failures: None,
+        }
+    }
+
+    /// Count the frames that fail their tag in `failures`.
+    #[must_use]
+    pub fn counting(mut self, failures: Arc<AtomicU64>) -> Channel {
+        self.failures = Some(failures);
+        self
+    }
+
+    /// The stream, to set its timeouts or shut it down.
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// Send one message as a tagged frame (blocking, within the stream's write timeout).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a message over 4 GiB; [`Error::PeerUnavailable`] when
+    /// the connection fails.
+    pub fn send(&mut self, msg: &[u8]) -> Result<()> {
+        let len = u32::try_from(msg.len())
+            .map_err(|_| Error::InvalidArgument("a control message over 4 GiB".into()))?;
+        let len = len.to_le_bytes();
+        let tag = self.seal.tag(&[&len, msg]);
+        let mut frame = Vec::with_capacity(4 + msg.len() + TAG_BYTES);
+        frame.extend_from_slice(&len);
+        frame.extend_from_slice(msg);
+        frame.extend_from_slice(&tag);
+        self.stream
+            .write_all(&frame)
+            .map_err(|e| io("send on a peer connection", &e))
+    }
+
+    /// Receive one message of at most `max` bytes, its tag checked (blocking, within the
+    /// stream's read timeout).
+    ///
+    /// # Errors
+    /// [`Error::PeerUnavailable`] when the connection fails or closes; [`Error::InvalidArgument`]
+    /// for a frame over `max` (nothing is allocated for it) or one whose tag is wrong.
+    pub fn recv(&mut self, max: usize) -> Result<Vec<u8>> {
+        let mut len = [0u8; 4];
+        self.stream
+            .read_exact(&mut len)
+            .map_err(|e| io("receive on a peer connection", &e))?;
+        let n = u32::from_le_bytes(len) as usize;
+        if n > max {
+            return Err(Error::InvalidArgument(format!(
+                "a peer frame of {n} bytes (at most {max}); the connection is closed"
+            )));
+        }
+        let mut body = vec![0u8; n + TAG_BYTES];
+        self.stream
+            .read_exact(&mut body)
+            .map_err(|e| io("receive on a peer connection", &e))?;
+        self.unseal
+            .check(&[&len, &body[..n]], &body[n..])
+            .inspect_err(|_| {
+                if let Some(f) = &self.failures {
+                    f.fetch_add(1, Ordering::Relaxed);
+                }
+            })?;
+        body.truncate(n);
+        Ok(body)
+    }
+
+    /// The stream, the key's halves and the place, for a user that frames its own (the
+    /// TCP engine's ring).
+    pub fn into_parts(self) -> (TcpStream, Sealer, Unsealer, Option<Admitted<PeerPurpose>>) {
+        (self.stream, self.seal, self.unseal, self.place)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::{ClusterSecret, Initiator, Responder, Role};
+
+    /// Two ends of a loopback connection, keyed by a real handshake's key.
+    fn pair() -> (Channel, Channel) {
+        let s = ClusterSecret::from_bytes(&[3; 32]).unwrap();
+        let (i, hello) = Initiator::start(&s).unwrap();
+        let (r, c) = Responder::answer(&s, &hello).unwrap();
+        let (p, ki) = i.respond(&c).unwrap();
+        let kr = r.verify(&p).unwrap();
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        let (si, ui) = ki.split(Role::Initiator);
+        let (sr, ur) = kr.split(Role::Responder);
+        (Channel::new(a, si, ui, None), Channel::new(b, sr, ur, None))
+    }
+
+    #[test]
+    fn messages_go_both_ways_and_a_changed_or_oversized_frame_is_refused() {
+        let (mut a, mut b) = pair();
+        for n in [0usize, 1, 100, 70_000] {
+            let m: Vec<u8> = (0..n).map(|i| i as u8).collect();
+            a.send(&m).unwrap();
+            assert_eq!(b.recv(1 << 20).unwrap(), m);
+            b.send(&m).unwrap();
+            assert_eq!(a.recv(1 << 20).unwrap(), m);
+        }
+        // a frame with one byte changed on the way (written by hand past the sealer)
+        let (mut a, mut b) = pair();
+        let len = 3u32.to_le_bytes();
+        let tag = a.seal.tag(&[&len, b"abc"]);
+        let mut raw = len.to_vec();
+        raw.extend_from_slice(b"abd");
+        raw.extend_from_slice(&tag);
+        a.stream.write_all(&raw).unwrap();
+        let e = b.recv(1 << 20).unwrap_err();
+        assert!(e.to_string().contains("integrity"), "{e}");
+        // a frame over the reader's bound: refused before its body is read
+        let (mut a, mut b) = pair();
+        a.send(&[0u8; 64]).unwrap();
+        let e = b.recv(63).unwrap_err();
+        assert!(e.to_string().contains("at most 63"), "{e}");
+        // the peer gone: a clear error
+        let (a, mut b) = pair();
+        drop(a);
+        let e = b.recv(10).unwrap_err();
+        assert!(e.to_string().contains("closed"), "{e}");
+    }
+}
