@@ -12,7 +12,10 @@
 //! ```
 //!
 //! A frame whose tag is wrong, or that announces more than the reader allows, is an error
-//! and the channel must be dropped: it is out of step with its peer.
+//! and the channel must be dropped: it is out of step with its peer. So is a frame whose
+//! bytes stop coming: however long a channel may idle between frames, once a frame's length
+//! has arrived the rest must within [`FRAME_TIMEOUT`] (a length changed in flight to a larger
+//! one, or a peer that stalls mid-frame, costs that long, not a thread forever).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -23,6 +26,9 @@ use crate::admission::Admitted;
 use crate::auth::{Sealer, TAG_BYTES, Unsealer};
 use crate::error::{Error, Result};
 use crate::tcp::wire::Purpose;
+
+/// How long the rest of a frame may take once its length has arrived.
+pub const FRAME_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A peer node's connections of one purpose: what the per-peer bound counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -131,9 +137,12 @@ impl Channel {
             )));
         }
         let mut body = vec![0u8; n + TAG_BYTES];
-        self.stream
-            .read_exact(&mut body)
-            .map_err(|e| io("receive on a peer connection", &e))?;
+        let idle = self.stream.read_timeout().unwrap_or(None);
+        let within = idle.map_or(FRAME_TIMEOUT, |t| t.min(FRAME_TIMEOUT));
+        let _ = self.stream.set_read_timeout(Some(within));
+        let got = self.stream.read_exact(&mut body);
+        let _ = self.stream.set_read_timeout(idle);
+        got.map_err(|e| io("receive on a peer connection (mid-frame)", &e))?;
         self.unseal
             .check(&[&len, &body[..n]], &body[n..])
             .inspect_err(|_| {
@@ -197,6 +206,13 @@ mod tests {
         a.send(&[0u8; 64]).unwrap();
         let e = b.recv(63).unwrap_err();
         assert!(e.to_string().contains("at most 63"), "{e}");
+        // a frame whose length came and whose rest never does: cut at the frame timeout, even
+        // on a channel that may idle forever between frames
+        let (mut a, mut b) = pair();
+        a.stream.write_all(&10u32.to_le_bytes()).unwrap();
+        let t = std::time::Instant::now();
+        assert!(b.recv(1 << 20).is_err());
+        assert!(t.elapsed() < FRAME_TIMEOUT * 3, "{:?}", t.elapsed());
         // the peer gone: a clear error
         let (a, mut b) = pair();
         drop(a);
