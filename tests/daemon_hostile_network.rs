@@ -219,7 +219,10 @@ fn holds_exactly(c: &mut kvd::client::Client, key: &BlockKey) -> bool {
         return false;
     };
     let mut buf = vec![0u8; BLOCK];
-    assert_eq!(info.len as usize, BLOCK, "{key:?}: a block of another length");
+    assert_eq!(
+        info.len as usize, BLOCK,
+        "{key:?}: a block of another length"
+    );
     c.read_verified(&info.handle, &mut buf)
         .unwrap_or_else(|e| panic!("{key:?}: published but its read fails: {e}"));
     assert!(
@@ -294,7 +297,11 @@ fn a_key_changed_in_flight_in_a_pushs_offer_is_refused_and_nothing_is_published_
 fn start_transfer(c: &mut kvd::client::Client, push: bool, keys: &[BlockKey]) -> Option<u64> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let r = if push { c.push(2, keys) } else { c.fetch(2, keys) };
+        let r = if push {
+            c.push(2, keys)
+        } else {
+            c.fetch(2, keys)
+        };
         match r {
             Ok(id) => return Some(id),
             Err(kvd::Error::Unavailable(_) | kvd::Error::Overloaded { .. })
@@ -342,7 +349,7 @@ fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_
     let groups: Vec<(bool, Vec<BlockKey>)> = (0..TRANSFERS)
         .map(|i| (i % 10 < 7, support::keys(ns, 1000 + i as u64, PER_TRANSFER)))
         .collect();
-    let mut own = vec![0u32; SOURCES];
+    let mut own = [0u32; SOURCES];
     let mut on_b = 0u32;
     let mut clients: Vec<kvd::client::Client> = sources
         .iter()
@@ -421,7 +428,7 @@ fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_
     // transfer said done), and the counts of published blocks leave no room for one under a
     // key nobody sent.
     let mut pushed_there = 0u32;
-    let mut fetched_here = vec![0u32; SOURCES];
+    let mut fetched_here = [0u32; SOURCES];
     for (i, ((push, keys), done)) in groups.iter().zip(&done_at).enumerate() {
         let s = i % SOURCES;
         for k in keys {
@@ -430,7 +437,10 @@ fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_
             } else {
                 holds_exactly(&mut clients[s], k)
             };
-            assert!(there || !done, "{k:?}: its transfer was done, the block is missing");
+            assert!(
+                there || !done,
+                "{k:?}: its transfer was done, the block is missing"
+            );
             if *push {
                 pushed_there += u32::from(there);
             } else {
@@ -438,7 +448,11 @@ fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_
             }
         }
     }
-    assert_eq!(published(&b), on_b + pushed_there, "B holds only blocks sent to it");
+    assert_eq!(
+        published(&b),
+        on_b + pushed_there,
+        "B holds only blocks sent to it"
+    );
     for (s, d) in sources.iter().enumerate() {
         assert_eq!(
             published(d),

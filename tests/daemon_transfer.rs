@@ -821,3 +821,100 @@ fn an_insider_cannot_write_into_another_pairs_transfer_and_an_unchecked_overwrit
         "the intruder's writes were refused and counted: {e:?}"
     );
 }
+
+#[test]
+fn an_insider_holding_idle_connections_takes_only_its_own_share_and_replays_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path());
+    let b = Daemon::start(&data_args(&secret, "2"));
+    let ns = support::namespace().id();
+    // An insider (node 3, holding the secret) opens control connections and data endpoints
+    // and idles on them, past its share: the surplus is refused at the bind, retryably and
+    // naming the bound, not as a wrong secret.
+    let insider = RawSource::build(&secret, &b, 2, 3, 7, |_| {});
+    let mut held = Vec::new();
+    let refused = loop {
+        match insider.engine.open_control(&insider.peer) {
+            Ok(c) => held.push(c),
+            Err(e) => break e,
+        }
+        assert!(
+            held.len() <= 64,
+            "no bound on one peer's control connections"
+        );
+    };
+    assert!(
+        matches!(&refused, transport::Error::Overloaded { what, .. } if what.contains("at most")),
+        "{refused:?}"
+    );
+    let mut endpoints = Vec::new();
+    let refused = loop {
+        match insider.engine.open(&insider.peer) {
+            Ok(ep) => endpoints.push(ep),
+            Err(e) => break e,
+        }
+        assert!(
+            endpoints.len() <= 64,
+            "no bound on one peer's data connections"
+        );
+    };
+    assert!(
+        matches!(&refused, transport::Error::Overloaded { .. }),
+        "{refused:?}"
+    );
+    // Meanwhile another peer connects and pushes as ever.
+    let a = node_to(&secret, "1", 2, &b, &[]);
+    let mut ca = a.client("engine-a", 30_000);
+    ca.register_namespace(&support::namespace()).unwrap();
+    let keys = support::keys(ns, 21, 2);
+    for (i, k) in keys.iter().enumerate() {
+        support::put_one(&mut ca, *k, &support::pattern(BLOCK, i as u8));
+    }
+    let id = ca.push(2, &keys).unwrap();
+    let t = wait_done(&mut ca, id);
+    assert_eq!(t.state, TransferState::Done, "{t:?}");
+    // The insider's own transfer: a write past its grant is refused; a commit replayed after
+    // it committed, and its offer replayed, change nothing.
+    drop(held);
+    let own = support::keys(ns, 22, 2);
+    let src = RawSource::new(&secret, &b, 2);
+    let (mut s, generation) = src.control();
+    let offer = src.offer(&own, generation, 0, 1);
+    let (transfer, segment, offsets) = accepted(ask(&mut s, &offer));
+    let mut past = src.writes(transfer, &segment, &offsets[..1]);
+    let pool = 16u64 << 20;
+    past[0].remote_offset = (0..pool / BLOCK as u64)
+        .map(|p| p * BLOCK as u64)
+        .find(|o| !offsets.contains(&Some(*o)))
+        .expect("a page outside the grant");
+    let st = src.run(&past);
+    assert!(
+        matches!(st.first_failure, Some(OpFailure::Refused(_))),
+        "{st:?}"
+    );
+    assert!(
+        src.run(&src.writes(transfer, &segment, &offsets))
+            .succeeded()
+    );
+    let r = ask(&mut s, &PeerRequest::Commit { transfer });
+    assert!(matches!(r, PeerReply::Committed { .. }), "{r:?}");
+    let published = b.status().stats.accounting.published;
+    let r = ask(&mut s, &PeerRequest::Commit { transfer });
+    assert!(
+        matches!(r, PeerReply::Refused(_)),
+        "a replayed commit: {r:?}"
+    );
+    let r = ask(&mut s, &offer);
+    assert!(
+        matches!(&r, PeerReply::Refused(_) | PeerReply::Accepted { .. }),
+        "{r:?}"
+    );
+    if let PeerReply::Accepted { offsets, .. } = r {
+        assert!(
+            offsets.iter().all(Option::is_none),
+            "a replayed offer grants nothing new: {offsets:?}"
+        );
+    }
+    assert_eq!(b.status().stats.accounting.published, published);
+    drop(endpoints);
+}

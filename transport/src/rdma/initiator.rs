@@ -105,8 +105,8 @@ impl<V: Verbs> Shared<V> {
                     direction: remote_direction(op.kind),
                 })
                 .collect();
-            Message::Resolve(rs).send(&mut *side)?;
-            match Message::recv(&mut *side)? {
+            Message::Resolve(rs).send(&mut side)?;
+            match Message::recv(&mut side)? {
                 Message::Keys(ks) if ks.len() == part.len() => keys.extend(ks),
                 m => {
                     return Err(Error::PeerUnavailable(format!(
