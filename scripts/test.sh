@@ -1,13 +1,30 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh Debian machine or a warm one.
 #
-#   scripts/test.sh            install what is missing, then lint and run every test
+#   scripts/test.sh            install what is missing, then lint and run every test (what CI
+#                              runs: about 35-45 minutes on 2 cores from cold, needs root)
+#   scripts/test.sh --fast     the quick tier: lints and unit tests only (a few minutes warm)
 #   KVD_SKIP_INSTALL=1 ...     skip the package check (offline machines)
+#   KVD_ENGINE_TESTS=0 ...     skip the vLLM and SGLang tests (CI never sets it)
 #
 # It installs the Debian packages that kvd's tests and builds need when they are missing, so a
-# later issue that needs one more package adds one word to APT_PACKAGES.
+# change that needs one more package adds one word to APT_PACKAGES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+fast=0
+case "${1:-}" in
+    "") ;;
+    --fast) fast=1 ;;
+    -h | --help)
+        sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+        exit 0
+        ;;
+    *)
+        echo "scripts/test.sh: unknown argument '$1' (scripts/test.sh --help lists the options)" >&2
+        exit 2
+        ;;
+esac
 
 # Debian packages the build and the tests need (one word each):
 #   g++                libFuzzer (built by libfuzzer-sys for scripts/fuzz.sh)
@@ -64,6 +81,17 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== what engines and routers link (libkvd, kvd-client, kvd-control) has none of the daemon's dependencies"
 python3 scripts/check-deps.py
 
+if [ "$fast" = 1 ]; then
+    echo "== the quick tier: unit tests of every crate (no daemons, no engines, no etcd)"
+    if command -v cargo-nextest >/dev/null; then
+        cargo nextest run --workspace --locked --lib --no-fail-fast
+    else
+        cargo test --workspace --locked --lib --no-fail-fast
+    fi
+    echo "== the quick tier passed (lints and unit tests); the whole suite: scripts/test.sh"
+    exit 0
+fi
+
 # The library crates build and test on their own (their own features, not the workspace's);
 # the rest of the workspace is tested together.
 LIB_CRATES=(kvd-core kvd-client kvd-store kvd-control kvd-sim)
@@ -88,7 +116,7 @@ fi
 echo "== model-checked store concurrency (shuttle)"
 cargo test --locked -p kvd-store --features shuttle --test shuttle_store
 
-# ---- libkvd: the C header, the C tests' compiler, the Python package (issue 12) -------------
+# ---- libkvd: the C header, the C tests' compiler, the Python package ------------------------
 # The C programs under tests/c/ run in the workspace tests above (kvd's ffi_c test). Here: the
 # committed kvd.h must be what cbindgen makes of ffi/, and the Python package must install into
 # a fresh venv and pass its tests against a real daemon.
@@ -140,7 +168,7 @@ else
 fi
 # ---- end of the engines block -------------------------------------------------------------------
 
-# ---- the rdma and cuda features (issue 13) ----------------------------------------------------
+# ---- the rdma and cuda features ----------------------------------------------------------------
 # No RDMA device or GPU here: these build the feature code, lint it, and run its tests above the
 # hardware boundary (the RDMA engine on a fabric double, the CUDA plan/copies/events on a driver
 # double; the real libibverbs and libcuda are loaded at run time and answered with clean errors).
@@ -157,7 +185,7 @@ echo "== kvd-client and libkvd tests with --features cuda (no driver here: clean
 cargo test --locked -q -p kvd-client -p kvd-ffi --features kvd-client/cuda,kvd-ffi/cuda
 echo "== the daemon built with rdma: transfers and start-up choices (no device here: TCP)"
 cargo test --locked -q -p kvd --features rdma --test daemon_data_port --test daemon_transfer
-# ---- fuzzing (issue 15) -----------------------------------------------------------------------
+# ---- fuzzing -----------------------------------------------------------------------------------
 # The decoders and the C ABI, 60 s each, on stable (scripts/fuzz.sh builds with libFuzzer's
 # coverage flags); a crash fails the suite and leaves its input under fuzz/artifacts/.
 echo "== fuzzing: every target for 60 s"
