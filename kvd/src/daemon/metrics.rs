@@ -23,8 +23,9 @@ use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::protocol::Op;
+use crate::protocol::OpKind;
 use crate::store::Store;
+use strum::IntoEnumIterator;
 
 /// Upper bounds of the latency buckets, seconds (5 µs … 100 ms).
 pub const LATENCY_BUCKETS_S: [f64; 14] = [
@@ -137,17 +138,15 @@ impl Metrics {
         let served_family = Family::<OpLabel, Counter>::default();
         let errors_family = Family::<OpLabel, Counter>::default();
         let labels = |n: &'static str| [("op", n)];
-        let durations = Op::NAMES
-            .iter()
-            .map(|n| durations_family.get_or_create_owned(&labels(n)))
+        // one of each per operation kind, in `OpKind`'s order (indexed by `kind as usize`)
+        let durations = OpKind::iter()
+            .map(|k| durations_family.get_or_create_owned(&labels(k.into())))
             .collect();
-        let served = Op::NAMES
-            .iter()
-            .map(|n| served_family.get_or_create_owned(&labels(n)))
+        let served = OpKind::iter()
+            .map(|k| served_family.get_or_create_owned(&labels(k.into())))
             .collect();
-        let errors = Op::NAMES
-            .iter()
-            .map(|n| errors_family.get_or_create_owned(&labels(n)))
+        let errors = OpKind::iter()
+            .map(|k| errors_family.get_or_create_owned(&labels(k.into())))
             .collect();
         r.register(
             "kvd_op_duration_seconds",
@@ -328,16 +327,9 @@ impl Metrics {
         self
     }
 
-    fn index(name: &str) -> usize {
-        Op::NAMES
-            .iter()
-            .position(|n| *n == name)
-            .expect("every op name is in Op::NAMES")
-    }
-
     /// The measurements of an operation.
-    pub fn op(&self, name: &str) -> OpMetrics<'_> {
-        let i = Self::index(name);
+    pub fn op(&self, kind: OpKind) -> OpMetrics<'_> {
+        let i = kind as usize;
         OpMetrics {
             duration: &self.durations[i],
             served: &self.served[i],
@@ -347,10 +339,9 @@ impl Metrics {
 
     /// Operations served, by name.
     pub fn op_counts(&self) -> Vec<(&'static str, u64)> {
-        Op::NAMES
-            .iter()
+        OpKind::iter()
             .zip(&self.served)
-            .map(|(n, c)| (*n, c.get()))
+            .map(|(k, c)| (k.into(), c.get()))
             .collect()
     }
 
@@ -705,9 +696,9 @@ mod tests {
     #[test]
     fn the_histogram_buckets_are_cumulative_and_end_at_the_count() {
         let m = metrics();
-        m.op("alloc").observe(3, true);
-        m.op("alloc").observe(700, false);
-        m.op("alloc").observe(10_000_000, true);
+        m.op(OpKind::Alloc).observe(3, true);
+        m.op(OpKind::Alloc).observe(700, false);
+        m.op(OpKind::Alloc).observe(10_000_000, true);
         let text = m.render(Health {
             ready: true,
             lease_held: true,

@@ -489,7 +489,8 @@ fn serve_request(
     renewed: &mut Instant,
     req: Request,
 ) -> Response {
-    let name = req.op.name();
+    let kind = crate::protocol::OpKind::from(&req.op);
+    let name: &'static str = kind.into();
     let span = tracing::debug_span!("op", op = name, id = req.id, request = ?req.request);
     let _g = span.enter();
     let t0 = Instant::now();
@@ -502,7 +503,7 @@ fn serve_request(
     };
     let result = renew.and_then(|()| execute(d, sid, req.op));
     let us = t0.elapsed().as_micros() as u64;
-    d.metrics.op(name).observe(us, result.is_ok());
+    d.metrics.op(kind).observe(us, result.is_ok());
     if let Err(e) = &result {
         tracing::debug!(error = %e, code = e.code(), "request failed");
     }

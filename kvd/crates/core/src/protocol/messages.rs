@@ -102,7 +102,18 @@ pub struct SealItem {
 }
 
 /// The operations. Batches hold at most `max_batch` items.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// [`OpKind`] is the same list without the payloads, derived from it (so a new operation has
+/// its name, its metrics and its place in every per-operation table with nothing else to
+/// write): `OpKind::from(&op)`, its snake_case name (`<&str>::from(kind)`, as in
+/// `kvd_op_duration_seconds{op="register_namespace"}`), `OpKind::iter()` and `OpKind::COUNT`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, strum::EnumDiscriminants)]
+#[strum_discriminants(
+    name(OpKind),
+    derive(Hash, strum::EnumIter, strum::IntoStaticStr, strum::EnumCount),
+    strum(serialize_all = "snake_case"),
+    doc = "An operation's kind: [`Op`] without its payload (see there)."
+)]
 pub enum Op {
     /// Register a KV layout → [`Reply::Namespace`].
     RegisterNamespace(NamespaceDescriptor),
@@ -371,41 +382,9 @@ pub struct TransferInfo {
 }
 
 impl Op {
-    /// The operation's name, for metrics and logs.
+    /// The operation's name, for metrics and logs (its kind's snake_case name).
     pub fn name(&self) -> &'static str {
-        match self {
-            Op::RegisterNamespace(_) => "register_namespace",
-            Op::LookupPrefix { .. } => "lookup_prefix",
-            Op::Exists { .. } => "exists",
-            Op::Acquire { .. } => "acquire",
-            Op::Release { .. } => "release",
-            Op::Alloc { .. } => "alloc",
-            Op::Seal { .. } => "seal",
-            Op::Publish { .. } => "publish",
-            Op::Abort { .. } => "abort",
-            Op::RemoveIf { .. } => "remove_if",
-            Op::Touch { .. } => "touch",
-            Op::Heartbeat => "heartbeat",
-            Op::Stats => "stats",
-            Op::Goodbye => "goodbye",
-            Op::Reserve { .. } => "reserve",
-            Op::ReleaseReservation { .. } => "release_reservation",
-            Op::ManifestBegin { .. } => "manifest_begin",
-            Op::ManifestExtend { .. } => "manifest_extend",
-            Op::ManifestRenew { .. } => "manifest_renew",
-            Op::ManifestEnd { .. } => "manifest_end",
-            Op::ManifestGet { .. } => "manifest_get",
-            Op::RestorePrefix { .. } => "restore_prefix",
-            Op::ReportCorrupt { .. } => "report_corrupt",
-            Op::Events { .. } => "events",
-            Op::Push { .. } => "push",
-            Op::Fetch { .. } => "fetch",
-            Op::PushCheckpoint { .. } => "push_checkpoint",
-            Op::FetchPrefix { .. } => "fetch_prefix",
-            Op::Transfers { .. } => "transfers",
-            Op::InstanceJoin { .. } => "instance_join",
-            Op::InstanceCommit { .. } => "instance_commit",
-        }
+        OpKind::from(self).into()
     }
 
     /// Items in the batch (1 for single operations).
@@ -443,41 +422,6 @@ impl Op {
             Op::InstanceCommit { handles, .. } => handles.len(),
         }
     }
-
-    /// Every operation names in [`Op`], for metrics.
-    pub const NAMES: [&'static str; 31] = [
-        "register_namespace",
-        "lookup_prefix",
-        "exists",
-        "acquire",
-        "release",
-        "alloc",
-        "seal",
-        "publish",
-        "abort",
-        "remove_if",
-        "touch",
-        "heartbeat",
-        "stats",
-        "goodbye",
-        "reserve",
-        "release_reservation",
-        "manifest_begin",
-        "manifest_extend",
-        "manifest_renew",
-        "manifest_end",
-        "manifest_get",
-        "restore_prefix",
-        "report_corrupt",
-        "events",
-        "push",
-        "fetch",
-        "push_checkpoint",
-        "fetch_prefix",
-        "transfers",
-        "instance_join",
-        "instance_commit",
-    ];
 }
 
 /// The answer to one request.
@@ -735,6 +679,54 @@ pub fn bit(bitmap: &[u8], i: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The operations' names are metric labels (`kvd_op_duration_seconds{op=...}`) that
+    /// dashboards and alerts select on: derived from the enum, and held here so that renaming
+    /// a variant is seen as the label change it is (then update `deploy/` too).
+    #[test]
+    fn every_operation_has_its_snake_case_name_and_the_labels_stay_what_dashboards_select() {
+        use strum::{EnumCount, IntoEnumIterator};
+        let mut names: Vec<&str> = OpKind::iter().map(<&str>::from).collect();
+        assert_eq!(names.len(), OpKind::COUNT);
+        names.sort_unstable();
+        let mut labels = [
+            "register_namespace",
+            "lookup_prefix",
+            "exists",
+            "acquire",
+            "release",
+            "alloc",
+            "seal",
+            "publish",
+            "abort",
+            "remove_if",
+            "touch",
+            "heartbeat",
+            "stats",
+            "goodbye",
+            "reserve",
+            "release_reservation",
+            "manifest_begin",
+            "manifest_extend",
+            "manifest_renew",
+            "manifest_end",
+            "manifest_get",
+            "restore_prefix",
+            "report_corrupt",
+            "events",
+            "push",
+            "fetch",
+            "push_checkpoint",
+            "fetch_prefix",
+            "transfers",
+            "instance_join",
+            "instance_commit",
+        ];
+        labels.sort_unstable();
+        assert_eq!(names, labels);
+        assert_eq!(Op::Heartbeat.name(), "heartbeat");
+        assert_eq!(Op::Transfers { ids: vec![] }.name(), "transfers");
+    }
 
     #[test]
     fn every_error_survives_the_wire_with_its_code() {
