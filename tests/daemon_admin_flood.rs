@@ -216,6 +216,10 @@ fn probe(admin: SocketAddr, path: &str) -> Result<Answer, String> {
 }
 
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "over the 120-line ratchet (170 lines) when it came in: shorten it, then drop this"
+)]
 fn an_admin_flood_of_idle_and_slow_header_connections_locks_out_neither_engines_nor_healthz() {
     let flood = FLOOD_IDLE + FLOOD_SLOW;
     raise_own_nofile(flood as u64 + 64);

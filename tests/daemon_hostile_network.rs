@@ -314,6 +314,69 @@ fn start_transfer(c: &mut kvd::client::Client, push: bool, keys: &[BlockKey]) ->
     }
 }
 
+/// Run every transfer of `groups`, the `i`th from source `i % clients.len()`, each source its
+/// share in turn on a thread of its own (bounded: 10 minutes in all); whether each ended done.
+fn run_all(
+    clients: &mut [kvd::client::Client],
+    groups: &[(bool, Vec<BlockKey>)],
+    relays: &[Relay],
+) -> Vec<bool> {
+    let sources = clients.len();
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(600);
+    let progress = AtomicU64::new(0);
+    let ended: Vec<Vec<(usize, bool)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = clients
+            .iter_mut()
+            .enumerate()
+            .map(|(s, c)| {
+                let progress = &progress;
+                scope.spawn(move || {
+                    let mut out = Vec::new();
+                    for (i, (push, keys)) in groups.iter().enumerate().skip(s).step_by(sources) {
+                        assert!(Instant::now() < deadline, "transfers past 10 minutes");
+                        let done = start_transfer(c, *push, keys).is_some_and(|id| {
+                            let t = support::wait_transfer(c, id, Duration::from_secs(90));
+                            t.state == TransferState::Done
+                        });
+                        out.push((i, done));
+                        let n = progress.fetch_add(1, Ordering::Relaxed) + 1;
+                        if n % 100 == 0 {
+                            let flips: u64 = relays.iter().map(Relay::flips).sum();
+                            println!(
+                                "{n:>5} transfers, {flips} flips, {:.0} s",
+                                started.elapsed().as_secs_f64()
+                            );
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut done_at = vec![false; groups.len()];
+    for (i, d) in ended.iter().flatten() {
+        done_at[*i] = *d;
+    }
+    done_at
+}
+
+/// Wait until no node has a transfer open or a page WRITING (bounded).
+fn wait_settled(nodes: &[&Daemon]) {
+    support::wait_until(
+        Duration::from_secs(60),
+        "every node settles (no transfer left open, no page left WRITING)",
+        || {
+            nodes.iter().all(|d| {
+                let s = d.status();
+                let dp = s.data_port.unwrap();
+                s.stats.accounting.writing == 0 && dp.incoming_in_flight == 0
+            })
+        },
+    );
+}
+
 #[test]
 fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_or_byte_published()
 {
@@ -372,57 +435,11 @@ fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_
         }
     }
     let started = Instant::now();
-    let deadline = started + Duration::from_secs(600);
-    let progress = AtomicU64::new(0);
-    // each source's transfers, in turn: whether each ended done
-    let ended: Vec<Vec<(usize, bool)>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = clients
-            .iter_mut()
-            .enumerate()
-            .map(|(s, c)| {
-                let (groups, progress, relays) = (&groups, &progress, &relays);
-                scope.spawn(move || {
-                    let mut out = Vec::new();
-                    for (i, (push, keys)) in groups.iter().enumerate().skip(s).step_by(SOURCES) {
-                        assert!(Instant::now() < deadline, "transfers past 10 minutes");
-                        let done = start_transfer(c, *push, keys).is_some_and(|id| {
-                            let t = support::wait_transfer(c, id, Duration::from_secs(90));
-                            t.state == TransferState::Done
-                        });
-                        out.push((i, done));
-                        let n = progress.fetch_add(1, Ordering::Relaxed) + 1;
-                        if n % 100 == 0 {
-                            let flips: u64 = relays.iter().map(Relay::flips).sum();
-                            println!(
-                                "{n:>5} transfers, {flips} flips, {:.0} s",
-                                started.elapsed().as_secs_f64()
-                            );
-                        }
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let mut done_at = vec![false; TRANSFERS];
-    for (i, d) in ended.iter().flatten() {
-        done_at[*i] = *d;
-    }
+    let done_at = run_all(&mut clients, &groups, &relays);
     let done = done_at.iter().filter(|d| **d).count();
     let failed = TRANSFERS - done;
     let everyone: Vec<&Daemon> = sources.iter().chain([&b]).collect();
-    support::wait_until(
-        Duration::from_secs(60),
-        "every node settles (no transfer left open, no page left WRITING)",
-        || {
-            everyone.iter().all(|d| {
-                let s = d.status();
-                let dp = s.data_port.unwrap();
-                s.stats.accounting.writing == 0 && dp.incoming_in_flight == 0
-            })
-        },
-    );
+    wait_settled(&everyone);
     // Every block anywhere is one that was sent, with the source's bytes: the pushed ones on
     // B and the fetched ones on their source each absent or exact (and present where the
     // transfer said done), and the counts of published blocks leave no room for one under a

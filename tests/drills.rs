@@ -472,6 +472,10 @@ fn data_addr(d: &Daemon) -> String {
 // ---- 2. kill -9 a node mid-way through streaming a checkpoint ---------------------------------
 
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "over the 120-line ratchet (163 lines) when it came in: shorten it, then drop this"
+)]
 fn drill_02_a_node_killed_mid_checkpoint_stream_leaves_the_last_complete_step_and_the_stream_resumes_without_gap_or_duplicate()
  {
     use kvd::control::StreamCursor;

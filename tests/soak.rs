@@ -121,6 +121,10 @@ fn key_of(ns: kvd::keys::NamespaceId, k: u64) -> BlockKey {
     support::keys(ns, 7_000 + k, 1)[0]
 }
 
+#[expect(
+    clippy::too_many_lines,
+    reason = "over the 120-line ratchet (126 lines) when it came in: shorten it, then drop this"
+)]
 fn stand_in(
     id: u64,
     seed: u64,
@@ -329,6 +333,10 @@ fn check(history: &[Event]) -> Vec<String> {
 }
 
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "over the 120-line ratchet (139 lines) when it came in: shorten it, then drop this"
+)]
 fn soak_random_operations_under_random_faults_read_only_live_published_versions() {
     let secs: u64 = std::env::var("KVD_SOAK_SECS")
         .ok()

@@ -284,6 +284,10 @@ impl Row {
 }
 
 /// Run the benchmark.
+#[expect(
+    clippy::too_many_lines,
+    reason = "over the 120-line ratchet (141 lines) when it came in: shorten it, then drop this"
+)]
 pub fn run(args: &TransferArgs) -> Result<(), String> {
     if args.batch == 0 || args.repeat == 0 || args.block_kib.is_empty() {
         return Err("--batch, --repeat and --block-kib need at least one".into());

@@ -430,6 +430,10 @@ impl DaemonConfig {
     /// # Errors
     /// [`Error::InvalidArgument`] for an unreadable or malformed file, a bad value, or a
     /// non-loopback admin address without `--allow-remote-admin`.
+    #[expect(
+        clippy::too_many_lines,
+        reason = "over the 120-line ratchet (253 lines) when it came in: shorten it, then drop this"
+    )]
     pub fn resolve(args: &ServeArgs) -> Result<DaemonConfig> {
         let file = match &args.config {
             Some(p) => load_file(p)?,

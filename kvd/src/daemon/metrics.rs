@@ -129,6 +129,10 @@ pub struct Health {
 
 impl Metrics {
     /// Metrics for a daemon serving `store`.
+    #[expect(
+        clippy::too_many_lines,
+        reason = "over the 120-line ratchet (187 lines) when it came in: shorten it, then drop this"
+    )]
     pub fn new(store: Arc<Store>) -> Metrics {
         let mut r = Registry::default();
         let durations_family =
@@ -367,6 +371,10 @@ struct DataPortCollector {
 }
 
 impl Collector for DataPortCollector {
+    #[expect(
+        clippy::too_many_lines,
+        reason = "over the 120-line ratchet (139 lines) when it came in: shorten it, then drop this"
+    )]
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> std::fmt::Result {
         let t = self.port.transfer_counters();
         for (name, help, v) in [
@@ -519,6 +527,10 @@ struct StoreCollector {
 }
 
 impl Collector for StoreCollector {
+    #[expect(
+        clippy::too_many_lines,
+        reason = "over the 120-line ratchet (150 lines) when it came in: shorten it, then drop this"
+    )]
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> std::fmt::Result {
         let s = self.store.stats();
         let a = &s.accounting;

@@ -93,6 +93,10 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
 }
 
 /// Start everything, serve until a drain ends.
+#[expect(
+    clippy::too_many_lines,
+    reason = "over the 120-line ratchet (148 lines) when it came in: shorten it, then drop this"
+)]
 async fn serve(config: DaemonConfig) -> Result<()> {
     let signals = DrainSignals::install()?;
     let budget = fd_budget(&config)?;

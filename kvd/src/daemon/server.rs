@@ -517,6 +517,10 @@ fn each(v: Vec<Result<()>>) -> Reply {
     Reply::Each(v.into_iter().map(|r| r.map_err(WireError::from)).collect())
 }
 
+#[expect(
+    clippy::too_many_lines,
+    reason = "over the 120-line ratchet (218 lines) when it came in: shorten it, then drop this"
+)]
 fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
     let max = d.config.max_batch as usize;
     if op.batch_len() > max {

@@ -166,6 +166,10 @@ fn run_inner(args: &StatusArgs) -> Result<String> {
 
 /// The human summary of a report; with an earlier report, rates are over the interval between
 /// them, otherwise averages since start.
+#[expect(
+    clippy::too_many_lines,
+    reason = "over the 120-line ratchet (186 lines) when it came in: shorten it, then drop this"
+)]
 pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
     use std::fmt::Write as _;
     let mut o = String::new();

@@ -576,6 +576,10 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
             .fail_endpoint(&mut io, "closed here".into(), OpFailure::Closed);
     }
 
+    #[expect(
+        clippy::too_many_lines,
+        reason = "over the 120-line ratchet (164 lines) when it came in: shorten it, then drop this"
+    )]
     unsafe fn submit(&self, endpoint: EndpointId, ops: &[Op]) -> Result<BatchId> {
         let s = &self.shared;
         let e = s.endpoint(endpoint)?;

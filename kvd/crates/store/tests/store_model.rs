@@ -351,6 +351,10 @@ impl World {
         }
     }
 
+    #[expect(
+        clippy::too_many_lines,
+        reason = "over the 120-line ratchet (232 lines) when it came in: shorten it, then drop this"
+    )]
     fn apply(&mut self, op: &Op) {
         match *op {
             Op::Alloc { s, k } => {
