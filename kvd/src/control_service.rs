@@ -78,33 +78,12 @@ pub struct ControlArgs {
     /// Allow listening on a non-loopback address.
     #[arg(long)]
     pub allow_remote: bool,
-    /// Cluster mode: etcd endpoints, comma-separated. The nodes' registrations become worker
-    /// events (a registration that appears: joined; one that disappears: failed; one back
-    /// with a higher generation: recovered), and the controller's snapshot is kept in etcd
-    /// (`<prefix>/control/snapshot`), from which a restarted `kvd control` resumes.
-    #[arg(long, value_delimiter = ',')]
-    pub etcd: Vec<String>,
-    /// The cluster's key prefix in etcd (the nodes' `--etcd-prefix`).
-    #[arg(long, default_value = "/kvd")]
-    pub etcd_prefix: String,
-    /// etcd user (with --etcd-password-file), as for `kvd serve`.
-    #[arg(long)]
-    pub etcd_user: Option<String>,
-    /// A file holding the etcd user's password (owner-readable only).
-    #[arg(long)]
-    pub etcd_password_file: Option<PathBuf>,
+    /// How to reach etcd (cluster mode), as for `kvd serve`.
+    #[command(flatten)]
+    pub etcd: crate::daemon::cluster::EtcdArgs,
     /// The streaming front (`--engine` turns it on).
     #[command(flatten)]
     pub front: crate::control_front::FrontArgs,
-    /// TLS to etcd: the CA certificate (PEM); the endpoints are then https://.
-    #[arg(long)]
-    pub etcd_ca_file: Option<PathBuf>,
-    /// TLS to etcd: a client certificate (PEM).
-    #[arg(long)]
-    pub etcd_cert_file: Option<PathBuf>,
-    /// TLS to etcd: the client certificate's key (PEM, owner-readable only).
-    #[arg(long)]
-    pub etcd_key_file: Option<PathBuf>,
 }
 
 /// The shared state of the service: one controller and the clock that stamps events, and
@@ -616,7 +595,7 @@ impl Shared {
 /// # Errors
 /// Bad arguments, an unreadable or invalid snapshot.
 pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u64)> {
-    if !args.front.engines.is_empty() && args.etcd.is_empty() {
+    if !args.front.engines.is_empty() && !args.etcd.is_on() {
         return Err(Error::InvalidArgument(
             "--engine needs --etcd: the front learns the workers, their capacities and the holders' admin addresses from the nodes' registrations".into(),
         ));
@@ -673,17 +652,10 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
     let result: std::io::Result<()> = rt.block_on(async move {
         // in cluster mode the last snapshot in etcd, if any, wins over a fresh controller
         let mut etcd_security = None;
-        let (controller, offset) = if args.etcd.is_empty() {
+        let (controller, offset) = if !args.etcd.is_on() {
             (controller, offset)
         } else {
-            let security = crate::daemon::cluster::etcd_security(
-                &args.etcd,
-                args.etcd_user.clone(),
-                args.etcd_password_file.clone(),
-                args.etcd_ca_file.clone(),
-                args.etcd_cert_file.clone(),
-                args.etcd_key_file.clone(),
-            );
+            let security = args.etcd.security();
             let security = match security {
                 Ok(s) => Arc::new(s),
                 Err(e) => {
@@ -692,7 +664,7 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
                 }
             };
             etcd_security = Some(Arc::clone(&security));
-            match crate::control_membership::load_snapshot(&args.etcd, &args.etcd_prefix, &security).await {
+            match crate::control_membership::load_snapshot(&args.etcd.etcd, &args.etcd.prefix(), &security).await {
                 Ok(Some(snap)) => {
                     let offset = snapshot_offset(&snap);
                     match Controller::from_snapshot(snap) {
@@ -727,10 +699,10 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
             app = app.merge(front.routes());
             println!("kvd control: the streaming front serves POST /v1/completions for {} engines", args.front.engines.len());
         }
-        if !args.etcd.is_empty() {
+        if args.etcd.is_on() {
             tokio::spawn(crate::control_membership::run(
-                args.etcd.clone(),
-                args.etcd_prefix.clone(),
+                args.etcd.etcd.clone(),
+                args.etcd.prefix(),
                 etcd_security.unwrap_or_default(),
                 Arc::clone(&shared),
             ));

@@ -81,6 +81,85 @@ fn owner_only(p: &std::path::Path, what: &str) -> Result<Vec<u8>> {
     std::fs::read(p).map_err(|e| Error::InvalidArgument(format!("{what} {shown}: {e}")))
 }
 
+/// How to reach etcd: one flag group for `kvd serve` and `kvd control` (the same names, the
+/// same checks). `kvd serve`'s config file has the same keys.
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct EtcdArgs {
+    /// Cluster mode: etcd endpoints, comma-separated (`http://10.0.0.9:2379,...`). `kvd serve`
+    /// registers the node there under a TTL lease and takes its peers from what is registered
+    /// (needs --cluster-secret-file; without --etcd the node is on its own, peers only from
+    /// --peer); `kvd control` follows the nodes' registrations as worker events and keeps its
+    /// snapshot there (`<prefix>/control/snapshot`), from which a restarted one resumes.
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// The key prefix of this cluster in etcd [default: /kvd].
+    #[arg(long)]
+    pub etcd_prefix: Option<String>,
+    /// etcd user, when etcd has authentication on (with --etcd-password-file).
+    #[arg(long)]
+    pub etcd_user: Option<String>,
+    /// A file holding the etcd user's password (readable by its owner only).
+    #[arg(long)]
+    pub etcd_password_file: Option<std::path::PathBuf>,
+    /// TLS to etcd: the CA certificate (PEM) that signs etcd's (use https:// endpoints).
+    #[arg(long)]
+    pub etcd_ca_file: Option<std::path::PathBuf>,
+    /// TLS to etcd: this node's client certificate (PEM), when etcd asks for one.
+    #[arg(long)]
+    pub etcd_cert_file: Option<std::path::PathBuf>,
+    /// TLS to etcd: the client certificate's key (PEM, readable by its owner only).
+    #[arg(long)]
+    pub etcd_key_file: Option<std::path::PathBuf>,
+}
+
+impl EtcdArgs {
+    /// Whether cluster mode is on (endpoints given).
+    pub fn is_on(&self) -> bool {
+        !self.etcd.is_empty()
+    }
+
+    /// Each setting given here, else `other`'s (flags over the config file).
+    pub fn or(&self, other: EtcdArgs) -> EtcdArgs {
+        EtcdArgs {
+            etcd: if self.etcd.is_empty() {
+                other.etcd
+            } else {
+                self.etcd.clone()
+            },
+            etcd_prefix: self.etcd_prefix.clone().or(other.etcd_prefix),
+            etcd_user: self.etcd_user.clone().or(other.etcd_user),
+            etcd_password_file: self.etcd_password_file.clone().or(other.etcd_password_file),
+            etcd_ca_file: self.etcd_ca_file.clone().or(other.etcd_ca_file),
+            etcd_cert_file: self.etcd_cert_file.clone().or(other.etcd_cert_file),
+            etcd_key_file: self.etcd_key_file.clone().or(other.etcd_key_file),
+        }
+    }
+
+    /// The cluster's key prefix, without a trailing slash.
+    pub fn prefix(&self) -> String {
+        self.etcd_prefix
+            .as_deref()
+            .unwrap_or("/kvd")
+            .trim_end_matches('/')
+            .to_string()
+    }
+
+    /// Authentication and TLS from the files named ([`etcd_security`]).
+    ///
+    /// # Errors
+    /// As [`etcd_security`].
+    pub fn security(&self) -> Result<EtcdSecurity> {
+        etcd_security(
+            &self.etcd,
+            self.etcd_user.clone(),
+            self.etcd_password_file.clone(),
+            self.etcd_ca_file.clone(),
+            self.etcd_cert_file.clone(),
+            self.etcd_key_file.clone(),
+        )
+    }
+}
+
 /// Authentication and TLS for etcd from the files named (all optional; user with password
 /// file, certificate with key, and a client certificate only with a CA; with a CA every
 /// endpoint must be `https://`).

@@ -174,33 +174,13 @@ pub struct ServeArgs {
     /// this node aborts it and frees its pages, ms [default: 30000].
     #[arg(long)]
     pub transfer_deadline_ms: Option<u64>,
-    /// Cluster mode: etcd endpoints, comma-separated (`http://10.0.0.9:2379,...`). The node
-    /// registers there under a TTL lease and takes its peers from what is registered; needs
-    /// --cluster-secret-file. Without it the node is on its own (peers only from --peer).
-    #[arg(long, value_delimiter = ',')]
-    pub etcd: Vec<String>,
+    /// How to reach etcd (cluster mode), as for `kvd control`.
+    #[command(flatten)]
+    pub etcd: super::cluster::EtcdArgs,
     /// The registration lease's TTL, ms: a node that dies is gone from every view this long
     /// after (plus the watch's delivery) [default: 5000].
     #[arg(long)]
     pub etcd_lease_ttl_ms: Option<u64>,
-    /// The key prefix of this cluster in etcd [default: /kvd].
-    #[arg(long)]
-    pub etcd_prefix: Option<String>,
-    /// etcd user, when etcd has authentication on (with --etcd-password-file).
-    #[arg(long)]
-    pub etcd_user: Option<String>,
-    /// A file holding the etcd user's password (readable by its owner only).
-    #[arg(long)]
-    pub etcd_password_file: Option<PathBuf>,
-    /// TLS to etcd: the CA certificate (PEM) that signs etcd's (use https:// endpoints).
-    #[arg(long)]
-    pub etcd_ca_file: Option<PathBuf>,
-    /// TLS to etcd: this node's client certificate (PEM), when etcd asks for one.
-    #[arg(long)]
-    pub etcd_cert_file: Option<PathBuf>,
-    /// TLS to etcd: the client certificate's key (PEM, readable by its owner only).
-    #[arg(long)]
-    pub etcd_key_file: Option<PathBuf>,
 }
 
 /// The same keys as a TOML file.
@@ -582,12 +562,16 @@ impl DaemonConfig {
             }
             None => None,
         };
-        let etcd = if args.etcd.is_empty() {
-            file.etcd.unwrap_or_default()
-        } else {
-            args.etcd.clone()
-        };
-        let cluster = if etcd.is_empty() {
+        let etcd = args.etcd.or(super::cluster::EtcdArgs {
+            etcd: file.etcd.unwrap_or_default(),
+            etcd_prefix: file.etcd_prefix,
+            etcd_user: file.etcd_user,
+            etcd_password_file: file.etcd_password_file,
+            etcd_ca_file: file.etcd_ca_file,
+            etcd_cert_file: file.etcd_cert_file,
+            etcd_key_file: file.etcd_key_file,
+        });
+        let cluster = if !etcd.is_on() {
             None
         } else {
             if data_port.is_none() {
@@ -607,25 +591,12 @@ impl DaemonConfig {
                      not {lease_ttl_ms}"
                 )));
             }
-            let (auth, tls) = super::cluster::etcd_security(
-                &etcd,
-                args.etcd_user.clone().or(file.etcd_user),
-                args.etcd_password_file.clone().or(file.etcd_password_file),
-                args.etcd_ca_file.clone().or(file.etcd_ca_file),
-                args.etcd_cert_file.clone().or(file.etcd_cert_file),
-                args.etcd_key_file.clone().or(file.etcd_key_file),
-            )?;
+            let (auth, tls) = etcd.security()?;
             Some(super::cluster::ClusterConfig {
-                etcd,
+                prefix: etcd.prefix(),
+                etcd: etcd.etcd,
                 tls,
                 lease_ttl_ms,
-                prefix: args
-                    .etcd_prefix
-                    .clone()
-                    .or(file.etcd_prefix)
-                    .unwrap_or_else(|| "/kvd".into())
-                    .trim_end_matches('/')
-                    .to_string(),
                 auth,
             })
         };
