@@ -42,7 +42,7 @@ use crate::protocol::{
     Hello, HelloReply, Op, PROTOCOL_VERSION, Reply, Request, Response, Welcome, WireError, fdpass,
     pack_bits,
 };
-use crate::store::{Handle, SessionId, SessionPeer, Store};
+use crate::store::{SessionId, SessionPeer, Store};
 use crate::{Error, Result};
 
 use super::config::DaemonConfig;
@@ -554,31 +554,13 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
             reservation,
         } => {
             refuse_new_work(d, "allocations")?;
-            let allocs = s.alloc(sid, &keys, class, reservation)?;
-            let handles: Vec<Handle> = allocs
-                .iter()
-                .filter_map(|r| r.as_ref().ok().map(|a| a.handle))
-                .collect();
             // The client writes through its mapping: the blocks start WRITING.
-            let begun = match s.begin_write(sid, &handles) {
-                Ok(b) => b,
-                Err(e) => {
-                    let _ = s.abort(sid, &handles);
-                    return Err(e);
-                }
-            };
-            tracing::trace!(handles = ?handles, "allocated");
-            let mut begun = begun.into_iter();
+            let allocs = s.alloc_for_write(sid, &keys, class, reservation)?;
+            tracing::trace!(allocations = allocs.len(), "allocated");
             Reply::Allocated(
                 allocs
                     .into_iter()
-                    .map(|r| match r {
-                        Ok(_) => begun
-                            .next()
-                            .expect("one begin_write result per allocation")
-                            .map_err(WireError::from),
-                        Err(e) => Err(e.into()),
-                    })
+                    .map(|r| r.map_err(WireError::from))
                     .collect(),
             )
         }

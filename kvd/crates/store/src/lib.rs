@@ -306,6 +306,43 @@ impl Store {
         self.lock().alloc(sid, keys, class, reservation)
     }
 
+    /// Allocate blocks for `keys` and mark them WRITING at once, for a writer that fills the
+    /// pages itself (an engine through its mapping, a peer through a grant): the one step
+    /// every such writer takes. Per key, the allocation (its page, WRITING) or why not
+    /// ([`Error::AlreadyExists`] for a key held already); if the blocks cannot be marked
+    /// WRITING at all, those allocated are aborted and the call fails, leaving nothing behind.
+    ///
+    /// # Errors
+    /// As [`Store::alloc`] and [`Store::begin_write`] for the whole call.
+    pub fn alloc_for_write(
+        &self,
+        sid: SessionId,
+        keys: &[BlockKey],
+        class: BlockClass,
+        reservation: Option<ReservationId>,
+    ) -> Result<Vec<Result<Allocation>>> {
+        let allocs = self.alloc(sid, keys, class, reservation)?;
+        let handles: Vec<Handle> = allocs
+            .iter()
+            .filter_map(|r| r.as_ref().ok().map(|a| a.handle))
+            .collect();
+        let begun = match self.begin_write(sid, &handles) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = self.abort(sid, &handles);
+                return Err(e);
+            }
+        };
+        let mut begun = begun.into_iter();
+        Ok(allocs
+            .into_iter()
+            .map(|r| match r {
+                Ok(_) => begun.next().expect("one begin_write result per allocation"),
+                Err(e) => Err(e),
+            })
+            .collect())
+    }
+
     /// Mark allocated blocks WRITING for a writer that fills them through its own mapping.
     pub fn begin_write(
         &self,

@@ -1244,3 +1244,38 @@ fn instance_calls_with_bad_arguments_change_nothing() {
 }
 
 const MAX_RANKS_PLUS_ONE: u32 = crate::instances::MAX_RANKS + 1;
+
+#[test]
+fn alloc_for_write_marks_every_new_block_writing_and_says_which_keys_were_held_already() {
+    let f = fixture(4);
+    let s = f.session();
+    f.put(s, key(f.ns, 1), b"held");
+    let keys = [key(f.ns, 1), key(f.ns, 2), key(f.ns, 3)];
+    let got = f
+        .store
+        .alloc_for_write(s, &keys, BlockClass::Cache, None)
+        .unwrap();
+    assert!(
+        matches!(got[0], Err(Error::AlreadyExists(_))),
+        "{:?}",
+        got[0]
+    );
+    assert!(got[1..].iter().all(Result::is_ok), "{got:?}");
+    let a = f.store.stats().accounting;
+    assert_eq!(
+        (a.writing, a.allocated),
+        (2, 0),
+        "both new blocks WRITING: {a:?}"
+    );
+    // a writer that dies leaves nothing behind
+    f.store.close_session(s);
+    assert_eq!(f.store.stats().accounting.writing, 0);
+    f.invariants();
+    // a whole call that cannot proceed (a dead session) allocates nothing
+    let e = f
+        .store
+        .alloc_for_write(s, &keys[1..], BlockClass::Cache, None)
+        .unwrap_err();
+    assert!(e.to_string().contains("session"), "{e}");
+    assert_eq!(f.store.stats().accounting.free, 3);
+}

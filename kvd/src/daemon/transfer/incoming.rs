@@ -579,7 +579,7 @@ impl Incoming {
             None => BlockClass::Cache,
         };
         let keys: Vec<_> = blocks.iter().map(|b| b.key).collect();
-        let allocs = match self.store.alloc(sid, &keys, class, None) {
+        let allocs = match self.store.alloc_for_write(sid, &keys, class, None) {
             Ok(a) => a,
             Err(e) => {
                 undo(&[]);
@@ -603,10 +603,6 @@ impl Incoming {
                     return Err(e);
                 }
             }
-        }
-        if let Err(e) = self.store.begin_write(sid, &handles) {
-            undo(&handles);
-            return Err(e);
         }
         let expires_at_ms = engine.now_ms() + self.limits.deadline.as_millis() as u64;
         for (off, len) in offsets.iter().flatten().zip(&lens) {

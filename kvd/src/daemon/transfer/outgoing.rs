@@ -629,7 +629,7 @@ impl Outgoing {
             let mut got = Vec::new();
             for (a, (_, s)) in self
                 .store
-                .alloc(sid, &ks, BlockClass::Cache, None)?
+                .alloc_for_write(sid, &ks, BlockClass::Cache, None)?
                 .into_iter()
                 .zip(&wanted)
             {
@@ -641,9 +641,6 @@ impl Outgoing {
                 }
             }
             let handles: Vec<_> = got.iter().map(|(a, _)| a.handle).collect();
-            for r in self.store.begin_write(sid, &handles)? {
-                r?;
-            }
             if got.iter().any(|(a, s)| s.len > a.capacity) {
                 return Err(Error::InvalidArgument(
                     "a served block is larger than this node's pages".into(),
