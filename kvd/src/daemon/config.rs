@@ -859,3 +859,45 @@ mod tests {
         assert!(DaemonConfig::resolve(&args).is_err());
     }
 }
+
+#[cfg(test)]
+mod documented {
+    use super::ServeArgs;
+
+    /// `docs/DAEMON.md`'s settings: the first cell of every table row that names one.
+    fn documented() -> std::collections::BTreeSet<String> {
+        include_str!("../../../docs/DAEMON.md")
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .filter_map(|l| l.split_once('`').map(|(k, _)| k.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn every_setting_of_kvd_serve_has_its_row_in_docs_daemon_md_and_every_row_is_a_setting() {
+        use clap::Args;
+        let cmd = ServeArgs::augment_args(clap::Command::new("serve"));
+        let flags: std::collections::BTreeSet<String> = cmd
+            .get_arguments()
+            .filter_map(|a| a.get_long())
+            .filter(|l| !matches!(*l, "config" | "check-config"))
+            .map(|l| l.replace('-', "_"))
+            .collect();
+        let docs = documented();
+        let missing: Vec<&String> = flags.iter().filter(|f| !docs.contains(*f)).collect();
+        assert!(
+            missing.is_empty(),
+            "settings of `kvd serve` without a row in docs/DAEMON.md's tables: {missing:?}"
+        );
+        // rows that name a setting key (snake_case, no spaces) must be one
+        let stale: Vec<&String> = docs
+            .iter()
+            .filter(|d| d.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+            .filter(|d| d.contains('_') && !flags.contains(*d))
+            .collect();
+        assert!(
+            stale.is_empty(),
+            "docs/DAEMON.md rows for no setting: {stale:?}"
+        );
+    }
+}
