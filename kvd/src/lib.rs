@@ -12,14 +12,10 @@
 //!
 //! - [`daemon`] (feature `server`): `kvd serve`, the admin HTTP, drain, and `kvd status`.
 //! - [`control_service`] (feature `server`): `kvd control`, the control shim over HTTP/JSON;
-//!   [`control_membership`]: the same fed by cluster membership in etcd; [`control_front`]: its
-//!   streaming front, which resumes a client's stream on a survivor when its worker dies.
+//!   its `membership` feeds it from cluster membership in etcd, its `front` is the streaming
+//!   front, which resumes a client's stream on a survivor when its worker dies.
 //! - [`openmetrics`] (feature `server`): the metric-encoding helpers both of them use.
 
-#[cfg(feature = "server")]
-pub mod control_front;
-#[cfg(feature = "server")]
-pub mod control_membership;
 #[cfg(feature = "server")]
 pub mod control_service;
 #[cfg(feature = "server")]

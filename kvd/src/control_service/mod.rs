@@ -17,7 +17,7 @@
 //! | GET    | `/metrics`           | → the counters and load in OpenMetrics text (Prometheus)   |
 //! | GET    | `/snapshot`          | → the whole state ([`crate::control::ControllerSnapshot`])          |
 //!
-//! With `--engine ID=URL` it also serves the streaming front ([`crate::control_front`]):
+//! With `--engine ID=URL` it also serves the streaming front ([`crate::control_service::front`]):
 //! `POST /v1/completions` (OpenAI-compatible, streaming), `GET /v1/streams/{id}` (resume with
 //! `Last-Event-ID`) and `GET /status`.
 //!
@@ -25,6 +25,9 @@
 //! inside a batch each event has its own `{"ok": …}` entry. Request bodies are capped at
 //! [`MAX_BODY_BYTES`]. The service listens on loopback unless `--allow-remote` is given (the
 //! admin surface changes state; see the trust model in docs/DAEMON.md).
+
+pub mod front;
+pub mod membership;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
@@ -83,7 +86,7 @@ pub struct ControlArgs {
     pub etcd: crate::daemon::cluster::EtcdArgs,
     /// The streaming front (`--engine` turns it on).
     #[command(flatten)]
-    pub front: crate::control_front::FrontArgs,
+    pub front: crate::control_service::front::FrontArgs,
 }
 
 /// The shared state of the service: one controller and the clock that stamps events, and
@@ -99,7 +102,7 @@ pub struct Shared {
     plans_tx: tokio::sync::watch::Sender<u64>,
     /// node → its admin address, from its registration in etcd.
     nodes: Mutex<BTreeMap<u64, String>>,
-    front_stats: Mutex<crate::control_front::FrontStats>,
+    front_stats: Mutex<crate::control_service::front::FrontStats>,
 }
 
 /// Decisions about the requests the front drives, until their task takes them.
@@ -234,12 +237,12 @@ impl Shared {
     }
 
     /// Update the front's counters.
-    pub fn count_front(&self, f: impl FnOnce(&mut crate::control_front::FrontStats)) {
+    pub fn count_front(&self, f: impl FnOnce(&mut crate::control_service::front::FrontStats)) {
         f(&mut self.front_stats.lock().unwrap_or_else(|p| p.into_inner()));
     }
 
     /// The front's counters.
-    pub fn front_stats(&self) -> crate::control_front::FrontStats {
+    pub fn front_stats(&self) -> crate::control_service::front::FrontStats {
         self.front_stats
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -600,7 +603,7 @@ pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u6
             "--engine needs --etcd: the front learns the workers, their capacities and the holders' admin addresses from the nodes' registrations".into(),
         ));
     }
-    crate::control_front::parse_engines(&args.front.engines)?;
+    crate::control_service::front::parse_engines(&args.front.engines)?;
     if !args.listen.ip().is_loopback() && !args.allow_remote {
         return Err(Error::InvalidArgument(format!(
             "{} is not a loopback address; pass --allow-remote to listen there",
@@ -664,7 +667,7 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
                 }
             };
             etcd_security = Some(Arc::clone(&security));
-            match crate::control_membership::load_snapshot(&args.etcd.etcd, &args.etcd.prefix(), &security).await {
+            match crate::control_service::membership::load_snapshot(&args.etcd.etcd, &args.etcd.prefix(), &security).await {
                 Ok(Some(snap)) => {
                     let offset = snapshot_offset(&snap);
                     match Controller::from_snapshot(snap) {
@@ -688,7 +691,7 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
         let shared = shared(controller, offset);
         let mut app = routes(Arc::clone(&shared));
         if !args.front.engines.is_empty() {
-            let front = match crate::control_front::Front::new(Arc::clone(&shared), args.front.clone()) {
+            let front = match crate::control_service::front::Front::new(Arc::clone(&shared), args.front.clone()) {
                 Ok(f) => f,
                 Err(e) => {
                     eprintln!("kvd control: {e}");
@@ -700,7 +703,7 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
             println!("kvd control: the streaming front serves POST /v1/completions for {} engines", args.front.engines.len());
         }
         if args.etcd.is_on() {
-            tokio::spawn(crate::control_membership::run(
+            tokio::spawn(crate::control_service::membership::run(
                 args.etcd.etcd.clone(),
                 args.etcd.prefix(),
                 etcd_security.unwrap_or_default(),
