@@ -601,6 +601,118 @@ pub(crate) fn descriptor(d: &KvdNamespaceDescriptor) -> Result<NamespaceDescript
 mod tests {
     use super::*;
 
+    /// The store's counts as every layer that shows them names them, in order: the core's
+    /// `StoreStats` (accounting fields as `pages_*`, counters flattened), this crate's
+    /// `KvdStats`, `include/kvd.h` and the Python package's hand-written ctypes mirror. A count
+    /// added to the store and missed by a layer fails here (the daemon's `/metrics` collector
+    /// is held by the metrics tests in the daemon).
+    #[test]
+    fn every_store_count_reaches_kvd_stats_the_header_and_the_python_mirror_in_order() {
+        // StoreStats with a distinct value in every leaf, in declaration order
+        let shape = serde_json::to_value(StoreStats {
+            node_generation: 0,
+            page_size_bytes: 0,
+            accounting: Default::default(),
+            reserved_unused_pages: 0,
+            pins: 0,
+            sessions: 0,
+            manifests: 0,
+            namespaces: 0,
+            evictable: 0,
+            counters: Default::default(),
+        })
+        .unwrap();
+        let mut names = Vec::new();
+        let mut filled = serde_json::Map::new();
+        let mut n = 1u64;
+        for (k, v) in shape.as_object().unwrap() {
+            match v.as_object() {
+                Some(inner) => {
+                    let mut m = serde_json::Map::new();
+                    for leaf in inner.keys() {
+                        names.push(if k == "accounting" {
+                            format!("pages_{leaf}")
+                        } else {
+                            leaf.clone()
+                        });
+                        m.insert(leaf.clone(), n.into());
+                        n += 1;
+                    }
+                    filled.insert(k.clone(), m.into());
+                }
+                None => {
+                    names.push(k.clone());
+                    filled.insert(k.clone(), n.into());
+                    n += 1;
+                }
+            }
+        }
+        let stats: StoreStats = serde_json::from_value(filled.into()).unwrap();
+        // KvdStats: the same names, each with its own value (Debug shows `name: value, ...`)
+        let shown = format!("{:?}", KvdStats::from(&stats));
+        let inner = shown
+            .strip_prefix("KvdStats { ")
+            .and_then(|s| s.strip_suffix(" }"))
+            .unwrap();
+        let mirrored: Vec<(&str, u64)> = inner
+            .split(", ")
+            .map(|f| {
+                let (k, v) = f.split_once(": ").unwrap();
+                (k, v.parse().unwrap())
+            })
+            .collect();
+        // (serde_json's map is sorted by name: compare by name; the order is the header's)
+        let mut expected: Vec<(&str, u64)> = names.iter().map(String::as_str).zip(1..).collect();
+        expected.sort_unstable();
+        let mut by_name = mirrored.clone();
+        by_name.sort_unstable();
+        assert_eq!(
+            by_name, expected,
+            "KvdStats copies every count of StoreStats, each its own"
+        );
+        let names: Vec<&str> = mirrored.iter().map(|(k, _)| *k).collect();
+        // the header's KvdStats, in order, with its field types
+        let h = include_str!("../../include/kvd.h");
+        let end = h.find("} KvdStats;").expect("KvdStats in kvd.h");
+        let start = h[..end].rfind("typedef struct {").unwrap();
+        let fields: Vec<(&str, &str)> = h[start..end]
+            .lines()
+            .map(str::trim)
+            .filter(|l| l.ends_with(';'))
+            .map(|l| l.trim_end_matches(';').split_once(' ').unwrap())
+            .map(|(t, n)| (n, t))
+            .collect();
+        let header: Vec<&str> = fields.iter().map(|(n, _)| *n).collect();
+        assert_eq!(header, names, "include/kvd.h's KvdStats");
+        // the Python mirror: its field list in order, and which of them are 32-bit
+        let py = include_str!("../python/kvd/_lib.py");
+        let list = &py[py.find("_STATS_FIELDS = (").unwrap()..];
+        let list = &list[..list.find("\n)\n").unwrap()];
+        let quoted = |s: &str| -> Vec<String> {
+            s.split('"')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_string)
+                .collect()
+        };
+        assert_eq!(
+            quoted(list),
+            names,
+            "ffi/python/kvd/_lib.py's _STATS_FIELDS"
+        );
+        let u32s = &py[py.find("_STATS_U32 = {").unwrap()..];
+        let u32s = &u32s[..u32s.find('}').unwrap()];
+        let mut py32 = quoted(u32s);
+        py32.sort();
+        let mut h32: Vec<String> = fields
+            .iter()
+            .filter(|(_, t)| *t == "uint32_t")
+            .map(|(n, _)| n.to_string())
+            .collect();
+        h32.sort();
+        assert_eq!(py32, h32, "_STATS_U32 is the header's uint32_t fields");
+    }
+
     #[test]
     fn the_mirror_structs_have_the_sizes_the_header_promises() {
         // Fixed layouts, no implicit padding: what a C compiler computes for the same fields.
