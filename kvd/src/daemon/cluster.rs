@@ -308,7 +308,25 @@ impl std::fmt::Debug for Membership {
 }
 
 /// What is told of the peers when the view changes.
-pub type PeerSink = Box<dyn Fn(BTreeMap<u64, SocketAddr>) + Send + Sync>;
+pub use kvd_remote::PeerSink;
+
+impl kvd_remote::Membership for Membership {
+    fn lease_held(&self) -> bool {
+        Membership::lease_held(self)
+    }
+    fn problem(&self) -> String {
+        Membership::problem(self)
+    }
+    fn fences(&self) -> bool {
+        Membership::fences(self)
+    }
+    fn generation_of(&self, node: u64) -> Option<u64> {
+        Membership::generation_of(self, node)
+    }
+    fn on_change(&self, sink: PeerSink) {
+        Membership::on_change(self, sink);
+    }
+}
 
 impl Membership {
     /// The embedded registry: this node alone, always holding its "lease".

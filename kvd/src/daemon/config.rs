@@ -239,56 +239,7 @@ pub struct FileConfig {
     pub etcd_key_file: Option<PathBuf>,
 }
 
-/// What the data port moves peers' blocks over.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize, clap::ValueEnum,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum TransportChoice {
-    /// RDMA where it can be used (built in, a device, a peer that serves it), TCP otherwise.
-    #[default]
-    Auto,
-    /// TCP only.
-    Tcp,
-    /// RDMA; refuse to start without a usable device.
-    Rdma,
-}
-
-/// How the RDMA device is chosen.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
-pub struct RdmaSettings {
-    /// By name.
-    pub device: Option<String>,
-    /// Nearest this GPU (PCI bus id).
-    pub near_gpu: Option<String>,
-    /// The port's GID index.
-    pub gid_index: u32,
-}
-
-/// The data port's settings (present only with a cluster secret).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct DataPortConfig {
-    /// Where it listens.
-    pub listen: SocketAddr,
-    /// The cluster secret file (read at start; its bytes are not kept here).
-    pub cluster_secret_file: PathBuf,
-    /// The static peer table: node id → data address.
-    pub peers: std::collections::BTreeMap<u64, SocketAddr>,
-    /// Transfers started here at once, per peer.
-    pub max_transfers_per_peer: u32,
-    /// Transfers started here at once, in all.
-    pub max_transfers: u32,
-    /// Peers' transfers under way here at once, per peer.
-    pub max_incoming_per_peer: u32,
-    /// Peers' transfers under way here at once, in all.
-    pub max_incoming: u32,
-    /// A peer's transfer is aborted this long after its offer or want, ms.
-    pub transfer_deadline_ms: u64,
-    /// What blocks move over.
-    pub transport: TransportChoice,
-    /// How the RDMA device is chosen.
-    pub rdma: RdmaSettings,
-}
+pub use kvd_remote::{DataPortConfig, RdmaSettings, TransportChoice};
 
 /// The resolved configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

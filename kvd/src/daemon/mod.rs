@@ -12,23 +12,22 @@
 pub mod admin;
 pub mod cluster;
 pub mod config;
-pub mod data_port;
 pub mod datadir;
 pub mod drain;
-pub mod engines;
 pub mod limits;
 pub mod metrics;
 pub mod peers;
 pub mod probes;
 pub mod server;
 pub mod status;
-pub mod transfer;
 
 use std::io::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use config::{DaemonConfig, ServeArgs};
+/// Blocks between daemons live in their own crate (`kvd-remote`); the daemon wires them up.
+pub use kvd_remote::{engines, port as data_port, transfer};
 
 use crate::clock::MonotonicClock;
 use crate::pool::PoolConfig;
@@ -168,7 +167,8 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         None => Arc::new(cluster::Membership::embedded(config.node_id)),
     };
     if let Some(dp) = &data_port {
-        dp.follow(&membership);
+        let m: Arc<dyn kvd_remote::Membership> = membership.clone();
+        dp.follow(&m);
     }
     let d = Arc::new(server::Daemon {
         cluster: membership,

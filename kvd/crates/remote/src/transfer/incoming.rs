@@ -13,14 +13,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::daemon::engines::Engines;
+use crate::engines::Engines;
 use transport::channel::Channel;
 use transport::grant::{Direction, Grant, TransferId};
 use transport::tcp::wire::Bind;
 
 use super::Counters;
 use super::wire::{Binding, CheckpointStep, Offered, PeerReply, PeerRequest, Served};
-use crate::daemon::data_port::POOL_SEGMENT;
+use crate::POOL_SEGMENT;
 use crate::keys::{BlockKey, NamespaceDescriptor};
 use crate::protocol::WireError;
 use crate::store::{BlockClass, Handle, SessionId, Store};
@@ -93,7 +93,7 @@ pub struct Incoming {
     connections: AtomicU64,
     counters: Arc<Counters>,
     /// The membership this node follows: no new transfers while it holds no lease.
-    membership: std::sync::OnceLock<Arc<crate::daemon::cluster::Membership>>,
+    membership: std::sync::OnceLock<Arc<dyn crate::Membership>>,
 }
 
 impl Incoming {
@@ -118,7 +118,7 @@ impl Incoming {
     }
 
     /// Take no new transfers while `membership` says this node holds no lease.
-    pub fn follow(&self, membership: Arc<crate::daemon::cluster::Membership>) {
+    pub fn follow(&self, membership: Arc<dyn crate::Membership>) {
         let _ = self.membership.set(membership);
     }
 

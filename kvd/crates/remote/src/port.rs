@@ -1,12 +1,12 @@
 //! The data port: this daemon's transfer engines (`transport::tcp`, and `transport::rdma` where
-//! built in and usable: [`super::engines`]), on which peers' transfer connections are accepted
+//! built in and usable: [`crate::engines`]), on which peers' transfer connections are accepted
 //! and from which this daemon opens its own. It is on only with a
 //! cluster secret (`--cluster-secret-file`): a single node needs nothing but itself.
 //!
 //! The whole pool is registered as one segment ([`POOL_SEGMENT`]); nothing of it is granted
-//! but the pages of a transfer in progress (`super::transfer`), so every other access a peer
+//! but the pages of a transfer in progress (`crate::transfer`), so every other access a peer
 //! tries is refused and counted. Control connections (authenticated the same way) carry the
-//! daemons' own messages ([`super::transfer::wire`]). Peers are named by a static table
+//! daemons' own messages ([`crate::transfer::wire`]). Peers are named by a static table
 //! (`--peer NODE_ID=ADDR`) until cluster mode feeds the same table from etcd.
 
 use std::collections::BTreeMap;
@@ -18,25 +18,20 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use transport::auth::ClusterSecret;
 use transport::engine::{Memory, Registration, Transport};
-use transport::grant::SegmentId;
 use transport::segment::SegmentDescriptor;
 use transport::tcp::{TcpConfig, TcpStats, TcpTransport};
 
-use super::config::DataPortConfig;
-use super::engines::{Engines, TransportReport};
-use super::transfer::incoming::{Incoming, IncomingLimits};
-use super::transfer::outgoing::{Kind, Outgoing, OutgoingLimits};
-use super::transfer::{Counters, TransferCounters};
+use crate::DataPortConfig;
+use crate::engines::{Engines, TransportReport};
 use crate::keys::BlockKey;
 use crate::protocol::TransferInfo;
 use crate::store::Store;
+use crate::transfer::incoming::{Incoming, IncomingLimits};
+use crate::transfer::outgoing::{Kind, Outgoing, OutgoingLimits};
+use crate::transfer::{Counters, TransferCounters};
 use crate::{Error, Result};
 
-/// The segment id the pool is registered under.
-pub const POOL_SEGMENT: SegmentId = SegmentId(1);
-
-/// The data port's chunk size (sent and accepted).
-pub const CHUNK_BYTES: u32 = 4 << 20;
+pub use crate::{CHUNK_BYTES, POOL_SEGMENT};
 
 /// The running data port.
 #[derive(Debug)]
@@ -291,7 +286,7 @@ impl DataPort {
 
     /// Feed the peer table from a membership view: `--peer` entries, overridden by what the
     /// view says; and refuse peers' new transfers while this node does not hold its lease.
-    pub fn follow(&self, membership: &Arc<super::cluster::Membership>) {
+    pub fn follow(&self, membership: &Arc<dyn crate::Membership>) {
         self.incoming.follow(Arc::clone(membership));
         let outgoing = Arc::clone(&self.outgoing);
         let base = self.static_peers.clone();

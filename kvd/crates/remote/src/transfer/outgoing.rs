@@ -18,11 +18,11 @@ use transport::segment::SegmentDescriptor;
 use transport::tcp::TcpPeer;
 use transport::tcp::wire::Bind;
 
-use crate::daemon::engines::Engines;
+use crate::engines::Engines;
 
 use super::Counters;
 use super::wire::{Binding, CheckpointStep, Offered, PeerReply, PeerRequest, Served, ask};
-use crate::daemon::data_port::POOL_SEGMENT;
+use crate::POOL_SEGMENT;
 use crate::keys::BlockKey;
 use crate::protocol::{TransferInfo, TransferState, WireError};
 use crate::store::{BlockClass, BlockInfo, Store};

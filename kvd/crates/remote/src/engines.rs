@@ -13,8 +13,8 @@ use transport::engine::{EndpointId, Op, OpFailure, Revoked, Target, Transport};
 use transport::grant::{Grant, TransferId};
 use transport::tcp::{TcpPeer, TcpTransport};
 
-use super::config::{RdmaSettings, TransportChoice};
 use crate::{Error, Result};
+use crate::{RdmaSettings, TransportChoice};
 
 /// The engine a peer's blocks go over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -125,7 +125,7 @@ impl Engines {
         .map_err(|e| format!("no usable RDMA device: {e}"))?;
         let device = transport::rdma::verbs::Verbs::device(&verbs).name.clone();
         let config = RdmaConfig {
-            chunk_bytes: super::data_port::CHUNK_BYTES,
+            chunk_bytes: crate::CHUNK_BYTES,
             ..RdmaConfig::default()
         };
         let rdma = RdmaTransport::start(
@@ -160,7 +160,7 @@ impl Engines {
         let _ = (&pool, len);
         #[cfg(feature = "rdma")]
         if let Some(r) = &self.rdma {
-            r.register(super::data_port::POOL_SEGMENT, pool, 0, len)?;
+            r.register(crate::POOL_SEGMENT, pool, 0, len)?;
         }
         Ok(())
     }

@@ -215,3 +215,55 @@ pub enum PeerReply {
     /// Refused; nothing changed (or everything was undone).
     Refused(WireError),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use transport::auth::{ClusterSecret, Initiator, Responder, Role};
+
+    /// Two ends of a loopback control connection, keyed by a real handshake, in one process.
+    fn pair() -> (Channel, Channel) {
+        let s = ClusterSecret::from_bytes(&[9; 32]).unwrap();
+        let (i, hello) = Initiator::start(&s).unwrap();
+        let (r, c) = Responder::answer(&s, &hello).unwrap();
+        let (p, ki) = i.respond(&c).unwrap();
+        let kr = r.verify(&p).unwrap();
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        let (si, ui) = ki.split(Role::Initiator);
+        let (sr, ur) = kr.split(Role::Responder);
+        (Channel::new(a, si, ui, None), Channel::new(b, sr, ur, None))
+    }
+
+    #[test]
+    fn a_request_and_its_reply_cross_a_control_connection_and_a_changed_frame_does_not() {
+        let (mut src, mut dst) = pair();
+        let server = std::thread::spawn(move || {
+            let req: PeerRequest = recv(&mut dst).unwrap();
+            let PeerRequest::Commit { transfer } = req else {
+                panic!("{req:?}")
+            };
+            send(
+                &mut dst,
+                &PeerReply::Committed {
+                    blocks: transfer as u32,
+                },
+            )
+            .unwrap();
+            // the next frame arrives changed on the way: refused, the connection unusable
+            let e = recv::<PeerRequest>(&mut dst).unwrap_err();
+            assert!(e.to_string().contains("integrity"), "{e}");
+        });
+        let r = ask(&mut src, &PeerRequest::Commit { transfer: 7 }).unwrap();
+        assert_eq!(r, PeerReply::Committed { blocks: 7 });
+        // a frame with a forged tag (what a changed one looks like to the receiver)
+        let frame = crate::protocol::frame::encode(&PeerRequest::Abort { transfer: 7 }).unwrap();
+        let mut raw = (frame.len() as u32).to_le_bytes().to_vec();
+        raw.extend_from_slice(&frame);
+        raw.extend_from_slice(&[0u8; transport::auth::TAG_BYTES]);
+        src.stream().write_all(&raw).unwrap();
+        server.join().unwrap();
+    }
+}

@@ -1,0 +1,103 @@
+//! Blocks between kvd daemons: the data port (this node's transfer engines on its pool, the
+//! peers' control connections), pushes and fetches of published blocks, checkpoint streaming
+//! to a holder and the recovery read back, and their wire ([`transfer::wire`]). Over the block
+//! store (`kvd-store`) and the transfer engines (`kvd-transport`); the daemon binary wires it
+//! up ([`port::DataPort::start`]) and feeds it cluster membership through [`Membership`].
+//!
+//! ```text
+//!  port.rs       DataPort: engines, the pool registered as one segment, the control handler,
+//!                the reaper; starts transfers, reports, follows membership
+//!  engines.rs    which engine moves blocks per peer (TCP always, RDMA where usable)
+//!  transfer/     outgoing.rs (pushes and fetches started here), incoming.rs (peers'
+//!                transfers into and out of here), wire.rs (their messages), mod.rs (counters)
+//! ```
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+pub mod engines;
+pub mod port;
+pub mod transfer;
+
+pub use kvd_core::{Error, Result};
+pub(crate) use kvd_core::{error, keys, protocol};
+pub(crate) use kvd_store as store;
+
+/// The segment id the pool is registered under.
+pub const POOL_SEGMENT: transport::grant::SegmentId = transport::grant::SegmentId(1);
+
+/// The data port's chunk size (sent and accepted).
+pub const CHUNK_BYTES: u32 = 4 << 20;
+
+/// What this crate needs of cluster membership: whether this node holds its lease, who the
+/// peers are at which generation, and a feed of the peer table as it changes. The daemon's
+/// embedded registry and its etcd membership both answer it.
+pub trait Membership: Send + Sync + std::fmt::Debug {
+    /// Whether this node holds its registration lease (no new transfers while it does not).
+    fn lease_held(&self) -> bool;
+    /// Why not, in words.
+    fn problem(&self) -> String;
+    /// Whether peers are fenced by the generation the membership gives them (cluster mode).
+    fn fences(&self) -> bool;
+    /// A peer's generation as the membership knows it.
+    fn generation_of(&self, node: u64) -> Option<u64>;
+    /// Call `sink` with the peer table (node id → data address) now and at every change.
+    fn on_change(&self, sink: PeerSink);
+}
+
+/// Receives the peer table (node id → data address) from a [`Membership`].
+pub type PeerSink = Box<dyn Fn(BTreeMap<u64, SocketAddr>) + Send + Sync>;
+
+/// What the data port moves peers' blocks over.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportChoice {
+    /// RDMA where it can be used (built in, a device, a peer that serves it), TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP only.
+    Tcp,
+    /// RDMA; refuse to start without a usable device.
+    Rdma,
+}
+
+/// How the RDMA device is chosen.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+pub struct RdmaSettings {
+    /// By name.
+    pub device: Option<String>,
+    /// Nearest this GPU (PCI bus id).
+    pub near_gpu: Option<String>,
+    /// The port's GID index.
+    pub gid_index: u32,
+}
+
+/// The data port's settings (present only with a cluster secret).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DataPortConfig {
+    /// Where it listens.
+    pub listen: SocketAddr,
+    /// The cluster secret file (read at start; its bytes are not kept here).
+    pub cluster_secret_file: PathBuf,
+    /// The static peer table: node id → data address.
+    pub peers: std::collections::BTreeMap<u64, SocketAddr>,
+    /// Transfers started here at once, per peer.
+    pub max_transfers_per_peer: u32,
+    /// Transfers started here at once, in all.
+    pub max_transfers: u32,
+    /// Peers' transfers under way here at once, per peer.
+    pub max_incoming_per_peer: u32,
+    /// Peers' transfers under way here at once, in all.
+    pub max_incoming: u32,
+    /// A peer's transfer is aborted this long after its offer or want, ms.
+    pub transfer_deadline_ms: u64,
+    /// What blocks move over.
+    pub transport: TransportChoice,
+    /// How the RDMA device is chosen.
+    pub rdma: RdmaSettings,
+}
