@@ -80,8 +80,8 @@ use tokio::time::Instant;
 
 use crate::store::{SessionSummary, StoreStats};
 
+use super::context::Daemon;
 use super::limits::FdBudget;
-use super::server::Daemon;
 
 /// Sessions listed in `/status` at most.
 pub const STATUS_MAX_SESSIONS: usize = 100;
@@ -146,7 +146,7 @@ pub struct LimitsReport {
     /// How long a Unix-socket handshake may take, ms.
     pub handshake_timeout_ms: u64,
     /// Per-process and per-uid shares of the Unix socket's sessions and handshakes.
-    pub peers: Option<super::peers::PeerLimits>,
+    pub peers: Option<super::clients::ClientLimits>,
     /// Admin HTTP connections held at most (the configured cap, or less if the limit is
     /// short).
     pub admin_max_connections: u32,

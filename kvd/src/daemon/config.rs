@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::peers::PeerLimits;
+use super::clients::ClientLimits;
 use crate::pool::HugePages;
 use crate::{Error, Result};
 
@@ -275,7 +275,7 @@ pub struct DaemonConfig {
     /// How long a handshake may take, ms.
     pub handshake_timeout_ms: u64,
     /// Per-process and per-uid bounds on handshakes and sessions.
-    pub peers: PeerLimits,
+    pub peers: ClientLimits,
     /// Unanswered requests per session.
     pub max_inflight: u32,
     /// Items per batch.
@@ -421,7 +421,7 @@ impl DaemonConfig {
             .unwrap_or(32);
         let quarter = |n: u32| (n / 4).max(1);
         let three_quarters = |n: u32| (n - n / 4).max(1);
-        let peers = PeerLimits {
+        let peers = ClientLimits {
             pending_per_process: args
                 .max_pending_per_process
                 .or(file.max_pending_per_process)

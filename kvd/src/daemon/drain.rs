@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
-use super::server::Daemon;
+use super::context::Daemon;
 
 /// Exit code when the hard deadline ends a stuck drain.
 pub const HARD_DEADLINE_EXIT_CODE: i32 = 3;

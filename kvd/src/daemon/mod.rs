@@ -10,13 +10,14 @@
 //! Read `docs/DAEMON.md` for the protocol, the limits and the reasons behind them.
 
 pub mod admin;
+pub mod clients;
 pub mod cluster;
 pub mod config;
+pub mod context;
 pub mod datadir;
 pub mod drain;
 pub mod limits;
 pub mod metrics;
-pub mod peers;
 pub mod probes;
 pub mod server;
 pub mod status;
@@ -170,7 +171,7 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         let m: Arc<dyn kvd_remote::Membership> = membership.clone();
         dp.follow(&m);
     }
-    let d = Arc::new(server::Daemon {
+    let d = Arc::new(context::Daemon {
         cluster: membership,
         metrics: daemon_metrics,
         data_port,
@@ -181,7 +182,7 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         shutdown,
         started: Instant::now(),
         admin_addr,
-        peers: peers::Peers::new(config_peers),
+        clients: clients::Clients::new(config_peers),
     });
     tokio::spawn(server::accept_loop(d.clone(), listener));
     tokio::spawn(server::reaper(d.clone()));
@@ -305,7 +306,7 @@ fn fd_budget(config: &DaemonConfig) -> Result<limits::FdBudget> {
     Ok(b)
 }
 
-async fn wait_for_drain(d: &server::Daemon, signals: DrainSignals) -> Result<()> {
+async fn wait_for_drain(d: &context::Daemon, signals: DrainSignals) -> Result<()> {
     let DrainSignals { mut term, mut int } = signals;
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: draining"),

@@ -22,7 +22,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::server::Daemon;
+use super::context::Daemon;
 use transport::admission::Admission;
 
 /// Probe connections served at once.

@@ -33,10 +33,10 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
 
-use crate::clock::{Clock, MonotonicClock};
+use crate::clock::Clock;
 use crate::protocol::frame::{self, FRAME_HEADER_BYTES};
 use crate::protocol::{
     Hello, HelloReply, Op, PROTOCOL_VERSION, Reply, Request, Response, Welcome, WireError, fdpass,
@@ -45,38 +45,9 @@ use crate::protocol::{
 use crate::store::{SessionId, SessionPeer, Store};
 use crate::{Error, Result};
 
-use super::config::DaemonConfig;
-use super::drain::DrainState;
-use super::metrics::Metrics;
-use super::peers::{PeerSlot, Peers};
+use super::clients::ClientSlot;
+use super::context::Daemon;
 use super::transfer::outgoing::Kind;
-
-/// Everything the daemon's tasks share.
-#[derive(Debug)]
-pub struct Daemon {
-    /// The block store.
-    pub store: Arc<Store>,
-    /// The store's clock.
-    pub clock: Arc<MonotonicClock>,
-    /// The resolved configuration.
-    pub config: DaemonConfig,
-    /// The daemon's counters and histograms.
-    pub metrics: Metrics,
-    /// Drain state.
-    pub drain: DrainState,
-    /// Set to true to close every connection.
-    pub shutdown: watch::Sender<bool>,
-    /// When the daemon started.
-    pub started: Instant,
-    /// The admin address actually bound.
-    pub admin_addr: std::net::SocketAddr,
-    /// Per-process and per-uid connection counts.
-    pub peers: Arc<Peers>,
-    /// The data port (the transfer engine), when a cluster secret is configured.
-    pub data_port: Option<Arc<super::data_port::DataPort>>,
-    /// Cluster membership (embedded: this node alone).
-    pub cluster: Arc<super::cluster::Membership>,
-}
 
 /// Bind the Unix socket: owner and group may connect (0660), others not. A stale socket file
 /// from a dead daemon is replaced; a live daemon on the path is an error.
@@ -164,7 +135,7 @@ pub async fn accept_loop(d: Arc<Daemon>, listener: tokio::net::UnixListener) {
             continue;
         };
         let peer = peer_of(&stream);
-        match d.peers.admit_pending(peer) {
+        match d.clients.admit_pending(peer) {
             Ok(slot) => {
                 tokio::spawn(connection(d.clone(), stream, permit, slot));
             }
@@ -280,7 +251,7 @@ async fn connection(
     d: Arc<Daemon>,
     mut stream: UnixStream,
     _permit: OwnedSemaphorePermit,
-    mut slot: PeerSlot,
+    mut slot: ClientSlot,
 ) {
     let c = &d.config;
     let handshake = Duration::from_millis(c.handshake_timeout_ms);

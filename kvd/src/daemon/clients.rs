@@ -1,5 +1,6 @@
-//! Per-peer bounds on the Unix socket: no single process (or user) can take the daemon's whole
-//! connection capacity.
+//! Per-client bounds on the Unix socket: no single client process (or user) can take the
+//! daemon's whole connection capacity. ("Peers" in this code base are other daemons; the
+//! processes on the Unix socket are clients.)
 //!
 //! The kernel tells the daemon who is on the other end of every accepted connection
 //! (`SO_PEERCRED`: pid and uid). Each connection is counted against its process and its uid,
@@ -25,7 +26,7 @@ use crate::store::SessionPeer;
 
 /// The bounds, from the configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct PeerLimits {
+pub struct ClientLimits {
     /// Connections in their handshake, per process.
     pub pending_per_process: u32,
     /// Connections in their handshake, per uid.
@@ -56,25 +57,25 @@ struct Table {
 
 /// The per-peer counts and their bounds.
 #[derive(Debug)]
-pub struct Peers {
-    limits: PeerLimits,
+pub struct Clients {
+    limits: ClientLimits,
     table: Mutex<Table>,
 }
 
 /// How soon a refused peer may try again, ms.
 const RETRY_AFTER_MS: u64 = 200;
 
-impl Peers {
+impl Clients {
     /// An empty table with these bounds.
-    pub fn new(limits: PeerLimits) -> Arc<Peers> {
-        Arc::new(Peers {
+    pub fn new(limits: ClientLimits) -> Arc<Clients> {
+        Arc::new(Clients {
             limits,
             table: Mutex::new(Table::default()),
         })
     }
 
     /// The bounds in force.
-    pub fn limits(&self) -> PeerLimits {
+    pub fn limits(&self) -> ClientLimits {
         self.limits
     }
 
@@ -88,7 +89,7 @@ impl Peers {
     /// # Errors
     /// [`Error::Overloaded`] when its process or uid has as many handshakes under way as its
     /// bound allows; nothing is counted then.
-    pub fn admit_pending(self: &Arc<Self>, peer: SessionPeer) -> Result<PeerSlot, Error> {
+    pub fn admit_pending(self: &Arc<Self>, peer: SessionPeer) -> Result<ClientSlot, Error> {
         let mut t = self.table();
         let p = t.by_pid.get(&peer.pid).copied().unwrap_or_default();
         let u = t.by_uid.get(&peer.uid).copied().unwrap_or_default();
@@ -109,7 +110,7 @@ impl Peers {
         }
         t.by_pid.entry(peer.pid).or_default().pending += 1;
         t.by_uid.entry(peer.uid).or_default().pending += 1;
-        Ok(PeerSlot {
+        Ok(ClientSlot {
             peers: self.clone(),
             peer,
             session: false,
@@ -181,13 +182,13 @@ fn over(what: String) -> Error {
 
 /// One connection's place in the counts; given back when dropped.
 #[derive(Debug)]
-pub struct PeerSlot {
-    peers: Arc<Peers>,
+pub struct ClientSlot {
+    peers: Arc<Clients>,
     peer: SessionPeer,
     session: bool,
 }
 
-impl PeerSlot {
+impl ClientSlot {
     /// The peer this connection belongs to.
     pub fn peer(&self) -> SessionPeer {
         self.peer
@@ -206,7 +207,7 @@ impl PeerSlot {
     }
 }
 
-impl Drop for PeerSlot {
+impl Drop for ClientSlot {
     fn drop(&mut self) {
         self.peers.release(self.peer, self.session);
     }
@@ -216,8 +217,8 @@ impl Drop for PeerSlot {
 mod tests {
     use super::*;
 
-    fn limits() -> PeerLimits {
-        PeerLimits {
+    fn limits() -> ClientLimits {
+        ClientLimits {
             pending_per_process: 2,
             pending_per_uid: 3,
             sessions_per_process: 2,
@@ -231,7 +232,7 @@ mod tests {
 
     #[test]
     fn one_process_cannot_take_more_than_its_share_and_others_still_get_in() {
-        let p = Peers::new(limits());
+        let p = Clients::new(limits());
         let a1 = p.admit_pending(A).unwrap();
         let _a2 = p.admit_pending(A).unwrap();
         let e = p.admit_pending(A).unwrap_err();
@@ -253,7 +254,7 @@ mod tests {
 
     #[test]
     fn sessions_are_bounded_per_process_and_counted_back_when_closed() {
-        let p = Peers::new(limits());
+        let p = Clients::new(limits());
         let mut held = Vec::new();
         for _ in 0..2 {
             let mut s = p.admit_pending(A).unwrap();
