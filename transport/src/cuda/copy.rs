@@ -422,20 +422,20 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::cuda::fake::{Call, FakeDriver, Op};
+    use crate::cuda::driver_double::{Call, DriverDouble, Op};
 
     const STREAM: StreamHandle = 0x5eed;
 
     /// A registered anonymous mapping of `pages` pages, and the fake driver under it.
     struct Rig {
-        fake: Arc<FakeDriver>,
+        fake: Arc<DriverDouble>,
         reg: PinnedRegistration,
         _map: memmap2::MmapMut,
     }
 
     fn rig(len: usize) -> Rig {
         let mut map = memmap2::MmapMut::map_anon(len).unwrap();
-        let fake = Arc::new(FakeDriver::default());
+        let fake = Arc::new(DriverDouble::default());
         // SAFETY: `map` lives in the rig, dropped after `reg` (field order).
         let reg = unsafe { PinnedRegistration::new(fake.clone(), map.as_mut_ptr(), len) }.unwrap();
         fake.clear_calls();

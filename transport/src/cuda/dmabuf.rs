@@ -42,11 +42,11 @@ pub fn dmabuf_of(driver: &dyn Driver, dptr: DevicePtr, len: usize) -> Result<Own
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::fake::{Call, FakeDriver, Op};
+    use crate::cuda::driver_double::{Call, DriverDouble, Op};
 
     #[test]
     fn a_dma_buf_is_exported_for_an_aligned_range_and_bad_ranges_never_reach_the_driver() {
-        let fake = FakeDriver::default();
+        let fake = DriverDouble::default();
         let p = page_bytes();
         let d = fake.mem_alloc(4 * p).unwrap();
         let _fd = dmabuf_of(&fake, d, 4 * p).unwrap();
@@ -68,7 +68,7 @@ mod tests {
 
     #[test]
     fn a_driver_that_refuses_the_export_is_an_unsupported_error() {
-        let fake = FakeDriver::default();
+        let fake = DriverDouble::default();
         let p = page_bytes();
         let d = fake.mem_alloc(p).unwrap();
         fake.fail_nth(Op::Dmabuf, 0);

@@ -26,7 +26,7 @@ pub mod driver;
 pub mod registration;
 
 #[cfg(test)]
-pub(crate) mod fake;
+pub(crate) mod driver_double;
 
 pub use copy::{EventId, Fill, Layer, MAX_EVENTS_IN_FLIGHT, MAX_LAYERS};
 pub use dmabuf::dmabuf_of;

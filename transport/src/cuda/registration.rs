@@ -227,7 +227,7 @@ impl Drop for PinnedRegistration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::fake::{Call, FakeDriver, Op};
+    use crate::cuda::driver_double::{Call, DriverDouble, Op};
 
     const GIB: usize = 1 << 30;
 
@@ -256,7 +256,7 @@ mod tests {
             ]
         );
         // Through the driver: four registrations of a fake range no byte of which is touched.
-        let fake = Arc::new(FakeDriver::default());
+        let fake = Arc::new(DriverDouble::default());
         let base = 0x7f00_0000_0000usize as *mut u8;
         // SAFETY: the fake driver never dereferences registered ranges.
         let reg = unsafe { PinnedRegistration::new(fake.clone(), base, 200 * GIB) }.unwrap();
@@ -333,7 +333,7 @@ mod tests {
 
     #[test]
     fn a_failure_part_way_unregisters_the_chunks_already_registered() {
-        let fake = Arc::new(FakeDriver::default());
+        let fake = Arc::new(DriverDouble::default());
         fake.fail_nth(Op::Register, 2);
         let p = page_bytes();
         let base = 0x7f00_0000_0000usize as *mut u8;
@@ -361,7 +361,7 @@ mod tests {
 
     #[test]
     fn a_driver_that_refuses_the_first_chunk_leaves_nothing_registered() {
-        let fake = Arc::new(FakeDriver::default());
+        let fake = Arc::new(DriverDouble::default());
         fake.fail_nth(Op::Register, 0);
         let p = page_bytes();
         // SAFETY: the fake driver never dereferences registered ranges.

@@ -41,10 +41,10 @@
 //! each block's CRC-32C at commit.
 
 pub mod device;
+#[cfg(test)]
+mod fabric_double;
 pub mod qp;
 pub mod sideway;
-#[cfg(test)]
-mod sim;
 #[cfg(test)]
 mod tests;
 pub mod verbs;

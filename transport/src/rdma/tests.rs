@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::sim::{Fabric, SimVerbs};
+use super::fabric_double::{Fabric, VerbsDouble};
 use super::*;
 use crate::auth::ClusterSecret;
 use crate::engine::HeapMemory;
@@ -17,7 +17,7 @@ const MIB: u64 = 1 << 20;
 
 struct Node {
     tcp: TcpTransport,
-    rdma: Arc<RdmaTransport<SimVerbs>>,
+    rdma: Arc<RdmaTransport<VerbsDouble>>,
     mem: Arc<HeapMemory>,
     desc: SegmentDescriptor,
 }
@@ -571,10 +571,10 @@ fn gpu_pages_go_to_a_remote_pool_and_back_without_a_host_bounce() {
 #[test]
 fn gpu_memory_goes_by_dma_buf_where_the_driver_exports_it_and_by_peermem_where_it_does_not() {
     use crate::cuda::Driver;
-    use crate::cuda::fake::{FakeDriver, Op as CudaOp};
+    use crate::cuda::driver_double::{DriverDouble, Op as CudaOp};
     let f = Fabric::new();
     let a = node(&f, 1, MIB, |_| {});
-    let driver = FakeDriver::default();
+    let driver = DriverDouble::default();
     let dptr = driver.mem_alloc(2 * MIB as usize).unwrap();
     // SAFETY: only registered; no batch names it.
     let (reg, path) =

@@ -13,7 +13,7 @@ use super::verbs::*;
 use crate::error::{Error, Result};
 
 #[derive(Debug)]
-struct SimMr {
+struct MrDouble {
     node: u32,
     addr: u64,
     len: u64,
@@ -21,7 +21,7 @@ struct SimMr {
 }
 
 #[derive(Debug)]
-struct SimQp {
+struct QpDouble {
     node: u32,
     cq: u64,
     state: QpState,
@@ -33,8 +33,8 @@ struct SimQp {
 #[derive(Debug, Default)]
 struct State {
     next: u32,
-    mrs: HashMap<u32, SimMr>,
-    qps: HashMap<u32, SimQp>,
+    mrs: HashMap<u32, MrDouble>,
+    qps: HashMap<u32, QpDouble>,
     cqs: HashMap<u64, VecDeque<Completion>>,
     /// Nodes whose link is cut: their queue pairs' work requests do not run.
     cut: HashSet<u32>,
@@ -63,8 +63,8 @@ impl Fabric {
     }
 
     /// A NIC of node `node` on this fabric.
-    pub fn nic(self: &Arc<Fabric>, node: u32) -> SimVerbs {
-        SimVerbs {
+    pub fn nic(self: &Arc<Fabric>, node: u32) -> VerbsDouble {
+        VerbsDouble {
             fabric: Arc::clone(self),
             node,
             info: DeviceInfo {
@@ -137,7 +137,7 @@ impl Fabric {
     }
 }
 
-fn covers(m: &SimMr, addr: u64, len: u32) -> bool {
+fn covers(m: &MrDouble, addr: u64, len: u32) -> bool {
     addr >= m.addr
         && addr
             .checked_add(u64::from(len))
@@ -226,7 +226,7 @@ impl State {
 
 /// One simulated NIC (one node's opened device).
 #[derive(Debug)]
-pub struct SimVerbs {
+pub struct VerbsDouble {
     fabric: Arc<Fabric>,
     node: u32,
     info: DeviceInfo,
@@ -234,12 +234,12 @@ pub struct SimVerbs {
 
 /// A simulated region (deregistered on drop).
 #[derive(Debug)]
-pub struct SimMrHandle {
+pub struct MrHandleDouble {
     fabric: Arc<Fabric>,
     key: u32,
 }
 
-impl Drop for SimMrHandle {
+impl Drop for MrHandleDouble {
     fn drop(&mut self) {
         self.fabric.lock().mrs.remove(&self.key);
     }
@@ -247,33 +247,33 @@ impl Drop for SimMrHandle {
 
 /// A simulated completion queue.
 #[derive(Debug)]
-pub struct SimCq {
+pub struct CqDouble {
     id: u64,
 }
 
 /// A simulated queue pair (destroyed on drop).
 #[derive(Debug)]
-pub struct SimQpHandle {
+pub struct QpHandleDouble {
     fabric: Arc<Fabric>,
     qpn: u32,
 }
 
-impl Drop for SimQpHandle {
+impl Drop for QpHandleDouble {
     fn drop(&mut self) {
         self.fabric.lock().qps.remove(&self.qpn);
     }
 }
 
-impl Verbs for SimVerbs {
-    type Mr = SimMrHandle;
-    type Cq = SimCq;
-    type Qp = SimQpHandle;
+impl Verbs for VerbsDouble {
+    type Mr = MrHandleDouble;
+    type Cq = CqDouble;
+    type Qp = QpHandleDouble;
 
     fn device(&self) -> &DeviceInfo {
         &self.info
     }
 
-    unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: MrAccess) -> Result<SimMrHandle> {
+    unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: MrAccess) -> Result<MrHandleDouble> {
         let mut s = self.fabric.lock();
         if s.refuse_reg.contains(&self.node) {
             return Err(Error::Io(
@@ -284,14 +284,14 @@ impl Verbs for SimVerbs {
         let key = s.next;
         s.mrs.insert(
             key,
-            SimMr {
+            MrDouble {
                 node: self.node,
                 addr: addr as u64,
                 len: len as u64,
                 access,
             },
         );
-        Ok(SimMrHandle {
+        Ok(MrHandleDouble {
             fabric: Arc::clone(&self.fabric),
             key,
         })
@@ -304,34 +304,34 @@ impl Verbs for SimVerbs {
         len: usize,
         iova: u64,
         access: MrAccess,
-    ) -> Result<SimMrHandle> {
+    ) -> Result<MrHandleDouble> {
         self.fabric.lock().dmabuf_regs += 1;
         // SAFETY: the caller's contract; in the double, "device memory" is host memory at iova.
         unsafe { self.reg_mr(iova as *mut u8, len, access) }
     }
 
-    fn keys(&self, mr: &SimMrHandle) -> MrKeys {
+    fn keys(&self, mr: &MrHandleDouble) -> MrKeys {
         MrKeys {
             lkey: mr.key,
             rkey: mr.key,
         }
     }
 
-    fn create_cq(&self, _depth: u32) -> Result<SimCq> {
+    fn create_cq(&self, _depth: u32) -> Result<CqDouble> {
         let mut s = self.fabric.lock();
         s.next += 1;
         let id = u64::from(s.next);
         s.cqs.insert(id, VecDeque::new());
-        Ok(SimCq { id })
+        Ok(CqDouble { id })
     }
 
-    fn create_qp(&self, cq: &SimCq, send_depth: u32) -> Result<SimQpHandle> {
+    fn create_qp(&self, cq: &CqDouble, send_depth: u32) -> Result<QpHandleDouble> {
         let mut s = self.fabric.lock();
         s.next += 1;
         let qpn = s.next;
         s.qps.insert(
             qpn,
-            SimQp {
+            QpDouble {
                 node: self.node,
                 cq: cq.id,
                 state: QpState::Reset,
@@ -340,13 +340,13 @@ impl Verbs for SimVerbs {
                 queue: VecDeque::new(),
             },
         );
-        Ok(SimQpHandle {
+        Ok(QpHandleDouble {
             fabric: Arc::clone(&self.fabric),
             qpn,
         })
     }
 
-    fn qp_info(&self, qp: &SimQpHandle) -> QpInfo {
+    fn qp_info(&self, qp: &QpHandleDouble) -> QpInfo {
         QpInfo {
             qpn: qp.qpn,
             psn: qp.qpn & 0xff_ffff,
@@ -356,7 +356,12 @@ impl Verbs for SimVerbs {
         }
     }
 
-    fn modify_qp(&self, qp: &mut SimQpHandle, to: QpState, remote: Option<&QpInfo>) -> Result<()> {
+    fn modify_qp(
+        &self,
+        qp: &mut QpHandleDouble,
+        to: QpState,
+        remote: Option<&QpInfo>,
+    ) -> Result<()> {
         let mut s = self.fabric.lock();
         let q = s
             .qps
@@ -373,7 +378,7 @@ impl Verbs for SimVerbs {
         Ok(())
     }
 
-    unsafe fn post(&self, qp: &mut SimQpHandle, wrs: &[WorkRequest]) -> Result<()> {
+    unsafe fn post(&self, qp: &mut QpHandleDouble, wrs: &[WorkRequest]) -> Result<()> {
         let mut s = self.fabric.lock();
         let q = s
             .qps
@@ -395,7 +400,7 @@ impl Verbs for SimVerbs {
         Ok(())
     }
 
-    fn poll(&self, cq: &SimCq, max: usize, out: &mut Vec<Completion>) -> Result<usize> {
+    fn poll(&self, cq: &CqDouble, max: usize, out: &mut Vec<Completion>) -> Result<usize> {
         let mut s = self.fabric.lock();
         let qpns: Vec<u32> = s
             .qps

@@ -88,11 +88,11 @@ impl State {
 }
 
 #[derive(Debug, Default)]
-pub(crate) struct FakeDriver {
+pub(crate) struct DriverDouble {
     state: Mutex<State>,
 }
 
-impl FakeDriver {
+impl DriverDouble {
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap()
     }
@@ -137,7 +137,7 @@ impl FakeDriver {
     }
 }
 
-impl Driver for FakeDriver {
+impl Driver for DriverDouble {
     unsafe fn host_register(&self, ptr: *mut u8, len: usize) -> Result<()> {
         let mut s = self.state();
         s.calls.push(Call::Register {
