@@ -63,8 +63,10 @@ pub struct Channel {
 
 fn io(what: &str, e: &std::io::Error) -> Error {
     match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => {
-            Error::PeerUnavailable(format!("{what}: the peer closed the connection"))
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::BrokenPipe => {
+            Error::PeerUnavailable(format!("{what}: the peer closed the connection ({e})"))
         }
         _ => Error::PeerUnavailable(format!("{what}: {e}")),
     }

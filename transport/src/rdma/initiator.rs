@@ -33,14 +33,18 @@ impl<V: Verbs> Shared<V> {
         side.stream()
             .set_read_timeout(Some(self.config.side_timeout))
             .map_err(|e| Error::PeerUnavailable(e.to_string()))?;
-        Message::Connect(v.qp_info(&qp)).send(side)?;
-        let answer = Message::recv(side).map_err(|e| match e {
-            // the connection was taken and closed unanswered: nobody serves RDMA there
+        // the connection was taken and closed unanswered (our frame may meet the close on
+        // the way out or the answer's place): nobody serves RDMA there
+        let no_rdma = |e| match e {
             Error::PeerUnavailable(m) if m.contains("without RDMA") => {
                 Error::PeerUnavailable(format!("{NO_RDMA} ({m})"))
             }
             e => e,
-        })?;
+        };
+        Message::Connect(v.qp_info(&qp))
+            .send(side)
+            .map_err(no_rdma)?;
+        let answer = Message::recv(side).map_err(no_rdma)?;
         let theirs = match answer {
             Message::Connected(q) => q,
             Message::Refused(why) => {

@@ -248,8 +248,12 @@ impl Message {
     /// # Errors
     /// [`Error::PeerUnavailable`] when the connection fails.
     pub fn send(&self, ch: &mut Channel) -> Result<()> {
-        ch.send(&self.encode())
-            .map_err(|e| protocol(format!("send: {e}")))
+        ch.send(&self.encode()).map_err(|e| match e {
+            Error::PeerUnavailable(m) if m.contains("closed") => protocol(format!(
+                "send: {m} (a peer without RDMA closes the side channel at once)"
+            )),
+            e => protocol(format!("send: {e}")),
+        })
     }
 
     /// Receive one frame from the side channel, its tag checked.
