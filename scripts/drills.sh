@@ -2,7 +2,7 @@
 # Run the fault drills (tests/drills.rs) several times and tabulate them: for each drill its
 # outcome, detection and recovery times (min / median / max over the runs) and leaks found.
 #
-#   scripts/drills.sh            three runs (what the README's drill table comes from)
+#   scripts/drills.sh            three runs (what docs/PERFORMANCE.md's drill table comes from)
 #   scripts/drills.sh --runs 5   five runs
 #   scripts/drills.sh --help
 #

@@ -1,4 +1,4 @@
-//! The admin HTTP under a flood (issue 8, finding 4), through the real daemon: idle and
+//! The admin HTTP under a flood, through the real daemon: idle and
 //! slow-header admin connections are closed at the admin timeouts, the admin connection cap
 //! keeps them from taking the file descriptors the Unix socket needs, and `/healthz` always gets
 //! an HTTP answer.

@@ -330,7 +330,7 @@ def test_finished_and_aborted_requests_leave_no_bookkeeping_behind(world):
 
 
 def test_the_connectors_scheduler_time_per_step(world):
-    """Not a speed assertion: the figures the README quotes, printed from this run."""
+    """Not a speed assertion: the figures docs/PERFORMANCE.md quotes, printed from this run."""
     for name in ("S", "L"):
         us = [s["us"] for s in world[name].r["sched_step_us"]]
         hit = [s["us"] for s in world[name].r["sched_step_us"] if s["hit"]]

@@ -28,7 +28,7 @@ pool group). Launch::
   ``uint8``, so the pool does not say which);
 - ``cache_salt``, ``pin_ttl_ms``.
 
-What can be a hit (DESIGN.md §7b): keys are SGLang's page hashes (SHA-256 of the hash string
+What can be a hit: keys are SGLang's page hashes (SHA-256 of the hash string
 gives the 32-byte tag) inside a kvd namespace that holds every field that gives a page's bytes
 their meaning: the weights (``identity.weights_identity`` of the model directory: weight files'
 names, sizes and sampled contents, and config.json), the host pool's class, memory layout, dtype and geometry,

@@ -1,4 +1,4 @@
-"""Checkpoints and restores of running requests, for the vLLM connector (DESIGN §7b).
+"""Checkpoints and restores of running requests, for the vLLM connector (docs/ENGINES.md).
 
 A request that arrives with ``kv_transfer_params = {"kvd": {"checkpoint": {"holder": NODE,
 "request": ID, "epoch": E}}}`` has each of its blocks, as a step completes it, streamed to the

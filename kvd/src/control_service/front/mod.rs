@@ -1,6 +1,6 @@
 //! `kvd control`'s streaming front: an OpenAI-compatible `/v1/completions` (streaming) that an
 //! application or gateway points at instead of one engine, and that keeps a request's stream
-//! going when the worker serving it dies (DESIGN §7b).
+//! going when the worker serving it dies (docs/CONTROL.md, "The streaming front").
 //!
 //! ```text
 //! client ──POST /v1/completions──▶ front ── admit (placement: worker, holder, epoch 1)

@@ -1,7 +1,7 @@
 //! Blocks between daemons over the data port: pushes out of this node (`outgoing`), pushes
 //! into it (`incoming`), and the messages between the two daemons (`wire`).
 //!
-//! Every transfer is bound (DESIGN invariant 6) to the request, the namespace, both nodes'
+//! Every transfer is bound (invariant 6 of docs/ARCHITECTURE.md) to the request, the namespace, both nodes'
 //! generations and a transfer epoch, checked by the destination before it allocates anything;
 //! the source's blocks stay pinned until the transfer has ended either way, and the
 //! destination's pages are granted to exactly this transfer and published only when every

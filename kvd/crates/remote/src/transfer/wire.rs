@@ -75,7 +75,7 @@ pub fn ask(ch: &mut Channel, req: &PeerRequest) -> Result<PeerReply> {
     recv(ch)
 }
 
-/// What a transfer is bound to (DESIGN invariant 6). The receiver checks every field it can
+/// What a transfer is bound to (invariant 6 of docs/ARCHITECTURE.md). The receiver checks every field it can
 /// against what it knows and drops the transfer, counted, on a mismatch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Binding {
