@@ -435,16 +435,17 @@ async fn session(d: Arc<Daemon>, stream: UnixStream, sid: SessionId, lease_ttl_m
 /// The session's read buffer: the requests waiting in it are its queue.
 const READ_BUFFER_BYTES: usize = 256 * 1024;
 
-/// How many whole frames `buf` holds (headers that do not parse end the count; the reader will
-/// report them).
+/// How many whole frames `buf` holds, each header parsed as the reader parses it
+/// ([`frame::decode_header`]); a header that does not parse ends the count (the reader will
+/// report it).
 fn complete_frames(mut buf: &[u8]) -> usize {
     let mut n = 0;
     while let Some(h) = buf.first_chunk::<FRAME_HEADER_BYTES>() {
-        let len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
-        let Some(total) = FRAME_HEADER_BYTES.checked_add(len) else {
+        let Ok(h) = frame::decode_header(h, frame::MAX_FRAME_BYTES) else {
             break;
         };
-        if h[0..2] != crate::protocol::MAGIC || buf.len() < total {
+        let total = FRAME_HEADER_BYTES + h.body_len as usize;
+        if buf.len() < total {
             break;
         }
         n += 1;
@@ -774,5 +775,12 @@ mod tests {
         let mut bad = f.clone();
         bad[0] = b'X';
         assert_eq!(complete_frames(&bad), 0, "garbage ends the count");
+        let mut other = f.clone();
+        other[2] = 9;
+        assert_eq!(
+            complete_frames(&other),
+            0,
+            "another version ends the count, as the reader refuses it"
+        );
     }
 }
