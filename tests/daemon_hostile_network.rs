@@ -10,7 +10,7 @@ mod support;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,14 +21,6 @@ use support::Daemon;
 
 /// Bytes of each block these tests move.
 const BLOCK: usize = 16 << 10;
-
-fn secret_file(dir: &Path) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    let p = dir.join("secret");
-    std::fs::write(&p, [42u8; 32]).unwrap();
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-    p
-}
 
 /// A daemon with a data port as node `node`, a pool of 64 KiB pages large enough for every
 /// block of these tests, and `extra` flags.
@@ -47,15 +39,6 @@ fn node(secret: &Path, node: &str, extra: &[&str]) -> Daemon {
     ];
     args.extend(extra);
     Daemon::start(&args)
-}
-
-fn data_addr(d: &Daemon) -> SocketAddr {
-    d.status()
-        .data_port
-        .expect("the data port is on")
-        .listen
-        .parse()
-        .unwrap()
 }
 
 /// What a block under `key` holds: the key's own tag first (so no two keys' bytes agree),
@@ -256,13 +239,13 @@ fn push_when_allowed(c: &mut kvd::client::Client, keys: &[BlockKey]) -> u64 {
 #[test]
 fn a_key_changed_in_flight_in_a_pushs_offer_is_refused_and_nothing_is_published_under_any_key() {
     let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
+    let secret = support::cluster::secret_file(dir.path());
     let b = node(&secret, "2", &[]);
     let ns = support::namespace().id();
     let key = support::keys(ns, 31, 1)[0];
     // the relay flips one bit inside the key's 32 bytes where they first go to B: in the
     // offer that names the block
-    let relay = Relay::start(data_addr(&b), Fault::FlipFirst(key.tag.0.to_vec()), 1);
+    let relay = Relay::start(b.data_addr(), Fault::FlipFirst(key.tag.0.to_vec()), 1);
     let to = format!("2={}", relay.addr);
     let a = node(&secret, "1", &["--peer", &to]);
     let mut ca = a.client("engine-a", 30_000);
@@ -386,7 +369,7 @@ fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_
     /// source that saw a failure avoids node 2 for a while, the others go on meanwhile.
     const SOURCES: usize = 4;
     let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
+    let secret = support::cluster::secret_file(dir.path());
     let b = node(&secret, "2", &[]);
     let ns = support::namespace().id();
     let mut cb = b.client("engine-b", 60_000);
@@ -394,7 +377,7 @@ fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_
     let relays: Vec<Relay> = (0..SOURCES)
         .map(|i| {
             Relay::start(
-                data_addr(&b),
+                b.data_addr(),
                 Fault::Random { one_in: 120 },
                 0x5eed + i as u64,
             )

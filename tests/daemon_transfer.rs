@@ -822,6 +822,25 @@ fn an_insider_cannot_write_into_another_pairs_transfer_and_an_unchecked_overwrit
     );
 }
 
+/// Open `what` connections with `open` and hold them until one is refused (at most 64 held:
+/// more means no bound); those held and the refusal.
+fn open_until_refused<T>(
+    what: &str,
+    mut open: impl FnMut() -> transport::Result<T>,
+) -> (Vec<T>, transport::Error) {
+    let mut held = Vec::new();
+    loop {
+        match open() {
+            Ok(c) => held.push(c),
+            Err(e) => return (held, e),
+        }
+        assert!(
+            held.len() <= 64,
+            "no bound on one peer's {what} connections"
+        );
+    }
+}
+
 #[test]
 fn an_insider_holding_idle_connections_takes_only_its_own_share_and_replays_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -832,32 +851,13 @@ fn an_insider_holding_idle_connections_takes_only_its_own_share_and_replays_chan
     // and idles on them, past its share: the surplus is refused at the bind, retryably and
     // naming the bound, not as a wrong secret.
     let insider = RawSource::build(&secret, &b, 2, 3, 7, |_| {});
-    let mut held = Vec::new();
-    let refused = loop {
-        match insider.engine.open_control(&insider.peer) {
-            Ok(c) => held.push(c),
-            Err(e) => break e,
-        }
-        assert!(
-            held.len() <= 64,
-            "no bound on one peer's control connections"
-        );
-    };
+    let (held, refused) =
+        open_until_refused("control", || insider.engine.open_control(&insider.peer));
     assert!(
         matches!(&refused, transport::Error::Overloaded { what, .. } if what.contains("at most")),
         "{refused:?}"
     );
-    let mut endpoints = Vec::new();
-    let refused = loop {
-        match insider.engine.open(&insider.peer) {
-            Ok(ep) => endpoints.push(ep),
-            Err(e) => break e,
-        }
-        assert!(
-            endpoints.len() <= 64,
-            "no bound on one peer's data connections"
-        );
-    };
+    let (endpoints, refused) = open_until_refused("data", || insider.engine.open(&insider.peer));
     assert!(
         matches!(&refused, transport::Error::Overloaded { .. }),
         "{refused:?}"

@@ -169,6 +169,16 @@ impl Daemon {
         kvd::daemon::status::fetch(self.admin).expect("/status")
     }
 
+    /// The data port's address (the daemon must have one).
+    pub fn data_addr(&self) -> std::net::SocketAddr {
+        self.status()
+            .data_port
+            .expect("the data port is on")
+            .listen
+            .parse()
+            .expect("a socket address")
+    }
+
     /// `GET path` on the admin port: (status code, body).
     pub fn get(&self, path: &str) -> (u16, String) {
         kvd::daemon::status::http(self.admin, "GET", path).expect("admin GET")

@@ -95,6 +95,17 @@ fn reason(why: &str) -> &str {
 /// The longest refusal reason sent or kept.
 pub const MAX_REASON_BYTES: usize = 1024;
 
+/// A side channel's failure on `what`; one closed at once (however the close meets us) says
+/// what it usually means: the peer does not serve RDMA.
+fn closed_means_no_rdma(what: &str, e: Error) -> Error {
+    match e {
+        Error::PeerUnavailable(m) if m.contains("closed") => protocol(format!(
+            "{what}: {m} (a peer without RDMA closes the side channel at once)"
+        )),
+        e => protocol(format!("{what}: {e}")),
+    }
+}
+
 fn protocol(what: impl Into<String>) -> Error {
     Error::PeerUnavailable(format!("RDMA side channel: {}", what.into()))
 }
@@ -248,12 +259,8 @@ impl Message {
     /// # Errors
     /// [`Error::PeerUnavailable`] when the connection fails.
     pub fn send(&self, ch: &mut Channel) -> Result<()> {
-        ch.send(&self.encode()).map_err(|e| match e {
-            Error::PeerUnavailable(m) if m.contains("closed") => protocol(format!(
-                "send: {m} (a peer without RDMA closes the side channel at once)"
-            )),
-            e => protocol(format!("send: {e}")),
-        })
+        ch.send(&self.encode())
+            .map_err(|e| closed_means_no_rdma("send", e))
     }
 
     /// Receive one frame from the side channel, its tag checked.
@@ -262,13 +269,9 @@ impl Message {
     /// [`Error::PeerUnavailable`] when the connection fails or the frame is malformed or
     /// fails its tag.
     pub fn recv(ch: &mut Channel) -> Result<Message> {
-        let f = ch.recv(8 + MAX_FRAME_BYTES).map_err(|e| match e {
-            // closed at once: a peer that does not serve RDMA
-            Error::PeerUnavailable(m) if m.contains("closed") => protocol(format!(
-                "receive: {m} (a peer without RDMA closes the side channel at once)"
-            )),
-            e => protocol(format!("receive: {e}")),
-        })?;
+        let f = ch
+            .recv(8 + MAX_FRAME_BYTES)
+            .map_err(|e| closed_means_no_rdma("receive", e))?;
         Message::parse(&f)
     }
 
