@@ -28,10 +28,11 @@ target_dir="$PWD/fuzz/target"
 echo "== building libkvd with coverage instrumentation"
 cargo build --locked --release -q -p kvd-ffi --target "$host" --target-dir "$target_dir/libkvd"
 export KVD_LIBKVD_DIR="$target_dir/libkvd/$host/release"
+# (clippy runs without the coverage flags, so it shares the main target folder's dependencies)
 echo "== linting the fuzz targets (fmt, clippy)"
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 env -u RUSTFLAGS cargo clippy --locked -q --manifest-path fuzz/Cargo.toml --bins \
-    --target-dir "$target_dir/clippy" -- -D warnings
+    --target-dir "$PWD/target" -- -D warnings
 echo "== building the fuzz targets"
 cargo build --locked --release -q --manifest-path fuzz/Cargo.toml --target "$host" \
     --target-dir "$target_dir" --bins

@@ -57,6 +57,10 @@ install_missing() {
 
 install_missing
 
+# The full tier builds once from scratch, so cargo's incremental caches (a third of target/) would
+# only take disk; the quick tier keeps them for the edit-and-rerun loop.
+[ "$fast" = 1 ] || export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+
 # pytest in a folder with a given interpreter; "no tests collected" (exit 5) is a failure too.
 pytest_in() {
     local dir=$1 python=$2
@@ -190,4 +194,6 @@ cargo test --locked -q -p kvd --features rdma --test daemon_data_port --test dae
 # coverage flags); a crash fails the suite and leaves its input under fuzz/artifacts/.
 echo "== fuzzing: every target for 60 s"
 scripts/fuzz.sh 60
+echo "== disk the builds took (the engine venv lives outside the clone):"
+du -sh target fuzz/target 2>/dev/null || true
 echo "== all tests passed"
