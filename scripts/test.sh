@@ -2,7 +2,7 @@
 # The whole test suite, on a fresh Debian machine or a warm one.
 #
 #   scripts/test.sh            install what is missing, then lint and run every test (what CI
-#                              runs: about 35-45 minutes on 2 cores from cold, needs root)
+#                              runs: about 25-35 minutes on 2 cores from cold, needs root)
 #   scripts/test.sh --fast     the quick tier: lints and unit tests only (a few minutes warm)
 #   KVD_SKIP_INSTALL=1 ...     skip the package check (offline machines)
 #   KVD_ENGINE_TESTS=0 ...     skip the vLLM and SGLang tests (CI never sets it)

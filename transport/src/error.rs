@@ -1,4 +1,5 @@
-//! The transport's one error enum. Callers above (kvd-core) map it into theirs.
+//! The transport's one error enum. With the `core-errors` feature it converts into kvd-core's
+//! error (the crates above enable it; kvd-core itself knows nothing of the transport).
 
 /// What can go wrong moving bytes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -51,3 +52,63 @@ impl Error {
 
 /// Shorthand for results whose error is [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(feature = "core-errors")]
+impl From<Error> for kvd_core::Error {
+    fn from(e: Error) -> Self {
+        use kvd_core::Error as Core;
+        match e {
+            Error::OutOfRange { .. } | Error::InvalidArgument(_) => {
+                Core::InvalidArgument(e.to_string())
+            }
+            Error::Io(s) => Core::Io(s),
+            Error::Overloaded {
+                what,
+                retry_after_ms,
+            } => Core::Overloaded {
+                what,
+                retry_after_ms,
+            },
+            Error::NotFound(s) => Core::NotFound(s),
+            Error::PeerUnavailable(s) => Core::Disconnected(s),
+            Error::Unsupported(s) => Core::Unsupported(s),
+        }
+    }
+}
+
+#[cfg(all(test, feature = "core-errors"))]
+mod tests {
+    use super::Error;
+
+    #[test]
+    fn every_transport_error_keeps_its_retryability_in_core() {
+        let all = [
+            Error::OutOfRange {
+                offset: 1,
+                len: 2,
+                region_len: 3,
+            },
+            Error::InvalidArgument("x".into()),
+            Error::Io("x".into()),
+            Error::Overloaded {
+                what: "grants".into(),
+                retry_after_ms: 7,
+            },
+            Error::NotFound("x".into()),
+            Error::PeerUnavailable("x".into()),
+            Error::Unsupported("x".into()),
+        ];
+        for e in all {
+            let core = kvd_core::Error::from(e.clone());
+            assert_eq!(core.is_retryable(), e.is_retryable(), "{e} became {core}");
+        }
+        let hint = kvd_core::Error::from(Error::Overloaded {
+            what: "grants".into(),
+            retry_after_ms: 7,
+        });
+        assert!(
+            matches!(hint, kvd_core::Error::Overloaded { retry_after_ms: 7, ref what } if what == "grants"),
+            "{hint}"
+        );
+    }
+}

@@ -280,27 +280,6 @@ impl Error {
     }
 }
 
-impl From<transport::Error> for Error {
-    fn from(e: transport::Error) -> Self {
-        match e {
-            transport::Error::OutOfRange { .. } | transport::Error::InvalidArgument(_) => {
-                Error::InvalidArgument(e.to_string())
-            }
-            transport::Error::Io(s) => Error::Io(s),
-            transport::Error::Overloaded {
-                what,
-                retry_after_ms,
-            } => Error::Overloaded {
-                what,
-                retry_after_ms,
-            },
-            transport::Error::NotFound(s) => Error::NotFound(s),
-            transport::Error::PeerUnavailable(s) => Error::Disconnected(s),
-            transport::Error::Unsupported(s) => Error::Unsupported(s),
-        }
-    }
-}
-
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
         Error::Io(e.to_string())
