@@ -100,9 +100,9 @@ fn a_push_of_many_blocks_lands_byte_exact_and_published_on_the_peer() {
     // RDMA (every machine this project has run on), RDMA otherwise
     let tr = sa.data_port.as_ref().unwrap().transport.clone();
     let (want, backend) = if support::rdma_here() {
-        ("rdma", kvd::daemon::engines::Backend::Rdma)
+        ("rdma", transport::registry::Backend::Rdma)
     } else {
-        ("tcp", kvd::daemon::engines::Backend::Tcp)
+        ("tcp", transport::registry::Backend::Tcp)
     };
     assert_eq!(
         (tr.requested.as_str(), tr.preferred.as_str()),

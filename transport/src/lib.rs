@@ -11,6 +11,8 @@
 //! - [`engine`]: the transfer interface every backend implements ([`engine::Transport`]),
 //!   with the bookkeeping they share; backends: [`local::LocalTransport`], [`tcp::TcpTransport`],
 //!   and with the `rdma` feature `rdma::RdmaTransport` (RC queue pairs over sideway).
+//! - [`registry`]: the backend each peer's batches go over (RDMA where both ends have it, TCP
+//!   otherwise, asked again later), keyed by peer node id; the data port talks only to it.
 //! - [`grant`]: the ranges of local memory a remote peer may touch, per transfer, checked
 //!   before any byte moves (the first piece of the one-sided transfer engine).
 //! - [`segment`]: segment descriptors, the small versioned wire form by which a node tells a
@@ -31,6 +33,7 @@ pub mod grant;
 pub mod local;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+pub mod registry;
 pub mod segment;
 pub mod tcp;
 

@@ -5,9 +5,9 @@
 //! up ([`port::DataPort::start`]) and feeds it cluster membership through [`Membership`].
 //!
 //! ```text
-//!  port.rs       DataPort: engines, the pool registered as one segment, the control handler,
-//!                the reaper; starts transfers, reports, follows membership
-//!  engines.rs    which engine moves blocks per peer (TCP always, RDMA where usable)
+//!  port.rs       DataPort: the transport's backends (`transport::registry`: TCP always, RDMA
+//!                where usable, chosen per peer), the pool registered as one segment, the
+//!                control handler, the reaper; starts transfers, reports, follows membership
 //!  transfer/     outgoing.rs (pushes and fetches started here), incoming.rs (peers'
 //!                transfers into and out of here), wire.rs (their messages), mod.rs (counters)
 //! ```
@@ -18,7 +18,6 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-pub mod engines;
 pub mod port;
 pub mod transfer;
 
@@ -66,16 +65,8 @@ pub enum TransportChoice {
     Rdma,
 }
 
-/// How the RDMA device is chosen.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
-pub struct RdmaSettings {
-    /// By name.
-    pub device: Option<String>,
-    /// Nearest this GPU (PCI bus id).
-    pub near_gpu: Option<String>,
-    /// The port's GID index.
-    pub gid_index: u32,
-}
+/// How the RDMA device is chosen (the transport's backend registry reads it).
+pub use transport::registry::RdmaSettings;
 
 /// The data port's settings (present only with a cluster secret).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -17,12 +17,14 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use transport::auth::ClusterSecret;
-use transport::engine::{Memory, Registration, Transport};
+use transport::engine::Memory;
 use transport::segment::SegmentDescriptor;
 use transport::tcp::{TcpConfig, TcpStats, TcpTransport};
 
 use crate::DataPortConfig;
-use crate::engines::{Engines, TransportReport};
+use transport::registry::{Backends, BackendsReport, Wanted};
+
+use crate::TransportChoice;
 use crate::keys::BlockKey;
 use crate::protocol::TransferInfo;
 use crate::store::Store;
@@ -36,7 +38,7 @@ pub use crate::{CHUNK_BYTES, POOL_SEGMENT};
 /// The running data port.
 #[derive(Debug)]
 pub struct DataPort {
-    engine: Engines,
+    engine: Backends,
     pool: SegmentDescriptor,
     static_peers: BTreeMap<u64, SocketAddr>,
     incoming: Arc<Incoming>,
@@ -78,7 +80,7 @@ pub struct DataPortReport {
     /// The transfers' counters.
     pub transfers: TransferCounters,
     /// What blocks move over (TCP or RDMA), and why; per peer.
-    pub transport: TransportReport,
+    pub transport: BackendsReport,
 }
 
 /// The engine's counters, as `/status` and `/metrics` show them.
@@ -141,13 +143,20 @@ impl DataPort {
         tcp.max_connections_per_peer = (2 * config.max_incoming_per_peer as usize).max(16);
         let tcp = TcpTransport::start(tcp)
             .map_err(|e| Error::Io(format!("the data port {}: {e}", config.listen)))?;
+        let wanted = match config.transport {
+            TransportChoice::Tcp => Wanted::Tcp,
+            TransportChoice::Auto => Wanted::RdmaIfUsable(config.rdma.clone()),
+            TransportChoice::Rdma => Wanted::Rdma(config.rdma.clone()),
+        };
+        let engine = Backends::start(tcp, &wanted, CHUNK_BYTES).map_err(|e| match e {
+            transport::Error::Unsupported(why) => Error::InvalidArgument(format!(
+                "--transport rdma: {why}; use --transport auto (TCP where RDMA cannot be used) or tcp"
+            )),
+            e => e.into(),
+        })?;
         let region = store.pool_region();
         let len = region.len() as u64;
-        let pool = tcp
-            .register(POOL_SEGMENT, region.clone() as Arc<dyn Memory>, 0, len)?
-            .descriptor();
-        let engine = Engines::start(tcp, config.transport, &config.rdma)?;
-        engine.register_pool(region as Arc<dyn Memory>, len)?;
+        let pool = engine.register(POOL_SEGMENT, region as Arc<dyn Memory>, len)?;
         tracing::info!(transport = %engine.describe(), "the data port's byte mover");
         let counters = Arc::new(Counters::default());
         let port = Arc::new(DataPort {

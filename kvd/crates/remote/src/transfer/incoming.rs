@@ -13,9 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::engines::Engines;
 use transport::channel::Channel;
 use transport::grant::{Direction, Grant, TransferId};
+use transport::registry::Backends;
 use transport::tcp::wire::Bind;
 
 use super::Counters;
@@ -133,7 +133,7 @@ impl Incoming {
 
     /// Serve one peer's control connection until it closes; whatever it left unfinished is
     /// aborted then. Runs on its own thread.
-    pub fn serve(self: &Arc<Self>, engine: &Engines, mut s: Channel, peer: Bind) {
+    pub fn serve(self: &Arc<Self>, engine: &Backends, mut s: Channel, peer: Bind) {
         if self.connections.fetch_add(1, Ordering::AcqRel) >= self.limits.connections as u64 {
             self.connections.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(
@@ -185,7 +185,7 @@ impl Incoming {
 
     fn handle(
         &self,
-        engine: &Engines,
+        engine: &Backends,
         connection: u64,
         peer: &Bind,
         req: PeerRequest,
@@ -273,7 +273,7 @@ impl Incoming {
     /// Check what a transfer is bound to against what this node knows: this node's end (the
     /// destination of an offer, the source of a fetch) must name this node in this
     /// incarnation, the other end the peer on this connection in its own.
-    fn check_binding(&self, engine: &Engines, peer: &Bind, b: &Binding, here: End) -> Result<()> {
+    fn check_binding(&self, engine: &Backends, peer: &Bind, b: &Binding, here: End) -> Result<()> {
         let ((node, generation), (their_node, their_generation), asks) = match here {
             End::Destination => (
                 (b.destination_node, b.destination_generation),
@@ -381,7 +381,7 @@ impl Incoming {
     /// A fetch: pin the wanted blocks and grant their pages for reading.
     fn want(
         &self,
-        engine: &Engines,
+        engine: &Backends,
         connection: u64,
         peer: &Bind,
         binding: Binding,
@@ -394,7 +394,7 @@ impl Incoming {
     /// Pin `keys` and grant their pages for reading by `peer`.
     fn serve_keys(
         &self,
-        engine: &Engines,
+        engine: &Backends,
         connection: u64,
         peer: &Bind,
         binding: Binding,
@@ -501,7 +501,7 @@ impl Incoming {
     )]
     fn offer(
         &self,
-        engine: &Engines,
+        engine: &Backends,
         connection: u64,
         peer: &Bind,
         binding: Binding,
@@ -650,7 +650,7 @@ impl Incoming {
 
     fn commit(
         &self,
-        engine: &Engines,
+        engine: &Backends,
         connection: u64,
         peer: &Bind,
         transfer: u64,
@@ -736,7 +736,7 @@ impl Incoming {
     }
 
     /// Abort a transfer: revoke its grants (waiting for chunks in flight), free its pages.
-    pub fn abort(&self, engine: &Engines, transfer: u64) {
+    pub fn abort(&self, engine: &Backends, transfer: u64) {
         let Some(t) = self.lock().transfers.remove(&transfer) else {
             return;
         };
@@ -746,7 +746,7 @@ impl Incoming {
     }
 
     /// Abort transfers past their deadline (at most `budget`); how many.
-    pub fn reap(&self, engine: &Engines, budget: usize) -> usize {
+    pub fn reap(&self, engine: &Backends, budget: usize) -> usize {
         let now = Instant::now();
         let late: Vec<u64> = self
             .lock()
@@ -766,7 +766,7 @@ impl Incoming {
     }
 }
 
-fn engine_segment(engine: &Engines) -> Vec<u8> {
+fn engine_segment(engine: &Backends) -> Vec<u8> {
     engine
         .target()
         .descriptor(POOL_SEGMENT)

@@ -18,7 +18,7 @@ use transport::segment::SegmentDescriptor;
 use transport::tcp::TcpPeer;
 use transport::tcp::wire::Bind;
 
-use crate::engines::Engines;
+use transport::registry::Backends;
 
 use super::Counters;
 use super::wire::{Binding, CheckpointStep, Offered, PeerReply, PeerRequest, Served, ask};
@@ -235,7 +235,7 @@ impl Outgoing {
     }
 
     /// Run admitted transfer `id` to its end (blocking) and record the outcome.
-    pub fn run(&self, engine: &Engines, id: u64, kind: Kind, peer: u64, keys: &[BlockKey]) {
+    pub fn run(&self, engine: &Backends, id: u64, kind: Kind, peer: u64, keys: &[BlockKey]) {
         let started = Instant::now();
         let kind_label = match kind {
             Kind::Fetch | Kind::FetchPrefix { .. } => "fetch",
@@ -316,7 +316,7 @@ impl Outgoing {
     /// The push itself: pinned, offered, written, committed; the pins go whatever happens.
     fn push(
         &self,
-        engine: &Engines,
+        engine: &Backends,
         peer: u64,
         keys: &[BlockKey],
         checkpoint: Option<(u64, u64, CheckpointStep)>,
@@ -340,7 +340,7 @@ impl Outgoing {
 
     fn offer_and_send(
         &self,
-        engine: &Engines,
+        engine: &Backends,
         peer: u64,
         blocks: &[BlockInfo],
         checkpoint: Option<(u64, u64, CheckpointStep)>,
@@ -427,7 +427,7 @@ impl Outgoing {
             .map(|(b, _)| Some(b.checksum))
             .collect();
         if !ops.is_empty()
-            && let Err(e) = self.send(engine, peer, tcp_peer, &ops, &sealed)
+            && let Err(e) = self.send(engine, tcp_peer, &ops, &sealed)
         {
             // Tell the peer, briefly: if the link is gone it aborts anyway when the
             // connection dies (or at its deadline), and the caller should hear of the failure
@@ -452,7 +452,7 @@ impl Outgoing {
     /// (its node generation). The connection, the introduction and the answer.
     fn first_ask(
         &self,
-        engine: &Engines,
+        engine: &Backends,
         peer: &TcpPeer,
         request: impl Fn(&Bind) -> PeerRequest,
     ) -> Result<(Channel, Bind, PeerReply)> {
@@ -497,7 +497,7 @@ impl Outgoing {
     /// peer's pins go whatever happens, and so do our pages unless published.
     fn fetch(
         &self,
-        engine: &Engines,
+        engine: &Backends,
         peer: u64,
         keys: &[BlockKey],
         prefix: Option<(u64, Vec<u32>)>,
@@ -593,7 +593,7 @@ impl Outgoing {
     #[allow(clippy::too_many_arguments)]
     fn receive(
         &self,
-        engine: &Engines,
+        engine: &Backends,
         peer: u64,
         tcp_peer: TcpPeer,
         binding: &Binding,
@@ -664,7 +664,7 @@ impl Outgoing {
             } else {
                 // SAFETY (inside send): the local ranges are WRITING pages of this fetch's own
                 // session, which no client touches and which are not reused before it ends.
-                self.send(engine, peer, tcp_peer, &ops, &[])?
+                self.send(engine, tcp_peer, &ops, &[])?
             };
             for (i, (a, s)) in got.iter().enumerate() {
                 // the block's CRC-32C from the chunks verified on arrival (no pass over the
@@ -707,11 +707,10 @@ impl Outgoing {
     }
 
     /// One batch of reads or writes with `peer` (over RDMA where both ends have it, else
-    /// TCP; see [`Engines::run_batch`]).
+    /// TCP; see [`Backends::run_batch`]).
     fn send(
         &self,
-        engine: &Engines,
-        peer: u64,
+        engine: &Backends,
         tcp_peer: TcpPeer,
         ops: &[TransferOp],
         checksums: &[Option<u32>],
@@ -720,7 +719,7 @@ impl Outgoing {
         // (immutable, its page not reused while pinned), read only; or a WRITING page of this
         // fetch's own session, which nothing else touches and which is not reused before the
         // session ends, after the batch settles (run_batch returns only then).
-        unsafe { engine.run_batch(peer, tcp_peer, ops, checksums, self.limits.timeout) }
+        Ok(unsafe { engine.run_batch(tcp_peer, ops, checksums, self.limits.timeout) }?)
     }
 }
 

@@ -1,0 +1,459 @@
+//! Backend choice per peer: the TCP engine, always (control connections, the grant table, the
+//! fallback), and the RDMA engine where this build has it (feature `rdma`) and a device is
+//! usable. Both serve one grant table, so a grant made for a transfer works whichever engine the
+//! peer moves the bytes with. A peer's batches go over RDMA when both ends have it, over TCP
+//! otherwise: a peer whose side connection says it serves no RDMA gets TCP for [`REPROBE`], then
+//! is asked again (it may have been restarted with RDMA). Keyed by the peer's node id; endpoints
+//! are opened on first use, cached, and reopened once when they failed.
+//!
+//! A new backend is a change here and in its own module: the data port above calls
+//! [`Backends::run_batch`], [`Backends::grant`] and [`Backends::revoke`], never a backend.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{EndpointId, Memory, Op, OpFailure, Revoked, Target, Transport};
+use crate::error::{Error, Result};
+use crate::grant::{Grant, SegmentId, TransferId};
+use crate::segment::SegmentDescriptor;
+use crate::tcp::{TcpPeer, TcpTransport};
+
+/// The engine a peer's blocks go over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// TCP on io_uring.
+    Tcp,
+    /// RDMA verbs.
+    Rdma,
+}
+
+/// What the choice is and was, per peer (the data port's `/status` shows it).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BackendsReport {
+    /// What was asked: `tcp`, `auto` (RDMA where usable) or `rdma`.
+    pub requested: String,
+    /// The engine used for peers that have it too: `tcp` or `rdma`.
+    pub preferred: String,
+    /// Why (the device in use, or why not RDMA).
+    pub reason: String,
+    /// Per peer (node id), the engine its last transfer used.
+    pub peers: BTreeMap<u64, Backend>,
+}
+
+#[cfg(feature = "rdma")]
+type Rdma = crate::rdma::RdmaTransport<crate::rdma::sideway::SidewayVerbs>;
+
+/// How the RDMA device is chosen.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+pub struct RdmaSettings {
+    /// By name.
+    pub device: Option<String>,
+    /// Nearest this GPU (PCI bus id).
+    pub near_gpu: Option<String>,
+    /// The port's GID index.
+    pub gid_index: u32,
+}
+
+/// Which backends to try.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Wanted {
+    /// TCP only.
+    Tcp,
+    /// RDMA where it can be used (a device here, a peer that serves it), TCP otherwise.
+    RdmaIfUsable(RdmaSettings),
+    /// RDMA, or no start at all without a usable device here.
+    Rdma(RdmaSettings),
+}
+
+/// The backends of one node's data port.
+#[derive(Debug)]
+pub struct Backends {
+    tcp: TcpTransport,
+    #[cfg(feature = "rdma")]
+    rdma: Option<std::sync::Arc<Rdma>>,
+    requested: &'static str,
+    reason: String,
+    /// Endpoints per (engine, peer).
+    endpoints: Mutex<HashMap<(Backend, u64), EndpointId>>,
+    /// What each peer's last transfer used.
+    used: Mutex<BTreeMap<u64, Backend>>,
+    /// Peers found not to serve RDMA, and when (asked again after [`REPROBE`]).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    no_rdma: Mutex<HashMap<u64, std::time::Instant>>,
+}
+
+/// One engine's try at a batch.
+enum Attempt {
+    /// Its outcome.
+    Done(Result<Vec<Option<u32>>>),
+    /// The peer serves no RDMA (why): try TCP.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    NoRdma(String),
+}
+
+/// How long a peer found without RDMA gets TCP before it is asked again (it may have been
+/// restarted with RDMA).
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+const REPROBE: Duration = Duration::from_secs(60);
+
+impl Backends {
+    /// Add the RDMA engine to `tcp` as `wanted` says; `chunk_bytes` is the RDMA engine's chunk
+    /// (the TCP engine's, so that a block travels as one chunk on either).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for [`Wanted::Rdma`] where RDMA cannot be used (the message
+    /// says why).
+    pub fn start(tcp: TcpTransport, wanted: &Wanted, chunk_bytes: u32) -> Result<Backends> {
+        let mut e = Backends {
+            tcp,
+            #[cfg(feature = "rdma")]
+            rdma: None,
+            requested: match wanted {
+                Wanted::Tcp => "tcp",
+                Wanted::RdmaIfUsable(_) => "auto",
+                Wanted::Rdma(_) => "rdma",
+            },
+            reason: String::new(),
+            endpoints: Mutex::new(HashMap::new()),
+            used: Mutex::new(BTreeMap::new()),
+            no_rdma: Mutex::new(HashMap::new()),
+        };
+        let (settings, required) = match wanted {
+            Wanted::Tcp => {
+                e.reason = "TCP only, as asked".into();
+                return Ok(e);
+            }
+            Wanted::RdmaIfUsable(s) => (s, false),
+            Wanted::Rdma(s) => (s, true),
+        };
+        match e.start_rdma(settings, chunk_bytes) {
+            Ok(device) => e.reason = format!("RDMA device {device}"),
+            Err(why) if required => return Err(Error::Unsupported(why)),
+            Err(why) => e.reason = why,
+        }
+        Ok(e)
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    fn start_rdma(&mut self, _: &RdmaSettings, _: u32) -> std::result::Result<String, String> {
+        Err("this kvd was built without RDMA (cargo feature `rdma`)".into())
+    }
+
+    #[cfg(feature = "rdma")]
+    fn start_rdma(
+        &mut self,
+        s: &RdmaSettings,
+        chunk_bytes: u32,
+    ) -> std::result::Result<String, String> {
+        use crate::rdma::device::DeviceChoice;
+        use crate::rdma::sideway::{DeviceConfig, SidewayVerbs};
+        use crate::rdma::{RdmaConfig, RdmaTransport};
+        let choice = match (&s.device, &s.near_gpu) {
+            (Some(n), _) => DeviceChoice::Named(n.clone()),
+            (None, Some(g)) => DeviceChoice::NearGpu(g.clone()),
+            (None, None) => DeviceChoice::First,
+        };
+        let verbs = SidewayVerbs::open(&DeviceConfig {
+            choice,
+            port: 1,
+            gid_index: s.gid_index,
+        })
+        .map_err(|e| format!("no usable RDMA device: {e}"))?;
+        let device = crate::rdma::verbs::Verbs::device(&verbs).name.clone();
+        let config = RdmaConfig {
+            chunk_bytes,
+            ..RdmaConfig::default()
+        };
+        let rdma = RdmaTransport::start(
+            verbs,
+            config,
+            self.tcp.target_arc(),
+            self.tcp.opener(crate::tcp::wire::Purpose::Rdma),
+        )
+        .map_err(|e| format!("the RDMA engine on {device}: {e}"))?;
+        let rdma = std::sync::Arc::new(rdma);
+        let weak = std::sync::Arc::downgrade(&rdma);
+        self.tcp
+            .set_rdma_handler(std::sync::Arc::new(move |stream, bind| {
+                if let Some(r) = weak.upgrade() {
+                    r.serve_side(stream, bind);
+                }
+            }));
+        self.rdma = Some(rdma);
+        Ok(device)
+    }
+
+    /// Register `len` bytes of `memory` as `segment` with every backend (one grant table
+    /// serves them all; RDMA adds its local regions); the descriptor peers name it by.
+    ///
+    /// # Errors
+    /// As [`Transport::register`].
+    pub fn register(
+        &self,
+        segment: SegmentId,
+        memory: std::sync::Arc<dyn Memory>,
+        len: u64,
+    ) -> Result<SegmentDescriptor> {
+        let descriptor = crate::engine::Registration::descriptor(&self.tcp.register(
+            segment,
+            memory.clone(),
+            0,
+            len,
+        )?);
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &self.rdma {
+            r.register(segment, memory, 0, len)?;
+        }
+        #[cfg(not(feature = "rdma"))]
+        drop(memory);
+        Ok(descriptor)
+    }
+
+    /// Ops and bytes in flight as initiator, both engines.
+    pub fn in_flight(&self) -> (usize, u64) {
+        let (o, b) = self.tcp.in_flight();
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &self.rdma {
+            let (ro, rb) = r.in_flight();
+            return (o + ro, b + rb);
+        }
+        (o, b)
+    }
+
+    /// The TCP engine (control connections, counters).
+    pub fn tcp(&self) -> &TcpTransport {
+        &self.tcp
+    }
+
+    /// The grant table and segments both engines serve.
+    pub fn target(&self) -> &Target {
+        self.tcp.target()
+    }
+
+    /// The engines' clock.
+    pub fn now_ms(&self) -> u64 {
+        self.tcp.now_ms()
+    }
+
+    /// Add a grant (it serves both engines).
+    ///
+    /// # Safety
+    /// As [`Transport::grant`].
+    ///
+    /// # Errors
+    /// As [`Transport::grant`].
+    pub unsafe fn grant(&self, g: Grant) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.tcp.grant(g) }
+    }
+
+    /// End a transfer's grants on both engines: once this returns no TCP chunk of it is in
+    /// flight and no RDMA key of it works.
+    pub fn revoke(&self, transfer: TransferId) -> Revoked {
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &self.rdma {
+            return r.revoke(transfer);
+        }
+        self.tcp.revoke(transfer)
+    }
+
+    /// The choice, and what each peer's last transfer used.
+    pub fn report(&self) -> BackendsReport {
+        let preferred = if self.rdma_on() { "rdma" } else { "tcp" };
+        BackendsReport {
+            requested: self.requested.into(),
+            preferred: preferred.into(),
+            reason: self.reason.clone(),
+            peers: self.used.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        }
+    }
+
+    /// The choice, for a start-up log line.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} ({})",
+            if self.rdma_on() { "rdma" } else { "tcp" },
+            self.reason
+        )
+    }
+
+    fn rdma_on(&self) -> bool {
+        #[cfg(feature = "rdma")]
+        return self.rdma.is_some();
+        #[cfg(not(feature = "rdma"))]
+        false
+    }
+
+    fn note(&self, peer: u64, b: Backend) {
+        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        if used.len() < 4096 || used.contains_key(&peer) {
+            used.insert(peer, b);
+        }
+    }
+
+    /// One batch of reads or writes with `peer` on its cached endpoint (reopened once if it
+    /// failed): over RDMA when both ends have it, else TCP. The CRC-32C each op's chunks were
+    /// verified with, where the engine checksums them (TCP).
+    ///
+    /// # Safety
+    /// As [`Transport::submit`]: the caller keeps off the ops' local ranges until this
+    /// returns (it returns only once the batch settled).
+    ///
+    /// # Errors
+    /// [`Error::PeerUnavailable`] when ops failed, as the engines' errors otherwise.
+    pub unsafe fn run_batch(
+        &self,
+        peer: TcpPeer,
+        ops: &[Op],
+        checksums: &[Option<u32>],
+        timeout: Duration,
+    ) -> Result<Vec<Option<u32>>> {
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &self.rdma {
+            let node = peer.node_id;
+            let tcp_only = self
+                .no_rdma
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&node)
+                .is_some_and(|t| t.elapsed() < REPROBE);
+            if !tcp_only {
+                // SAFETY: the caller's contract, passed on.
+                match unsafe { self.on(&**r, Backend::Rdma, peer, ops, checksums, timeout) } {
+                    Attempt::NoRdma(why) => {
+                        tracing::info!(peer = node, reason = %why, "the peer serves no RDMA; using TCP");
+                        let mut no = self.no_rdma.lock().unwrap_or_else(|p| p.into_inner());
+                        if no.len() >= 4096 {
+                            no.retain(|_, t| t.elapsed() < REPROBE);
+                        }
+                        no.insert(node, std::time::Instant::now());
+                    }
+                    Attempt::Done(r) => return r,
+                }
+            }
+        }
+        // SAFETY: the caller's contract, passed on.
+        match unsafe { self.on(&self.tcp, Backend::Tcp, peer, ops, checksums, timeout) } {
+            Attempt::Done(r) => r,
+            Attempt::NoRdma(why) => Err(Error::PeerUnavailable(why)),
+        }
+    }
+
+    /// [`Backends::run_batch`] on one engine. An RDMA endpoint the peer will not open is
+    /// answered [`Attempt::NoRdma`] (the caller falls back to TCP).
+    unsafe fn on<T: Transport<Peer = TcpPeer>>(
+        &self,
+        engine: &T,
+        backend: Backend,
+        peer: TcpPeer,
+        ops: &[Op],
+        checksums: &[Option<u32>],
+        timeout: Duration,
+    ) -> Attempt {
+        let node = peer.node_id;
+        let mut reopened = false;
+        loop {
+            let ep = {
+                let mut eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
+                match eps.get(&(backend, node)) {
+                    Some(&ep) => ep,
+                    None => {
+                        let ep = match engine.open(&peer) {
+                            Ok(ep) => ep,
+                            #[cfg(feature = "rdma")]
+                            Err(e)
+                                if backend == Backend::Rdma && crate::rdma::peer_lacks_rdma(&e) =>
+                            {
+                                return Attempt::NoRdma(e.to_string());
+                            }
+                            Err(e) => return Attempt::Done(Err(e)),
+                        };
+                        eps.insert((backend, node), ep);
+                        ep
+                    }
+                }
+            };
+            self.note(node, backend);
+            // SAFETY: the caller's contract (run_batch's), passed on; this waits for the batch
+            // to settle before returning.
+            let submitted = unsafe { engine.submit_with_checksums(ep, ops, checksums) };
+            let batch = match submitted {
+                Ok(b) => b,
+                Err(Error::PeerUnavailable(_)) if !reopened => {
+                    self.forget(engine, backend, node, ep);
+                    reopened = true;
+                    continue;
+                }
+                Err(e) => return Attempt::Done(Err(e)),
+            };
+            return Attempt::Done(self.settle(
+                engine,
+                (backend, node),
+                ep,
+                batch,
+                ops.len(),
+                timeout,
+            ));
+        }
+    }
+
+    /// Wait for a submitted batch to settle and release it; its checksums, or why it failed.
+    fn settle<T: Transport>(
+        &self,
+        engine: &T,
+        (backend, node): (Backend, u64),
+        ep: EndpointId,
+        batch: crate::engine::BatchId,
+        ops: usize,
+        timeout: Duration,
+    ) -> Result<Vec<Option<u32>>> {
+        let mut st = engine.wait(batch, timeout)?;
+        if !st.settled {
+            // The engine's stall timeout is far shorter; this is only a backstop. Closing the
+            // endpoint fails what is left, and the batch settles once the kernel (or the NIC)
+            // lets go of its buffers: until then its pages must not be freed.
+            self.forget(engine, backend, node, ep);
+            while !st.settled {
+                tracing::warn!(
+                    peer = node,
+                    "a transfer batch has not settled; waiting for it"
+                );
+                st = engine.wait(batch, timeout)?;
+            }
+        }
+        let mut crcs = vec![None; ops];
+        let _ = engine.checksums(batch, &mut crcs);
+        let _ = engine.release(batch);
+        if st.succeeded() {
+            return Ok(crcs);
+        }
+        if st.first_failure.is_some_and(|f| {
+            matches!(
+                f,
+                OpFailure::PeerClosed | OpFailure::Timeout | OpFailure::Protocol
+            )
+        }) {
+            self.forget(engine, backend, node, ep);
+        }
+        Err(Error::PeerUnavailable(format!(
+            "the transfer with node {node} failed: {} of {} blocks not delivered ({})",
+            st.ops - st.done,
+            st.ops,
+            st.first_failure
+                .map_or_else(|| "cancelled".to_string(), |f| f.to_string())
+        )))
+    }
+
+    fn forget<T: Transport>(&self, engine: &T, backend: Backend, peer: u64, ep: EndpointId) {
+        let mut eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
+        if eps.get(&(backend, peer)) == Some(&ep) {
+            eps.remove(&(backend, peer));
+            engine.close(ep);
+        }
+    }
+}
