@@ -9,7 +9,7 @@
 //! - [`channel`]: an authenticated connection, its key and its place under the per-peer
 //!   bound; tagged, length-framed messages for the daemons' control traffic.
 //! - [`engine`]: the transfer interface every backend implements ([`engine::Transport`]),
-//!   with the bookkeeping they share; backends: [`local::LocalTransport`], [`tcp::TcpTransport`],
+//!   with the bookkeeping they share; backends: [`inproc::InProcTransport`], [`tcp::TcpTransport`],
 //!   and with the `rdma` feature `rdma::RdmaTransport` (RC queue pairs over sideway).
 //! - [`registry`]: the backend each peer's batches go over (RDMA where both ends have it, TCP
 //!   otherwise, asked again later), keyed by peer node id; the data port talks only to it.
@@ -30,6 +30,7 @@ pub mod cuda;
 pub mod engine;
 pub mod error;
 pub mod grant;
+pub mod inproc;
 pub mod local;
 #[cfg(feature = "rdma")]
 pub mod rdma;

@@ -1,4 +1,4 @@
-//! The `local` backend: the transfer interface within one host. A peer is another engine's
+//! The in-process backend: the transfer interface within one process. A peer is another engine's
 //! [`Target`] in this process (or this engine's own); an op is a grant check and a memcpy, done
 //! inside `submit`, so its batch is settled when `submit` returns. It exists so that the
 //! interface is exercised without a network and kvd has one code path for same-node and remote
@@ -18,13 +18,13 @@ use crate::error::{Error, Result};
 use crate::grant::{Access, Grant, GrantLimits, SegmentId, TransferId};
 use crate::segment::{BackendKind, SegmentDescriptor};
 
-/// A segment registered with the local backend.
+/// A segment registered with the in-process backend.
 #[derive(Debug)]
-pub struct LocalRegistration {
+pub struct InProcRegistration {
     descriptor: SegmentDescriptor,
 }
 
-impl Registration for LocalRegistration {
+impl Registration for InProcRegistration {
     fn descriptor(&self) -> SegmentDescriptor {
         self.descriptor
     }
@@ -37,18 +37,18 @@ struct State {
     batches: Batches,
 }
 
-/// The local backend.
+/// The in-process backend.
 #[derive(Debug)]
-pub struct LocalTransport {
+pub struct InProcTransport {
     target: Arc<Target>,
     limits: Limits,
     state: Mutex<State>,
 }
 
-impl LocalTransport {
+impl InProcTransport {
     /// An engine for node `node_id` in incarnation `node_generation`.
-    pub fn new(node_id: u64, node_generation: u64, limits: Limits) -> LocalTransport {
-        LocalTransport {
+    pub fn new(node_id: u64, node_generation: u64, limits: Limits) -> InProcTransport {
+        InProcTransport {
             target: Arc::new(Target::new(
                 node_id,
                 node_generation,
@@ -85,7 +85,7 @@ impl LocalTransport {
             direction: remote_direction(op.kind),
             transfer: op.transfer,
             epoch: op.epoch,
-            // In-process: the local backend's grants are never bound to a peer node.
+            // In-process: the in-process backend's grants are never bound to a peer node.
             peer: 0,
         };
         let w = match peer.begin(&access, op.remote.node_generation) {
@@ -112,8 +112,8 @@ impl LocalTransport {
     }
 }
 
-impl Transport for LocalTransport {
-    type Registration = LocalRegistration;
+impl Transport for InProcTransport {
+    type Registration = InProcRegistration;
     type Peer = Arc<Target>;
 
     fn register(
@@ -122,12 +122,12 @@ impl Transport for LocalTransport {
         memory: Arc<dyn Memory>,
         offset: u64,
         len: u64,
-    ) -> Result<LocalRegistration> {
+    ) -> Result<InProcRegistration> {
         let descriptor = self.target.register(segment, memory, offset, len)?;
-        Ok(LocalRegistration { descriptor })
+        Ok(InProcRegistration { descriptor })
     }
 
-    fn unregister(&self, registration: LocalRegistration) -> Result<()> {
+    fn unregister(&self, registration: InProcRegistration) -> Result<()> {
         self.target.unregister(registration.descriptor.segment)
     }
 
@@ -188,7 +188,7 @@ impl Transport for LocalTransport {
             } else {
                 // SAFETY: the caller's posting contract covers the local range; the peer's
                 // grant contract covers the remote one.
-                unsafe { LocalTransport::run(&peer, op, local.ptr) }
+                unsafe { InProcTransport::run(&peer, op, local.ptr) }
             };
             s.batches.chunk_finished(batch, i as u32, op.len, outcome);
         }
@@ -226,14 +226,14 @@ mod tests {
     const T: TransferId = TransferId(7);
 
     fn pair() -> (
-        LocalTransport,
-        LocalTransport,
+        InProcTransport,
+        InProcTransport,
         Arc<HeapMemory>,
         Arc<HeapMemory>,
     ) {
         let (a, b) = (
-            LocalTransport::new(1, 1, Limits::default()),
-            LocalTransport::new(2, 1, Limits::default()),
+            InProcTransport::new(1, 1, Limits::default()),
+            InProcTransport::new(2, 1, Limits::default()),
         );
         let (ma, mb) = (
             Arc::new(HeapMemory::zeroed(1 << 16)),
