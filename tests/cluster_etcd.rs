@@ -12,7 +12,8 @@ use kvd::protocol::{TransferState, WireError};
 use support::cluster::{Control, node_dirs, secret_file, view, wait_views};
 use support::{Daemon, Etcd};
 use transport::auth::ClusterSecret;
-use transport::tcp::{TcpConfig, TcpPeer, TcpTransport};
+use transport::link::PeerAddr;
+use transport::tcp::{TcpConfig, TcpTransport};
 
 const TTL_MS: u64 = 2_000;
 
@@ -39,7 +40,7 @@ fn raw_offer_to(secret: &Path, d: &Daemon, id: u64, generation: u64, to: Option<
     .unwrap();
     let dp = d.status().data_port.unwrap();
     let (mut s, bind) = e
-        .open_control(&TcpPeer {
+        .open_control(&PeerAddr {
             addr: dp.listen.parse().unwrap(),
             node_id: dp.node_id,
         })

@@ -11,8 +11,9 @@ use support::{Daemon, command};
 use transport::auth::ClusterSecret;
 use transport::engine::{HeapMemory, Memory, Op, OpFailure, OpKind, OpStatus, Transport};
 use transport::grant::{SegmentId, TransferId};
+use transport::link::PeerAddr;
 use transport::segment::SegmentDescriptor;
-use transport::tcp::{TcpConfig, TcpPeer, TcpTransport};
+use transport::tcp::{TcpConfig, TcpTransport};
 
 fn secret_file(dir: &Path, name: &str, byte: u8, mode: u32) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
@@ -126,7 +127,7 @@ fn a_daemon_with_the_secret_serves_its_data_port_and_refuses_strangers_and_ungra
             .unwrap();
         e
     };
-    let peer = TcpPeer { addr, node_id: 7 };
+    let peer = PeerAddr { addr, node_id: 7 };
 
     let e = engine(&stranger).open(&peer).unwrap_err();
     assert!(e.to_string().contains("secret"), "{e}");

@@ -17,8 +17,9 @@ use transport::auth::ClusterSecret;
 use transport::channel::Channel;
 use transport::engine::{HeapMemory, Memory, Op, OpFailure, OpKind, Transport};
 use transport::grant::{SegmentId, TransferId};
+use transport::link::PeerAddr;
 use transport::segment::SegmentDescriptor;
-use transport::tcp::{TcpConfig, TcpPeer, TcpTransport};
+use transport::tcp::{TcpConfig, TcpTransport};
 
 const BLOCK: usize = 256 << 10;
 
@@ -169,7 +170,7 @@ fn a_push_of_many_blocks_lands_byte_exact_and_published_on_the_peer() {
 struct RawSource {
     engine: TcpTransport,
     mem: Arc<HeapMemory>,
-    peer: TcpPeer,
+    peer: PeerAddr,
 }
 
 impl RawSource {
@@ -204,7 +205,7 @@ impl RawSource {
         RawSource {
             engine,
             mem,
-            peer: TcpPeer {
+            peer: PeerAddr {
                 addr: data_addr(d).parse().unwrap(),
                 node_id: node,
             },

@@ -19,8 +19,9 @@ use transport::engine::{
     EndpointId, HeapMemory, Memory, Op, OpFailure, OpKind, OpStatus, Registration, Transport,
 };
 use transport::grant::{Direction, Grant, SegmentId, TransferId};
+use transport::link::PeerAddr;
 use transport::segment::SegmentDescriptor;
-use transport::tcp::{TcpConfig, TcpPeer, TcpTransport};
+use transport::tcp::{TcpConfig, TcpTransport};
 
 const SEG: SegmentId = SegmentId(1);
 const MIB: u64 = 1 << 20;
@@ -187,7 +188,7 @@ fn transfer_initiator_helper() {
         .unwrap();
     let remote = unhex(&env("KVD_TEST_DESC"));
     let ep = e
-        .open(&TcpPeer {
+        .open(&PeerAddr {
             addr: env("KVD_TEST_PEER").parse().unwrap(),
             node_id: env("KVD_TEST_PEER_NODE").parse().unwrap(),
         })
@@ -278,8 +279,8 @@ impl Target {
         self.helper.ask("stats", "@stats", ANSWER)
     }
 
-    fn peer(&self) -> TcpPeer {
-        TcpPeer {
+    fn peer(&self) -> PeerAddr {
+        PeerAddr {
             addr: self.addr,
             node_id: self.desc.node_id,
         }

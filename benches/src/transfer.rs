@@ -27,8 +27,9 @@ use std::time::{Duration, Instant};
 use transport::auth::ClusterSecret;
 use transport::engine::{HeapMemory, Limits, Memory, Op, OpKind, Transport};
 use transport::grant::{Direction, Grant, SegmentId, TransferId};
+use transport::link::PeerAddr;
 use transport::segment::SegmentDescriptor;
-use transport::tcp::{TcpConfig, TcpPeer, TcpTransport, ZeroCopy};
+use transport::tcp::{TcpConfig, TcpTransport, ZeroCopy};
 
 const SEG: SegmentId = SegmentId(1);
 const WRITE_TRANSFER: TransferId = TransferId(1);
@@ -355,7 +356,7 @@ pub fn run(args: &TransferArgs) -> Result<(), String> {
             .register(SEG, mem.clone() as Arc<dyn Memory>, 0, segment)
             .map_err(|e| e.to_string())?;
         let ep = engine
-            .open(&TcpPeer {
+            .open(&PeerAddr {
                 addr: data_addr,
                 node_id: TARGET_NODE,
             })

@@ -4,9 +4,10 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use transport::link::wire::Bind;
 use transport::rdma::wire::Message;
 use transport::segment::SegmentDescriptor;
-use transport::tcp::wire::{Bind, Request, Response};
+use transport::tcp::wire::{Request, Response};
 
 fuzz_target!(|data: &[u8]| {
     if let Some(b) = data.first_chunk::<{ Bind::WIRE_BYTES }>()

@@ -1,7 +1,7 @@
 //! Bounds on connections being admitted, in all and per source: what keeps a flood of
 //! connections that never finish (a handshake, a request line) from one place from taking the
 //! slots of peers connecting from elsewhere. Used by the data port's handshakes
-//! (`tcp::handshake`, by source address before authentication and by peer node and purpose
+//! (`tcp/listener.rs` and `link::handshake`, by source address before authentication and by peer node and purpose
 //! after it) and the daemon's probe listener.
 
 use std::collections::HashMap;

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::admission::Admitted;
 use crate::auth::{Sealer, TAG_BYTES, Unsealer};
 use crate::error::{Error, Result};
-use crate::tcp::wire::Purpose;
+use crate::link::wire::Purpose;
 
 /// How long the rest of a frame may take once its length has arrived.
 pub const FRAME_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);

@@ -6,6 +6,8 @@
 //! - [`auth`]: peer authentication by challenge-response over the cluster secret (blake3's
 //!   keyed hash over both ends' nonces; the secret never crosses the wire), and the
 //!   per-connection key that tags every frame after it.
+//! - [`link`]: who a peer is ([`link::PeerAddr`]) and how every connection to it starts (the
+//!   handshake and its frames), shared by the backends so that none depends on another.
 //! - [`channel`]: an authenticated connection, its key and its place under the per-peer
 //!   bound; tagged, length-framed messages for the daemons' control traffic.
 //! - [`engine`]: the transfer interface every backend implements ([`engine::Transport`]),
@@ -31,6 +33,7 @@ pub mod engine;
 pub mod error;
 pub mod grant;
 pub mod inproc;
+pub mod link;
 pub mod local;
 #[cfg(feature = "rdma")]
 pub mod rdma;

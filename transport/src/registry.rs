@@ -18,8 +18,9 @@ use serde::{Deserialize, Serialize};
 use crate::engine::{EndpointId, Memory, Op, OpFailure, Revoked, Target, Transport};
 use crate::error::{Error, Result};
 use crate::grant::{Grant, SegmentId, TransferId};
+use crate::link::PeerAddr;
 use crate::segment::SegmentDescriptor;
-use crate::tcp::{TcpPeer, TcpTransport};
+use crate::tcp::TcpTransport;
 
 /// The engine a peer's blocks go over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -173,7 +174,7 @@ impl Backends {
             verbs,
             config,
             self.tcp.target_arc(),
-            self.tcp.opener(crate::tcp::wire::Purpose::Rdma),
+            self.tcp.opener(crate::link::wire::Purpose::Rdma),
         )
         .map_err(|e| format!("the RDMA engine on {device}: {e}"))?;
         let rdma = std::sync::Arc::new(rdma);
@@ -308,7 +309,7 @@ impl Backends {
     /// [`Error::PeerUnavailable`] when ops failed, as the engines' errors otherwise.
     pub unsafe fn run_batch(
         &self,
-        peer: TcpPeer,
+        peer: PeerAddr,
         ops: &[Op],
         checksums: &[Option<u32>],
         timeout: Duration,
@@ -346,11 +347,11 @@ impl Backends {
 
     /// [`Backends::run_batch`] on one engine. An RDMA endpoint the peer will not open is
     /// answered [`Attempt::NoRdma`] (the caller falls back to TCP).
-    unsafe fn on<T: Transport<Peer = TcpPeer>>(
+    unsafe fn on<T: Transport<Peer = PeerAddr>>(
         &self,
         engine: &T,
         backend: Backend,
-        peer: TcpPeer,
+        peer: PeerAddr,
         ops: &[Op],
         checksums: &[Option<u32>],
         timeout: Duration,

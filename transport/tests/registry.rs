@@ -9,15 +9,16 @@ use std::time::Duration;
 use transport::auth::ClusterSecret;
 use transport::engine::{HeapMemory, Memory, Op, OpKind};
 use transport::grant::{Direction, Grant, SegmentId, TransferId};
+use transport::link::PeerAddr;
 use transport::registry::{Backend, Backends, RdmaSettings, Wanted};
 use transport::segment::SegmentDescriptor;
-use transport::tcp::{TcpConfig, TcpPeer, TcpTransport};
+use transport::tcp::{TcpConfig, TcpTransport};
 
 const SEG: SegmentId = SegmentId(1);
 const LEN: u64 = 8 << 20;
 const BLOCK: u64 = 256 << 10;
 
-fn node(id: u64, wanted: &Wanted) -> (Backends, Arc<HeapMemory>, SegmentDescriptor, TcpPeer) {
+fn node(id: u64, wanted: &Wanted) -> (Backends, Arc<HeapMemory>, SegmentDescriptor, PeerAddr) {
     let secret = ClusterSecret::from_bytes(&[7; 32]).unwrap();
     let mut c = TcpConfig::new(id, 1, "127.0.0.1:0".parse().unwrap(), secret);
     c.stall_timeout = Duration::from_secs(2);
@@ -28,7 +29,7 @@ fn node(id: u64, wanted: &Wanted) -> (Backends, Arc<HeapMemory>, SegmentDescript
     let d = b
         .register(SEG, mem.clone() as Arc<dyn Memory>, LEN)
         .unwrap();
-    (b, mem, d, TcpPeer { addr, node_id: id })
+    (b, mem, d, PeerAddr { addr, node_id: id })
 }
 
 fn writes(remote: SegmentDescriptor, n: u64) -> Vec<Op> {
@@ -102,7 +103,7 @@ fn a_peer_that_is_not_the_node_named_gets_a_clear_error_and_no_byte() {
     // SAFETY: nothing else touches the source yet.
     unsafe { ma.bytes_mut() }.fill(0xab);
     grant_all(&b);
-    let wrong = TcpPeer { node_id: 9, ..to_b };
+    let wrong = PeerAddr { node_id: 9, ..to_b };
     // SAFETY: as above.
     let e = unsafe { a.run_batch(wrong, &writes(remote, 4), &[], Duration::from_secs(10)) }
         .unwrap_err();

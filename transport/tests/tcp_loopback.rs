@@ -9,8 +9,9 @@ use transport::engine::{
     HeapMemory, Memory, Op, OpFailure, OpKind, OpStatus, Registration, Transport,
 };
 use transport::grant::{Direction, Grant, SegmentId, TransferId};
+use transport::link::PeerAddr;
 use transport::segment::SegmentDescriptor;
-use transport::tcp::{TcpConfig, TcpPeer, TcpStats, TcpTransport, ZeroCopy};
+use transport::tcp::{TcpConfig, TcpStats, TcpTransport, ZeroCopy};
 
 const SEG: SegmentId = SegmentId(1);
 const MIB: u64 = 1 << 20;
@@ -94,8 +95,8 @@ fn ops(kind: OpKind, remote: SegmentDescriptor, t: u64, n: u64, size: u64) -> Ve
         .collect()
 }
 
-fn peer(e: &TcpTransport, node: u64) -> TcpPeer {
-    TcpPeer {
+fn peer(e: &TcpTransport, node: u64) -> PeerAddr {
+    PeerAddr {
         addr: e.local_addr(),
         node_id: node,
     }

@@ -77,9 +77,9 @@ use crate::engine::{
 };
 use crate::error::{Error, Result};
 use crate::grant::{Grant, SegmentId, TransferId};
+use crate::link::PeerAddr;
+use crate::link::wire::Bind;
 use crate::segment::SegmentDescriptor;
-use crate::tcp::TcpPeer;
-use crate::tcp::wire::Bind;
 
 /// The refusal code a key request gets when the target could not register the range (out of
 /// regions, or the device refused): retry later.
@@ -167,7 +167,7 @@ pub fn peer_lacks_rdma(e: &Error) -> bool {
 }
 
 /// Opens an authenticated side connection to a peer (the TCP engine's handshake).
-pub type SideOpener = crate::tcp::Opener;
+pub type SideOpener = crate::link::Opener;
 
 /// One work request of an op: local address, bytes, lkey, and the region that must outlive it.
 type Piece<M> = (u64, u32, u32, Arc<M>);
@@ -433,7 +433,7 @@ impl<V: Verbs> Drop for RdmaTransport<V> {
 
 impl<V: Verbs> Transport for RdmaTransport<V> {
     type Registration = RdmaRegistration;
-    type Peer = TcpPeer;
+    type Peer = PeerAddr;
 
     fn register(
         &self,
@@ -528,7 +528,7 @@ impl<V: Verbs> Transport for RdmaTransport<V> {
         self.shared.target.now_ms()
     }
 
-    fn open(&self, peer: &TcpPeer) -> Result<EndpointId> {
+    fn open(&self, peer: &PeerAddr) -> Result<EndpointId> {
         let s = &self.shared;
         let open = lock(&s.endpoints)
             .values()

@@ -14,7 +14,7 @@ use super::wire::{Key, KeyRequest, Message};
 use super::{REFUSED_NO_KEYS, Shared, bump, lock};
 use crate::error::Result;
 use crate::grant::{Access, TransferId};
-use crate::tcp::wire::Bind;
+use crate::link::wire::Bind;
 
 /// A remote-accessible region given out for one access.
 #[derive(Debug)]

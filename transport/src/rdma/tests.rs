@@ -9,7 +9,7 @@ use super::*;
 use crate::auth::ClusterSecret;
 use crate::engine::HeapMemory;
 use crate::grant::Direction;
-use crate::tcp::wire::Purpose;
+use crate::link::wire::Purpose;
 use crate::tcp::{TcpConfig, TcpTransport};
 
 const SEG: SegmentId = SegmentId(1);
@@ -69,8 +69,8 @@ fn node(fabric: &Arc<Fabric>, id: u64, len: u64, tune: impl Fn(&mut RdmaConfig))
     }
 }
 
-fn peer(n: &Node, id: u64) -> TcpPeer {
-    TcpPeer {
+fn peer(n: &Node, id: u64) -> PeerAddr {
+    PeerAddr {
         addr: n.tcp.local_addr(),
         node_id: id,
     }
@@ -446,7 +446,7 @@ fn a_peer_without_rdma_is_told_apart_so_the_caller_can_use_tcp() {
         TcpTransport::start(TcpConfig::new(3, 1, "127.0.0.1:0".parse().unwrap(), secret)).unwrap();
     let e = a
         .rdma
-        .open(&TcpPeer {
+        .open(&PeerAddr {
             addr: plain.local_addr(),
             node_id: 3,
         })
@@ -455,7 +455,7 @@ fn a_peer_without_rdma_is_told_apart_so_the_caller_can_use_tcp() {
     // a peer that is simply not there is a failure, not a reason to use TCP quietly
     let gone = a
         .rdma
-        .open(&TcpPeer {
+        .open(&PeerAddr {
             addr: "127.0.0.1:1".parse().unwrap(),
             node_id: 3,
         })

@@ -1,5 +1,5 @@
 //! The RDMA side channel's messages, on an authenticated TCP connection of purpose
-//! [`crate::tcp::wire::Purpose::Rdma`] to the peer's data port.
+//! [`crate::link::wire::Purpose::Rdma`] to the peer's data port.
 //!
 //! ```text
 //!  initiator                                   target

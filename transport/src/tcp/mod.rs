@@ -25,7 +25,7 @@
 //! endpoint's ops fail with the reason at once, its sockets are reset, and the batch settles
 //! once the kernel has let go of every buffer. Other endpoints are untouched.
 
-mod handshake;
+mod listener;
 mod ring;
 pub mod wire;
 
@@ -46,6 +46,9 @@ use crate::engine::{
 };
 use crate::error::{Error, Result};
 use crate::grant::{Grant, GrantLimits, SegmentId, TransferId};
+use crate::link::handshake::{self, Handshake};
+use crate::link::wire::{Bind, Purpose};
+use crate::link::{Handler, Opener, PeerAddr};
 use crate::segment::{BackendKind, SegmentDescriptor};
 
 /// When to send payloads with `SENDMSG_ZC` (the kernel sends from the segment's pages instead
@@ -155,15 +158,6 @@ impl TcpConfig {
     }
 }
 
-/// A peer to open an endpoint to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TcpPeer {
-    /// Its data address.
-    pub addr: SocketAddr,
-    /// The node id it must prove (after authentication) it is.
-    pub node_id: u64,
-}
-
 /// A segment registered with the TCP backend (TCP needs nothing beyond the descriptor: the
 /// target resolves `(segment, offset)` itself).
 #[derive(Debug)]
@@ -248,15 +242,7 @@ struct EndpointInfo {
     failed: Option<String>,
 }
 
-/// What takes the control connections peers open to this engine (already authenticated;
-/// the [`wire::Bind`] says who the peer is). It runs on the connection's handshake thread and
-/// should hand the stream on quickly.
-pub type ControlHandler = Arc<dyn Fn(Channel, wire::Bind) + Send + Sync>;
-
-/// Opens authenticated connections of one purpose to peers ([`TcpTransport::opener`]).
-pub type Opener = Arc<dyn Fn(&TcpPeer) -> Result<(Channel, wire::Bind)> + Send + Sync>;
-
-struct ControlSlot(Mutex<Option<ControlHandler>>);
+struct ControlSlot(Mutex<Option<Handler>>);
 
 impl std::fmt::Debug for ControlSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -265,7 +251,7 @@ impl std::fmt::Debug for ControlSlot {
 }
 
 impl std::ops::Deref for ControlSlot {
-    type Target = Mutex<Option<ControlHandler>>;
+    type Target = Mutex<Option<Handler>>;
     fn deref(&self) -> &Self::Target {
         &self.0
     }
@@ -290,6 +276,19 @@ struct Shared {
 }
 
 impl Shared {
+    /// This node's side of a handshake.
+    fn handshake(&self) -> Handshake<'_> {
+        Handshake {
+            node_id: self.config.node_id,
+            node_generation: self.target.node_generation(),
+            secret: &self.config.secret,
+            connect_timeout: self.config.connect_timeout,
+            stall_timeout: self.config.stall_timeout,
+            max_connections_per_peer: self.config.max_connections_per_peer,
+            integrity_failures: &self.counters.integrity_failures,
+        }
+    }
+
     fn batches(&self) -> MutexGuard<'_, Batches> {
         self.batches.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -391,7 +390,7 @@ impl TcpTransport {
         let s = Arc::clone(&shared);
         let listener = std::thread::Builder::new()
             .name("kvd-tcp-accept".into())
-            .spawn(move || handshake::accept_loop(&s, &listener))
+            .spawn(move || listener::accept_loop(&s, &listener))
             .map_err(|e| Error::Io(e.to_string()))?;
         Ok(TcpTransport {
             shared,
@@ -429,9 +428,9 @@ impl TcpTransport {
         }
     }
 
-    /// Take the control connections peers open to this engine (see [`ControlHandler`]);
+    /// Take the control connections peers open to this engine (see [`Handler`]);
     /// without a handler they are closed after the handshake.
-    pub fn set_control_handler(&self, handler: ControlHandler) {
+    pub fn set_control_handler(&self, handler: Handler) {
         *self
             .shared
             .control
@@ -446,22 +445,22 @@ impl TcpTransport {
     }
 
     /// Take the RDMA side connections peers open to this engine (see
-    /// [`crate::tcp::wire::Purpose::Rdma`]); without a handler they are closed after the
+    /// [`crate::tcp::Purpose::Rdma`]); without a handler they are closed after the
     /// handshake, which a peer reads as "no RDMA here".
-    pub fn set_rdma_handler(&self, handler: ControlHandler) {
+    pub fn set_rdma_handler(&self, handler: Handler) {
         *self.shared.rdma.lock().unwrap_or_else(|p| p.into_inner()) = Some(handler);
     }
 
     /// Something that opens authenticated connections of `purpose` to peers, as
     /// [`TcpTransport::open_control`] does (for the RDMA backend's side channel). It holds the
     /// engine's state, not the engine: it works while the engine runs.
-    pub fn opener(&self, purpose: wire::Purpose) -> Opener {
+    pub fn opener(&self, purpose: Purpose) -> Opener {
         let shared = Arc::downgrade(&self.shared);
-        Arc::new(move |peer: &TcpPeer| {
+        Arc::new(move |peer: &PeerAddr| {
             let s = shared
                 .upgrade()
                 .ok_or_else(|| Error::PeerUnavailable("the TCP engine stopped".into()))?;
-            handshake::connect(&s, peer, purpose)
+            handshake::connect(&s.handshake(), peer, purpose)
         })
     }
 
@@ -472,8 +471,8 @@ impl TcpTransport {
     ///
     /// # Errors
     /// [`Error::PeerUnavailable`] as for [`Transport::open`].
-    pub fn open_control(&self, peer: &TcpPeer) -> Result<(Channel, wire::Bind)> {
-        handshake::connect(&self.shared, peer, wire::Purpose::Control)
+    pub fn open_control(&self, peer: &PeerAddr) -> Result<(Channel, Bind)> {
+        handshake::connect(&self.shared.handshake(), peer, Purpose::Control)
     }
 
     /// Ops and bytes in flight.
@@ -505,7 +504,7 @@ impl Drop for TcpTransport {
 
 impl Transport for TcpTransport {
     type Registration = TcpRegistration;
-    type Peer = TcpPeer;
+    type Peer = PeerAddr;
 
     fn register(
         &self,
@@ -536,7 +535,7 @@ impl Transport for TcpTransport {
         self.shared.target.now_ms()
     }
 
-    fn open(&self, peer: &TcpPeer) -> Result<EndpointId> {
+    fn open(&self, peer: &PeerAddr) -> Result<EndpointId> {
         let s = &self.shared;
         {
             let eps = s.endpoints();
@@ -549,7 +548,7 @@ impl Transport for TcpTransport {
         }
         let mut streams = Vec::with_capacity(s.config.connections);
         for _ in 0..s.config.connections {
-            streams.push(handshake::connect(s, peer, wire::Purpose::Data)?.0);
+            streams.push(handshake::connect(&s.handshake(), peer, Purpose::Data)?.0);
         }
         let endpoint = EndpointId(s.next_endpoint.fetch_add(1, Ordering::Relaxed));
         s.endpoints().insert(

@@ -1,12 +1,12 @@
-//! The TCP backend's frames. Every connection starts with the authentication handshake
-//! ([`crate::auth`]), then one [`Bind`] each way, then requests (initiator → target) and
+//! The TCP backend's frames. Every connection starts with the handshake ([`crate::link`]: the
+//! authentication, then one [`crate::link::wire::Bind`] each way), then requests (initiator → target) and
 //! responses (target → initiator) in order. Little-endian, fixed size, versioned. Every frame
 //! ends in a 16-byte tag of the connection's key over its bytes and its place in the stream
 //! ([`crate::auth::Sealer`]): a frame changed, replayed or reordered in flight closes the
 //! connection.
 //!
 //! ```text
-//! Bind (40 bytes)          Request (80 bytes)                 Response (48 bytes)
+//! Bind (40 bytes, link/)   Request (80 bytes)                 Response (48 bytes)
 //! 0  2 "KB"                0  2 "KQ"                          0  2 "KR"
 //! 2  1 version             2  1 version                       2  1 version
 //! 3  1 purpose (0 data,    3  1 kind (1 write, 2 read)        3  1 status (0 ok, 1 refused,
@@ -31,15 +31,14 @@
 //! magic or version, or a wrong tag closes the connection (it is out of step or hostile). The
 //! offset is a number within a segment, checked against a grant; never an address.
 //!
-//! Where the responder's [`Bind`] would be, a responder that will not serve this peer any
-//! more connections of the purpose sends a [`Refusal`] (magic "KN", the bound and a retry
-//! hint), tagged the same way.
+//! The Bind, and the [`crate::link::wire::Refusal`] a responder sends in its place, are the
+//! handshake's frames ([`crate::link::wire`]); this file lays them out beside the backend's own
+//! so that the picture is whole.
 
 use crate::auth::TAG_BYTES;
-use crate::error::{Error, Result};
-
-/// The frame layout this build speaks (2: every frame tagged).
-pub const WIRE_VERSION: u8 = 2;
+use crate::error::Result;
+pub use crate::link::wire::WIRE_VERSION;
+use crate::link::wire::{check_head, protocol, u32_at, u64_at};
 
 /// Where a frame's integrity tag starts in each frame (its last [`TAG_BYTES`]).
 const fn tag_at(wire_bytes: usize) -> usize {
@@ -48,31 +47,6 @@ const fn tag_at(wire_bytes: usize) -> usize {
 
 /// Flag: the payload carries a CRC-32C (request: of the write's payload; read: wanted back).
 pub const FLAG_CHECKSUM: u32 = 1;
-
-/// What a connection is for, as its initiator's [`Bind`] says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-#[repr(u8)]
-pub enum Purpose {
-    /// Chunks, for the ring.
-    #[default]
-    Data = 0,
-    /// The owner's own messages (handed to its control handler, authenticated).
-    Control = 1,
-    /// The RDMA backend's side channel (queue-pair exchange, keys), handed to its handler;
-    /// closed at once by an engine without one.
-    Rdma = 2,
-}
-
-/// A connection's introduction, after authentication.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Bind {
-    /// The sender's node id.
-    pub node_id: u64,
-    /// The sender's incarnation.
-    pub node_generation: u64,
-    /// What the connection is for (the responder answers with the same).
-    pub purpose: Purpose,
-}
 
 /// Request kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,69 +110,6 @@ pub struct Response {
     pub crc: u32,
     /// Why it was refused ([`crate::engine::target::Target::begin`]'s codes).
     pub refusal: u8,
-}
-
-fn protocol(what: String) -> Error {
-    Error::InvalidArgument(format!("transfer protocol: {what}"))
-}
-
-fn check_head(b: &[u8], magic: &[u8; 2]) -> Result<()> {
-    if &b[0..2] != magic {
-        return Err(protocol(format!(
-            "expected a {:?} frame",
-            std::str::from_utf8(magic)
-        )));
-    }
-    if b[2] != WIRE_VERSION {
-        return Err(protocol(format!(
-            "the peer speaks frame version {}, this node {WIRE_VERSION}",
-            b[2]
-        )));
-    }
-    Ok(())
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
-}
-
-impl Bind {
-    /// Bytes on the wire.
-    pub const WIRE_BYTES: usize = 24 + TAG_BYTES;
-
-    /// The wire form.
-    pub fn encode(&self) -> [u8; Self::WIRE_BYTES] {
-        let mut b = [0u8; Self::WIRE_BYTES];
-        b[0..2].copy_from_slice(b"KB");
-        b[2] = WIRE_VERSION;
-        b[3] = self.purpose as u8;
-        b[8..16].copy_from_slice(&self.node_id.to_le_bytes());
-        b[16..24].copy_from_slice(&self.node_generation.to_le_bytes());
-        b
-    }
-
-    /// Parse the wire form.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for another magic or version.
-    pub fn decode(b: &[u8; Self::WIRE_BYTES]) -> Result<Bind> {
-        check_head(b, b"KB")?;
-        let purpose = match b[3] {
-            0 => Purpose::Data,
-            1 => Purpose::Control,
-            2 => Purpose::Rdma,
-            p => return Err(protocol(format!("unknown connection purpose {p}"))),
-        };
-        Ok(Bind {
-            node_id: u64_at(b, 8),
-            node_generation: u64_at(b, 16),
-            purpose,
-        })
-    }
 }
 
 impl Request {
@@ -306,50 +217,10 @@ impl Response {
     }
 }
 
-/// A responder's "no more connections of this purpose from you", in its bind's place.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Refusal {
-    /// The purpose refused.
-    pub purpose: Purpose,
-    /// The bound reached (connections of the purpose per peer).
-    pub limit: u32,
-    /// How long to wait before trying again, ms.
-    pub retry_after_ms: u32,
-}
-
-impl Refusal {
-    /// The wire form: as long as a [`Bind`] (its place), tag last.
-    pub fn encode(&self) -> [u8; Bind::WIRE_BYTES] {
-        let mut b = [0u8; Bind::WIRE_BYTES];
-        b[0..2].copy_from_slice(b"KN");
-        b[2] = WIRE_VERSION;
-        b[3] = self.purpose as u8;
-        b[4..8].copy_from_slice(&self.limit.to_le_bytes());
-        b[8..12].copy_from_slice(&self.retry_after_ms.to_le_bytes());
-        b
-    }
-
-    /// The refusal a bind-sized frame holds, if it is one.
-    pub fn decode(b: &[u8; Bind::WIRE_BYTES]) -> Option<Refusal> {
-        if &b[0..2] != b"KN" || b[2] != WIRE_VERSION {
-            return None;
-        }
-        let purpose = match b[3] {
-            0 => Purpose::Data,
-            1 => Purpose::Control,
-            _ => Purpose::Rdma,
-        };
-        Some(Refusal {
-            purpose,
-            limit: u32_at(b, 4),
-            retry_after_ms: u32_at(b, 8),
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::link::wire::{Bind, Purpose};
     use proptest::prelude::*;
 
     proptest! {
@@ -428,22 +299,5 @@ mod tests {
         let mut b = r.encode();
         b[44..48].copy_from_slice(&0u32.to_le_bytes());
         assert!(Request::decode(&b).is_err(), "an empty chunk");
-    }
-
-    #[test]
-    fn a_refusal_reads_back_and_a_bind_is_not_one() {
-        let r = Refusal {
-            purpose: Purpose::Control,
-            limit: 16,
-            retry_after_ms: 200,
-        };
-        assert_eq!(Refusal::decode(&r.encode()), Some(r));
-        let b = Bind {
-            node_id: 1,
-            node_generation: 2,
-            purpose: Purpose::Data,
-        };
-        assert_eq!(Refusal::decode(&b.encode()), None);
-        assert!(Bind::decode(&r.encode()).is_err(), "a refusal is no bind");
     }
 }

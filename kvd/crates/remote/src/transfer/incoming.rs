@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use transport::channel::Channel;
 use transport::grant::{Direction, Grant, TransferId};
+use transport::link::wire::Bind;
 use transport::registry::Backends;
-use transport::tcp::wire::Bind;
 
 use super::Counters;
 use super::wire::{Binding, CheckpointStep, Offered, PeerReply, PeerRequest, Served};

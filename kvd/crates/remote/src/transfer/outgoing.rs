@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use transport::channel::Channel;
 use transport::engine::{Op as TransferOp, OpKind};
 use transport::grant::TransferId;
+use transport::link::PeerAddr;
+use transport::link::wire::Bind;
 use transport::segment::SegmentDescriptor;
-use transport::tcp::TcpPeer;
-use transport::tcp::wire::Bind;
 
 use transport::registry::Backends;
 
@@ -361,7 +361,7 @@ impl Outgoing {
         let addr = self
             .addr_of(peer)
             .ok_or_else(|| Error::NotFound(format!("node {peer} left the peer table")))?;
-        let tcp_peer = TcpPeer {
+        let tcp_peer = PeerAddr {
             addr,
             node_id: peer,
         };
@@ -453,7 +453,7 @@ impl Outgoing {
     fn first_ask(
         &self,
         engine: &Backends,
-        peer: &TcpPeer,
+        peer: &PeerAddr,
         request: impl Fn(&Bind) -> PeerRequest,
     ) -> Result<(Channel, Bind, PeerReply)> {
         let idle = self
@@ -514,7 +514,7 @@ impl Outgoing {
             ));
         }
         let request = prefix.as_ref().map_or(0, |(r, _)| *r);
-        let tcp_peer = TcpPeer {
+        let tcp_peer = PeerAddr {
             addr: self
                 .addr_of(peer)
                 .ok_or_else(|| Error::NotFound(format!("node {peer} left the peer table")))?,
@@ -595,7 +595,7 @@ impl Outgoing {
         &self,
         engine: &Backends,
         peer: u64,
-        tcp_peer: TcpPeer,
+        tcp_peer: PeerAddr,
         binding: &Binding,
         expected_ns: Option<crate::keys::NamespaceId>,
         transfer: u64,
@@ -711,7 +711,7 @@ impl Outgoing {
     fn send(
         &self,
         engine: &Backends,
-        tcp_peer: TcpPeer,
+        tcp_peer: PeerAddr,
         ops: &[TransferOp],
         checksums: &[Option<u32>],
     ) -> Result<Vec<Option<u32>>> {

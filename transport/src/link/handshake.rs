@@ -1,9 +1,10 @@
-//! Opening and accepting connections: connect, authenticate both ways over the cluster secret
-//! ([`crate::auth`]), exchange [`Bind`]s, and set the socket options the ring relies on. All
-//! of it blocking with timeouts, in the caller's thread (opening) or a bounded handshake thread
-//! (accepting): setup may block; the data path never does.
+//! Opening and accepting connections, for every backend: connect, authenticate both ways over
+//! the cluster secret ([`crate::auth`]), exchange [`Bind`]s, and set the socket options the
+//! backends rely on. All of it blocking with timeouts, in the caller's thread (opening) or a
+//! bounded handshake thread (accepting): setup may block; the data path never does.
 //!
-//! Admission of unauthenticated connections, like the Unix socket's:
+//! Admission of unauthenticated connections, like the Unix socket's (the bounds are checked by
+//! the listener that owns the data port socket, `tcp/listener.rs`; the frames are here):
 //!
 //! ```text
 //! accept ─┬─ handshakes ≥ max_handshakes, or ≥ max_handshakes_per_source from this address,
@@ -27,17 +28,37 @@
 //! [`Channel`] returned carries the key on.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use super::PeerAddr;
 use super::wire::{Bind, Purpose, Refusal};
-use super::{Command, Shared, TcpConfig, TcpPeer};
 use crate::admission::Admission;
-use crate::auth::{Challenge, Hello, Initiator, Proof, Responder, Role};
+use crate::auth::{Challenge, ClusterSecret, Hello, Initiator, Proof, Responder, Role};
 use crate::channel::{Channel, PeerPurpose};
 use crate::error::{Error, Result};
+
+/// What one side of a handshake needs to know about its own node (the backend that owns the
+/// listener builds it from its settings).
+#[derive(Debug, Clone, Copy)]
+pub struct Handshake<'a> {
+    /// This node's id, as its binds say.
+    pub node_id: u64,
+    /// This node's incarnation, as its binds say.
+    pub node_generation: u64,
+    /// The cluster secret both ends prove they hold.
+    pub secret: &'a ClusterSecret,
+    /// The deadline for connecting, and for the whole handshake when accepting.
+    pub connect_timeout: Duration,
+    /// The kernel's user timeout and keep-alive give up on a silent peer after this.
+    pub stall_timeout: Duration,
+    /// Connections of one purpose one peer may hold here (named in the refusal).
+    pub max_connections_per_peer: usize,
+    /// Frames whose integrity tag was wrong (counted here and on every channel made).
+    pub integrity_failures: &'a Arc<AtomicU64>,
+}
 
 fn io(what: &str, e: std::io::Error) -> Error {
     Error::PeerUnavailable(format!("{what}: {e}"))
@@ -102,7 +123,7 @@ fn read_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Res
 /// Options every data connection gets: no Nagle (headers go at once), keep-alive probes and a
 /// user timeout at the stall timeout (so the kernel itself gives up on a peer that stopped
 /// acknowledging), and a bounded wait for the handshake.
-fn tune(s: &TcpStream, config: &TcpConfig) -> std::io::Result<()> {
+fn tune(s: &TcpStream, config: &Handshake<'_>) -> std::io::Result<()> {
     use rustix::net::sockopt;
     s.set_nodelay(true)?;
     sockopt::set_socket_keepalive(s, true)?;
@@ -116,7 +137,7 @@ fn tune(s: &TcpStream, config: &TcpConfig) -> std::io::Result<()> {
     Ok(())
 }
 
-fn bind_of(config: &TcpConfig, generation: u64, purpose: Purpose) -> Bind {
+fn bind_of(config: &Handshake<'_>, generation: u64, purpose: Purpose) -> Bind {
     Bind {
         node_id: config.node_id,
         node_generation: generation,
@@ -126,19 +147,18 @@ fn bind_of(config: &TcpConfig, generation: u64, purpose: Purpose) -> Bind {
 
 /// Connect one connection for `purpose` to `peer` and authenticate it (the initiator's
 /// side); the peer's introduction with it.
-pub(super) fn connect(
-    shared: &Shared,
-    peer: &TcpPeer,
+pub fn connect(
+    config: &Handshake<'_>,
+    peer: &PeerAddr,
     purpose: Purpose,
 ) -> Result<(Channel, Bind)> {
-    let config = &shared.config;
-    let generation = shared.target.node_generation();
-    let failures = &shared.counters.integrity_failures;
+    let generation = config.node_generation;
+    let failures = config.integrity_failures;
     let shown = peer.addr;
     let mut s = TcpStream::connect_timeout(&peer.addr, config.connect_timeout)
         .map_err(|e| io(&format!("connect to {shown}"), e))?;
     tune(&s, config).map_err(|e| io("socket options", e))?;
-    let (me, hello) = Initiator::start(&config.secret)?;
+    let (me, hello) = Initiator::start(config.secret)?;
     s.write_all(&hello.encode())
         .map_err(|e| io(&format!("handshake with {shown}"), e))?;
     let mut c = [0u8; Challenge::WIRE_BYTES];
@@ -199,19 +219,18 @@ pub(super) fn connect(
 
 /// The responder's side of one connection, all of it by `deadline`, within the per-peer
 /// bounds of `peers`; the initiator's introduction with it.
-fn accept_one(
-    shared: &Shared,
+pub fn accept_one(
+    config: &Handshake<'_>,
     peers: &Admission<PeerPurpose>,
     mut s: TcpStream,
     deadline: Instant,
 ) -> Result<(Channel, Bind)> {
-    let config = &shared.config;
-    let generation = shared.target.node_generation();
-    let failures = &shared.counters.integrity_failures;
+    let generation = config.node_generation;
+    let failures = config.integrity_failures;
     tune(&s, config).map_err(|e| io("socket options", e))?;
     let mut h = [0u8; Hello::WIRE_BYTES];
     read_by(&mut s, &mut h, deadline).map_err(|e| io("handshake", e))?;
-    let (me, challenge) = Responder::answer(&config.secret, &Hello::decode(&h)?)?;
+    let (me, challenge) = Responder::answer(config.secret, &Hello::decode(&h)?)?;
     s.write_all(&challenge.encode())
         .map_err(|e| io("handshake", e))?;
     let mut p = [0u8; 32];
@@ -251,7 +270,7 @@ fn accept_one(
 
 /// Refuse a connection at a bound: read off what it sent, one non-blocking write of the
 /// refusal frame, close. Never waits.
-fn refuse(stream: TcpStream, bound: &str) {
+pub fn refuse(stream: TcpStream, bound: &str) {
     if stream.set_nonblocking(true).is_err() {
         return;
     }
@@ -259,92 +278,4 @@ fn refuse(stream: TcpStream, bound: &str) {
     let _ = (&stream).read(&mut sink);
     let _ = (&stream).write(&refusal_frame(bound));
     let _ = stream.shutdown(std::net::Shutdown::Write);
-}
-
-/// Accept peers until the engine stops. Each connection gets a handshake thread within the
-/// bounds of an [`Admission`] and one deadline, and only `max_target_connections` may be served;
-/// past a bound it gets a refusal frame and is closed at once (counted).
-pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
-    use rustix::event::{PollFd, PollFlags, Timespec, poll};
-    let admission = Admission::new(
-        shared.config.max_handshakes,
-        shared.config.max_handshakes_per_source,
-    );
-    // after authentication: each peer's own share per purpose (the totals are bounded apart)
-    let peers: Admission<PeerPurpose> =
-        Admission::new(usize::MAX, shared.config.max_connections_per_peer);
-    let tick = Timespec {
-        tv_sec: 0,
-        tv_nsec: 50_000_000,
-    };
-    while !shared.stop.load(Ordering::Acquire) {
-        let mut fds = [PollFd::new(listener, PollFlags::IN)];
-        if poll(&mut fds, Some(&tick)).unwrap_or(0) == 0 {
-            continue;
-        }
-        let Ok((stream, from)) = listener.accept() else {
-            continue;
-        };
-        let deadline = Instant::now() + shared.config.connect_timeout;
-        let served = shared.target_connections.load(Ordering::Acquire);
-        let place = if served >= shared.config.max_target_connections {
-            Err(format!(
-                "{} connections served",
-                shared.config.max_target_connections
-            ))
-        } else {
-            admission
-                .admit(from.ip())
-                .map_err(|bound| format!("handshakes: {bound}"))
-        };
-        let place = match place {
-            Ok(p) => p,
-            Err(bound) => {
-                shared
-                    .counters
-                    .handshakes_refused
-                    .fetch_add(1, Ordering::Relaxed);
-                refuse(stream, &bound);
-                continue;
-            }
-        };
-        let s = Arc::clone(shared);
-        let peers = peers.clone();
-        let _spawned = std::thread::Builder::new()
-            .name("kvd-tcp-handshake".into())
-            .spawn(move || {
-                let _place = place;
-                let accepted = accept_one(&s, &peers, stream, deadline);
-                match accepted {
-                    Ok((channel, bind)) if bind.purpose == Purpose::Data => {
-                        s.target_connections.fetch_add(1, Ordering::AcqRel);
-                        s.send(Command::Serve {
-                            channel,
-                            peer: bind.node_id,
-                        });
-                    }
-                    Ok((channel, bind)) => {
-                        let slot = match bind.purpose {
-                            Purpose::Rdma => &s.rdma,
-                            _ => &s.control,
-                        };
-                        let handler = slot.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                        match handler {
-                            Some(h) => h(channel, bind),
-                            // nobody takes control connections here: close it
-                            None => {
-                                s.counters
-                                    .handshakes_refused
-                                    .fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                    }
-                    Err(_) => {
-                        s.counters
-                            .handshakes_refused
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            });
-    }
 }
