@@ -265,10 +265,9 @@ impl Backends {
 
     /// The choice, and what each peer's last transfer used.
     pub fn report(&self) -> BackendsReport {
-        let preferred = if self.rdma_on() { "rdma" } else { "tcp" };
         BackendsReport {
             requested: self.requested.into(),
-            preferred: preferred.into(),
+            preferred: self.preferred().into(),
             reason: self.reason.clone(),
             peers: self.used.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         }
@@ -276,11 +275,12 @@ impl Backends {
 
     /// The choice, for a start-up log line.
     pub fn describe(&self) -> String {
-        format!(
-            "{} ({})",
-            if self.rdma_on() { "rdma" } else { "tcp" },
-            self.reason
-        )
+        format!("{} ({})", self.preferred(), self.reason)
+    }
+
+    /// The engine used for peers that have it too.
+    fn preferred(&self) -> &'static str {
+        if self.rdma_on() { "rdma" } else { "tcp" }
     }
 
     fn rdma_on(&self) -> bool {

@@ -35,6 +35,18 @@ pub struct Bind {
     pub purpose: Purpose,
 }
 
+impl Purpose {
+    /// The purpose a bind's purpose byte names, if it names one.
+    pub fn from_wire(b: u8) -> Option<Purpose> {
+        match b {
+            0 => Some(Purpose::Data),
+            1 => Some(Purpose::Control),
+            2 => Some(Purpose::Rdma),
+            _ => None,
+        }
+    }
+}
+
 pub(crate) fn protocol(what: String) -> Error {
     Error::InvalidArgument(format!("transfer protocol: {what}"))
 }
@@ -84,12 +96,8 @@ impl Bind {
     /// [`Error::InvalidArgument`] for another magic or version.
     pub fn decode(b: &[u8; Self::WIRE_BYTES]) -> Result<Bind> {
         check_head(b, b"KB")?;
-        let purpose = match b[3] {
-            0 => Purpose::Data,
-            1 => Purpose::Control,
-            2 => Purpose::Rdma,
-            p => return Err(protocol(format!("unknown connection purpose {p}"))),
-        };
+        let purpose = Purpose::from_wire(b[3])
+            .ok_or_else(|| protocol(format!("unknown connection purpose {}", b[3])))?;
         Ok(Bind {
             node_id: u64_at(b, 8),
             node_generation: u64_at(b, 16),
@@ -126,11 +134,8 @@ impl Refusal {
         if &b[0..2] != b"KN" || b[2] != WIRE_VERSION {
             return None;
         }
-        let purpose = match b[3] {
-            0 => Purpose::Data,
-            1 => Purpose::Control,
-            _ => Purpose::Rdma,
-        };
+        // a refusal is read leniently: any purpose byte past the known ones reads as the last
+        let purpose = Purpose::from_wire(b[3]).unwrap_or(Purpose::Rdma);
         Some(Refusal {
             purpose,
             limit: u32_at(b, 4),
