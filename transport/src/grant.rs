@@ -36,6 +36,16 @@ pub enum Direction {
     RemoteWrite,
 }
 
+/// A peer node in one incarnation, as its connection's handshake authenticated it. A grant
+/// bound to one is refused to any other node and to the same node after a restart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PeerNode {
+    /// Its node id.
+    pub node: u64,
+    /// Its incarnation.
+    pub generation: u64,
+}
+
 /// One grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Grant {
@@ -53,10 +63,11 @@ pub struct Grant {
     pub direction: Direction,
     /// When the grant ends on its own (the engine's clock, ms).
     pub expires_at_ms: u64,
-    /// The only peer node that may use it (`None`: any authenticated peer). A daemon grants a
-    /// transfer's pages to the node it negotiated the transfer with, so a third node holding
-    /// the cluster secret cannot write into another pair's transfer.
-    pub peer: Option<u64>,
+    /// The only peer node, in the only incarnation, that may use it (`None`: any authenticated
+    /// peer). A daemon grants a transfer's pages to the node it negotiated the transfer with,
+    /// so a third node holding the cluster secret cannot write into another pair's transfer,
+    /// nor the negotiating node's next incarnation into its predecessor's.
+    pub peer: Option<PeerNode>,
 }
 
 impl Grant {
@@ -83,8 +94,9 @@ pub struct Access {
     pub transfer: TransferId,
     /// The epoch it names.
     pub epoch: u64,
-    /// The node the access comes from (authenticated at the connection's handshake).
-    pub peer: u64,
+    /// The node (and incarnation) the access comes from, authenticated at the connection's
+    /// handshake.
+    pub peer: PeerNode,
 }
 
 /// Why a grant or an access was refused. Each is counted (see [`Grants::refusals`]).
@@ -351,14 +363,15 @@ impl Grants {
                 current: g.epoch,
             });
         }
+        // a grant bound to another peer (or incarnation) is, to this one, not granted at all
         let covering = || {
-            grants
-                .iter()
-                .filter(|g| g.segment == a.segment && g.covers(a.offset, a.len))
+            grants.iter().filter(|g| {
+                g.segment == a.segment
+                    && g.covers(a.offset, a.len)
+                    && g.peer.is_none_or(|p| p == a.peer)
+            })
         };
-        let same_direction = || {
-            covering().filter(|g| g.direction == a.direction && g.peer.is_none_or(|p| p == a.peer))
-        };
+        let same_direction = || covering().filter(|g| g.direction == a.direction);
         if same_direction().any(|g| g.expires_at_ms > now_ms) {
             return Ok(());
         }
@@ -432,8 +445,40 @@ mod tests {
             direction,
             transfer,
             epoch: 1,
-            peer: 0,
+            peer: PEER,
         }
+    }
+
+    const PEER: PeerNode = PeerNode {
+        node: 2,
+        generation: 7,
+    };
+
+    #[test]
+    fn a_grant_bound_to_a_peer_refuses_other_nodes_and_that_nodes_next_incarnation() {
+        let mut g = table();
+        g.grant(Grant {
+            peer: Some(PEER),
+            ..grant(T, 0, 4096, Direction::RemoteWrite)
+        })
+        .unwrap();
+        let from = |peer| Access {
+            peer,
+            ..access(T, 0, 4096, Direction::RemoteWrite)
+        };
+        g.check(&from(PEER), 10).unwrap();
+        for other in [
+            PeerNode { node: 3, ..PEER },
+            PeerNode {
+                generation: 8,
+                ..PEER
+            },
+        ] {
+            let e = g.check(&from(other), 10).unwrap_err();
+            assert!(matches!(e, GrantError::NotGranted { .. }), "{other:?}: {e}");
+        }
+        assert_eq!(g.refusals().iter().sum::<u64>(), 2);
+        g.check(&from(PEER), 10).unwrap();
     }
 
     #[test]
@@ -594,7 +639,7 @@ mod tests {
                     granted.push(gr);
                 }
             }
-            let acc = Access { segment: S, offset: a.1, len: a.2, direction: dir(a.3), transfer: TransferId(a.0), epoch: 1 , peer: 0};
+            let acc = Access { segment: S, offset: a.1, len: a.2, direction: dir(a.3), transfer: TransferId(a.0), epoch: 1 , peer: PEER};
             let expected = a.2 > 0 && a.1 + a.2 <= 64 && granted.iter().any(|gr| {
                 gr.transfer == acc.transfer && gr.direction == acc.direction && gr.expires_at_ms > now
                     && acc.offset >= gr.offset && acc.offset + acc.len <= gr.offset + gr.len

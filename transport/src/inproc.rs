@@ -77,7 +77,7 @@ impl InProcTransport {
     ///
     /// # Safety
     /// The posting contract for `local` (len bytes), as `submit`'s caller promised.
-    unsafe fn run(peer: &Target, op: &Op, local: *mut u8) -> ChunkOutcome {
+    unsafe fn run(&self, peer: &Target, op: &Op, local: *mut u8) -> ChunkOutcome {
         let access = Access {
             segment: op.remote.segment,
             offset: op.remote_offset,
@@ -85,8 +85,11 @@ impl InProcTransport {
             direction: remote_direction(op.kind),
             transfer: op.transfer,
             epoch: op.epoch,
-            // In-process: the in-process backend's grants are never bound to a peer node.
-            peer: 0,
+            // In-process, the caller is this engine's own node: nothing to authenticate.
+            peer: crate::grant::PeerNode {
+                node: self.target.node_id(),
+                generation: self.target.node_generation(),
+            },
         };
         let w = match peer.begin(&access, op.remote.node_generation) {
             Ok(w) => w,
@@ -188,7 +191,7 @@ impl Transport for InProcTransport {
             } else {
                 // SAFETY: the caller's posting contract covers the local range; the peer's
                 // grant contract covers the remote one.
-                unsafe { InProcTransport::run(&peer, op, local.ptr) }
+                unsafe { self.run(&peer, op, local.ptr) }
             };
             s.batches.chunk_finished(batch, i as u32, op.len, outcome);
         }

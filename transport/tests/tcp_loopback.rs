@@ -8,7 +8,7 @@ use transport::auth::{ClusterSecret, Hello};
 use transport::engine::{
     HeapMemory, Memory, Op, OpFailure, OpKind, OpStatus, Registration, Transport,
 };
-use transport::grant::{Direction, Grant, SegmentId, TransferId};
+use transport::grant::{Direction, Grant, PeerNode, SegmentId, TransferId};
 use transport::link::PeerAddr;
 use transport::segment::SegmentDescriptor;
 use transport::tcp::{TcpConfig, TcpStats, TcpTransport, ZeroCopy};
@@ -284,6 +284,73 @@ fn accesses_outside_the_grant_are_refused_and_touch_nothing() {
             .unwrap()
     };
     assert!(p.a.wait(b, Duration::from_secs(10)).unwrap().succeeded());
+}
+
+#[test]
+fn a_grant_bound_to_a_peer_takes_writes_from_that_incarnation_only() {
+    let p = pair(2 * MIB, |_| {});
+    pattern(&p.ma, 9);
+    // Transfer 1 is granted to node 1 in incarnation 1 only (as a daemon grants an offer's
+    // pages to the node that offered it).
+    let bound = Grant {
+        transfer: TransferId(1),
+        epoch: 1,
+        segment: SEG,
+        offset: 0,
+        len: MIB,
+        direction: Direction::RemoteWrite,
+        expires_at_ms: p.b.now_ms() + 60_000,
+        peer: Some(PeerNode {
+            node: 1,
+            generation: 1,
+        }),
+    };
+    // SAFETY: the test reads the granted range only after every batch settled and revoke.
+    unsafe { p.b.grant(bound).unwrap() };
+    let write_from = |e: &TcpTransport, mem: &Arc<HeapMemory>| {
+        e.register(SEG, mem.clone() as Arc<dyn Memory>, 0, 2 * MIB)
+            .ok();
+        let ep = e.open(&peer(&p.b, 2)).unwrap();
+        // SAFETY: left alone until settled.
+        let b = unsafe {
+            e.submit(ep, &ops(OpKind::Write, p.remote, 1, 1, MIB))
+                .unwrap()
+        };
+        let s = e.wait(b, Duration::from_secs(10)).unwrap();
+        let mut st = [OpStatus::Pending; 1];
+        e.poll(b, &mut st).unwrap();
+        (s.succeeded(), st[0])
+    };
+    // the same node restarted (incarnation 2), and a third node: refused, nothing lands
+    let restarted = {
+        let mut c = TcpConfig::new(1, 2, "127.0.0.1:0".parse().unwrap(), secret(7));
+        c.chunk_bytes = 256 << 10;
+        TcpTransport::start(c).unwrap()
+    };
+    let other = Arc::new(HeapMemory::zeroed(2 * MIB as usize));
+    pattern(&other, 3);
+    let (ok, st) = write_from(&restarted, &other);
+    assert!(
+        !ok && matches!(st, OpStatus::Failed(OpFailure::Refused(_))),
+        "{st:?}"
+    );
+    let stranger = engine(3, |_| {});
+    let (ok, st) = write_from(&stranger, &other);
+    assert!(
+        !ok && matches!(st, OpStatus::Failed(OpFailure::Refused(_))),
+        "{st:?}"
+    );
+    // SAFETY: nothing of transfer 1 is in flight (both batches settled refused).
+    let landed = unsafe { p.mb.bytes() };
+    assert!(landed[..MIB as usize].iter().all(|&x| x == 0));
+    assert_eq!(p.b.stats().refused, 8, "four chunks of each refused write");
+    // the incarnation it was granted to writes it
+    let (ok, st) = write_from(&p.a, &p.ma);
+    assert!(ok, "{st:?}");
+    p.b.revoke(TransferId(1));
+    // SAFETY: revoked: no peer touches the range any more.
+    let (landed, sent) = unsafe { (p.mb.bytes(), p.ma.bytes()) };
+    assert_eq!(landed[..MIB as usize], sent[..MIB as usize]);
 }
 
 #[test]

@@ -35,6 +35,16 @@ pub struct Bind {
     pub purpose: Purpose,
 }
 
+impl Bind {
+    /// The node and incarnation this bind introduces.
+    pub fn peer_node(&self) -> crate::grant::PeerNode {
+        crate::grant::PeerNode {
+            node: self.node_id,
+            generation: self.node_generation,
+        }
+    }
+}
+
 impl Purpose {
     /// The purpose a bind's purpose byte names, if it names one.
     pub fn from_wire(b: u8) -> Option<Purpose> {

@@ -67,9 +67,11 @@ impl<V: Verbs> Shared<V> {
                     }
                     Err(e) => Message::Refused(e.to_string()),
                 },
-                Ok(Message::Resolve(rs)) => {
-                    Message::Keys(rs.iter().map(|r| self.resolve(r, peer.node_id)).collect())
-                }
+                Ok(Message::Resolve(rs)) => Message::Keys(
+                    rs.iter()
+                        .map(|r| self.resolve(r, peer.peer_node()))
+                        .collect(),
+                ),
                 Ok(m) => {
                     tracing::debug!(node = peer.node_id, "RDMA side channel: unexpected {m:?}");
                     break;
@@ -96,7 +98,7 @@ impl<V: Verbs> Shared<V> {
 
     /// One key request: checked against a live grant (counted as the TCP target counts its
     /// refusals), then the exact range registered with only the right asked for.
-    pub(super) fn resolve(&self, r: &KeyRequest, peer: u64) -> Key {
+    pub(super) fn resolve(&self, r: &KeyRequest, peer: crate::grant::PeerNode) -> Key {
         let refused = |code: u8| {
             bump(&self.counters.keys_refused, 1);
             Key {

@@ -73,7 +73,7 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                         s.target_connections.fetch_add(1, Ordering::AcqRel);
                         s.send(Command::Serve {
                             channel,
-                            peer: bind.node_id,
+                            peer: bind.peer_node(),
                         });
                     }
                     Ok((channel, bind)) => {

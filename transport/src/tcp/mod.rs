@@ -224,7 +224,10 @@ enum Command {
         streams: Vec<Channel>,
     },
     /// A peer's authenticated connection (target side).
-    Serve { channel: Channel, peer: u64 },
+    Serve {
+        channel: Channel,
+        peer: crate::grant::PeerNode,
+    },
     /// Chunks of a batch for an endpoint.
     Submit {
         endpoint: EndpointId,

@@ -94,7 +94,7 @@ enum Role {
     },
     /// Serving a peer: the node it authenticated as at the handshake.
     Target {
-        peer: u64,
+        peer: crate::grant::PeerNode,
     },
 }
 

@@ -445,7 +445,7 @@ impl Incoming {
                 len: info.len,
                 direction: Direction::RemoteRead,
                 expires_at_ms,
-                peer: Some(peer.node_id),
+                peer: Some(peer.peer_node()),
             };
             // SAFETY: the page holds a PUBLISHED block pinned by this transfer's session:
             // its bytes are immutable and the page is not reused until the pin goes, which
@@ -614,7 +614,7 @@ impl Incoming {
                 len: *len,
                 direction: Direction::RemoteWrite,
                 expires_at_ms,
-                peer: Some(peer.node_id),
+                peer: Some(peer.peer_node()),
             };
             // SAFETY: the page belongs to a WRITING block of this transfer's own session:
             // no client writes or reads it, and it is not reused before the transfer ends,
