@@ -288,10 +288,13 @@ impl Outgoing {
                 p.bytes = bytes;
                 p.tokens = tokens;
                 self.counters.transfers_done.fetch_add(1, Ordering::Relaxed);
-                self.counters
-                    .blocks_sent
-                    .fetch_add(u64::from(blocks), Ordering::Relaxed);
-                self.counters.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+                // a fetch's blocks were received here (counted as they were published)
+                if !fetch {
+                    self.counters
+                        .blocks_sent
+                        .fetch_add(u64::from(blocks), Ordering::Relaxed);
+                    self.counters.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+                }
             }
             Err(e) => {
                 tracing::warn!(transfer = id, kind = kind_label, peer, error = %e, "transfer failed");
