@@ -135,6 +135,15 @@ impl std::fmt::Debug for SessionKey {
 }
 
 impl SessionKey {
+    /// A fresh random key, for a channel whose two ends are both in this process (there is
+    /// nobody to run a handshake with).
+    ///
+    /// # Errors
+    /// As [`Nonce::fresh`].
+    pub fn fresh() -> Result<SessionKey> {
+        Ok(SessionKey(Nonce::fresh()?.0))
+    }
+
     /// The two halves of a connection's integrity for the end `me`: what tags the frames it
     /// sends, what checks the frames it receives.
     pub fn split(&self, me: Role) -> (Sealer, Unsealer) {

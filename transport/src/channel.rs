@@ -19,8 +19,11 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use crate::admission::Admitted;
 use crate::auth::{Sealer, TAG_BYTES, Unsealer};
@@ -50,10 +53,97 @@ impl std::fmt::Display for PeerPurpose {
     }
 }
 
+/// What a channel's bytes travel over: a TCP connection between nodes, or one end of an
+/// in-process pair (the in-process backend's control channels, which cross no network).
+#[derive(Debug)]
+pub enum Stream {
+    /// A TCP connection (the data port).
+    Tcp(TcpStream),
+    /// One end of a socket pair within this process.
+    Pair(UnixStream),
+}
+
+impl Stream {
+    /// How long a read may block (`None`: forever).
+    ///
+    /// # Errors
+    /// As the socket's `set_read_timeout`.
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(t),
+            Stream::Pair(s) => s.set_read_timeout(t),
+        }
+    }
+
+    /// How long a write may block (`None`: forever).
+    ///
+    /// # Errors
+    /// As the socket's `set_write_timeout`.
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_write_timeout(t),
+            Stream::Pair(s) => s.set_write_timeout(t),
+        }
+    }
+
+    /// The read timeout set.
+    ///
+    /// # Errors
+    /// As the socket's `read_timeout`.
+    pub fn read_timeout(&self) -> std::io::Result<Option<Duration>> {
+        match self {
+            Stream::Tcp(s) => s.read_timeout(),
+            Stream::Pair(s) => s.read_timeout(),
+        }
+    }
+
+    /// Shut both directions down (the peer reads end of stream).
+    ///
+    /// # Errors
+    /// As the socket's `shutdown`.
+    pub fn shutdown(&self) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+            Stream::Pair(s) => s.shutdown(std::net::Shutdown::Both),
+        }
+    }
+}
+
+impl AsFd for Stream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Stream::Tcp(s) => s.as_fd(),
+            Stream::Pair(s) => s.as_fd(),
+        }
+    }
+}
+
+impl Read for &Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => (&*s).read(buf),
+            Stream::Pair(s) => (&*s).read(buf),
+        }
+    }
+}
+
+impl Write for &Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => (&*s).write(buf),
+            Stream::Pair(s) => (&*s).write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// One authenticated connection, ready for tagged frames.
 #[derive(Debug)]
 pub struct Channel {
-    stream: TcpStream,
+    stream: Stream,
     seal: Sealer,
     unseal: Unsealer,
     place: Option<Admitted<PeerPurpose>>,
@@ -82,12 +172,34 @@ impl Channel {
         place: Option<Admitted<PeerPurpose>>,
     ) -> Channel {
         Channel {
-            stream,
+            stream: Stream::Tcp(stream),
             seal,
             unseal,
             place,
             failures: None,
         }
+    }
+
+    /// Two ends of a channel within this process, keyed with `key` (`initiator` is the
+    /// first's end): what the in-process backend's control channels are. Framing, tags and
+    /// bounds are the TCP channel's; only the bytes cross no network.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the socket pair cannot be made (out of descriptors).
+    pub fn pair(key: &crate::auth::SessionKey) -> Result<(Channel, Channel)> {
+        use crate::auth::Role;
+        let (a, b) = UnixStream::pair().map_err(|e| io("make an in-process channel", &e))?;
+        let end = |s, role| {
+            let (seal, unseal) = key.split(role);
+            Channel {
+                stream: Stream::Pair(s),
+                seal,
+                unseal,
+                place: None,
+                failures: None,
+            }
+        };
+        Ok((end(a, Role::Initiator), end(b, Role::Responder)))
     }
 
     /// Count the frames that fail their tag in `failures`.
@@ -98,7 +210,7 @@ impl Channel {
     }
 
     /// The stream, to set its timeouts or shut it down.
-    pub fn stream(&self) -> &TcpStream {
+    pub fn stream(&self) -> &Stream {
         &self.stream
     }
 
@@ -116,7 +228,7 @@ impl Channel {
         frame.extend_from_slice(&len);
         frame.extend_from_slice(msg);
         frame.extend_from_slice(&tag);
-        self.stream
+        (&self.stream)
             .write_all(&frame)
             .map_err(|e| io("send on a peer connection", &e))
     }
@@ -129,7 +241,7 @@ impl Channel {
     /// for a frame over `max` (nothing is allocated for it) or one whose tag is wrong.
     pub fn recv(&mut self, max: usize) -> Result<Vec<u8>> {
         let mut len = [0u8; 4];
-        self.stream
+        (&self.stream)
             .read_exact(&mut len)
             .map_err(|e| io("receive on a peer connection", &e))?;
         let n = u32::from_le_bytes(len) as usize;
@@ -142,7 +254,7 @@ impl Channel {
         let idle = self.stream.read_timeout().unwrap_or(None);
         let within = idle.map_or(FRAME_TIMEOUT, |t| t.min(FRAME_TIMEOUT));
         let _ = self.stream.set_read_timeout(Some(within));
-        let got = self.stream.read_exact(&mut body);
+        let got = (&self.stream).read_exact(&mut body);
         let _ = self.stream.set_read_timeout(idle);
         got.map_err(|e| io("receive on a peer connection (mid-frame)", &e))?;
         self.unseal
@@ -156,10 +268,15 @@ impl Channel {
         Ok(body)
     }
 
-    /// The stream, the key's halves and the place, for a user that frames its own (the
-    /// TCP engine's ring).
-    pub fn into_parts(self) -> (TcpStream, Sealer, Unsealer, Option<Admitted<PeerPurpose>>) {
-        (self.stream, self.seal, self.unseal, self.place)
+    /// The TCP stream, the key's halves and the place, for a user that frames its own (the
+    /// TCP engine's ring); `None` for an in-process channel, which carries no data.
+    pub fn into_parts(
+        self,
+    ) -> Option<(TcpStream, Sealer, Unsealer, Option<Admitted<PeerPurpose>>)> {
+        match self.stream {
+            Stream::Tcp(s) => Some((s, self.seal, self.unseal, self.place)),
+            Stream::Pair(_) => None,
+        }
     }
 }
 
@@ -200,7 +317,7 @@ mod tests {
         let mut raw = len.to_vec();
         raw.extend_from_slice(b"abd");
         raw.extend_from_slice(&tag);
-        a.stream.write_all(&raw).unwrap();
+        (&a.stream).write_all(&raw).unwrap();
         let e = b.recv(1 << 20).unwrap_err();
         assert!(e.to_string().contains("integrity"), "{e}");
         // a frame over the reader's bound: refused before its body is read
@@ -210,8 +327,8 @@ mod tests {
         assert!(e.to_string().contains("at most 63"), "{e}");
         // a frame whose length came and whose rest never does: cut at the frame timeout, even
         // on a channel that may idle forever between frames
-        let (mut a, mut b) = pair();
-        a.stream.write_all(&10u32.to_le_bytes()).unwrap();
+        let (a, mut b) = pair();
+        (&a.stream).write_all(&10u32.to_le_bytes()).unwrap();
         let t = std::time::Instant::now();
         assert!(b.recv(1 << 20).is_err());
         assert!(t.elapsed() < FRAME_TIMEOUT * 3, "{:?}", t.elapsed());
@@ -220,5 +337,29 @@ mod tests {
         drop(a);
         let e = b.recv(10).unwrap_err();
         assert!(e.to_string().contains("closed"), "{e}");
+    }
+
+    #[test]
+    fn an_in_process_pair_frames_and_checks_like_a_tcp_channel() {
+        let key = crate::auth::SessionKey::fresh().unwrap();
+        let (mut a, mut b) = Channel::pair(&key).unwrap();
+        a.send(b"offer").unwrap();
+        assert_eq!(b.recv(64).unwrap(), b"offer");
+        b.send(b"granted").unwrap();
+        assert_eq!(a.recv(64).unwrap(), b"granted");
+        // a frame sent by the wrong end's sealer (reflected) fails its tag
+        let (a, mut b) = Channel::pair(&key).unwrap();
+        let len = 2u32.to_le_bytes();
+        let tag = b.seal.tag(&[&len, b"hi"]);
+        let mut raw = len.to_vec();
+        raw.extend_from_slice(b"hi");
+        raw.extend_from_slice(&tag);
+        (&a.stream).write_all(&raw).unwrap();
+        let e = b.recv(64).unwrap_err();
+        assert!(e.to_string().contains("integrity"), "{e}");
+        assert!(
+            a.into_parts().is_none(),
+            "an in-process channel carries no data ring"
+        );
     }
 }

@@ -3,10 +3,20 @@
 //! inside `submit`, so its batch is settled when `submit` returns. It exists so that the
 //! interface is exercised without a network and kvd has one code path for same-node and remote
 //! moves. (No checksum here: nothing crosses a wire; the store checksums blocks at seal.)
+//!
+//! [`InProcNet`] lets several such engines find each other by node id and open control
+//! channels to one another ([`Channel::pair`]: the same framing and tags, no socket address),
+//! so that a whole transfer protocol between nodes (offers, grants, batches, commits) runs in
+//! one process: the backend registry's in-process mode (`Backends::in_process`).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
+
+use crate::auth::SessionKey;
+use crate::channel::Channel;
+use crate::link::Handler;
+use crate::link::wire::{Bind, Purpose};
 
 use crate::engine::batches::{Batches, ChunkOutcome};
 use crate::engine::target::remote_direction;
@@ -67,6 +77,12 @@ impl InProcTransport {
     /// This engine's memory side, for other local engines to open endpoints to.
     pub fn target(&self) -> Arc<Target> {
         Arc::clone(&self.target)
+    }
+
+    /// Ops and bytes in flight (an op settles inside `submit`, so only batches not yet
+    /// released count).
+    pub fn in_flight(&self) -> (usize, u64) {
+        self.lock().batches.in_flight()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -216,6 +232,136 @@ impl Transport for InProcTransport {
 
     fn release(&self, batch: BatchId) -> Result<()> {
         self.lock().batches.release(batch)
+    }
+}
+
+/// How many nodes one [`InProcNet`] holds.
+pub const MAX_NODES: usize = 256;
+
+/// How long a read or write on an in-process control channel may block (as a TCP control
+/// connection's connect timeout; its owner sets others as it needs).
+const CHANNEL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Nodes in this process that reach each other by node id: their memory sides (for the
+/// in-process engine's endpoints) and their control handlers (for control channels). A node
+/// leaves when its engine goes (only a weak reference is kept).
+#[derive(Default)]
+pub struct InProcNet {
+    nodes: Mutex<HashMap<u64, NetNode>>,
+}
+
+struct NetNode {
+    target: Weak<Target>,
+    control: Option<Handler>,
+}
+
+impl std::fmt::Debug for InProcNet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let nodes = self.lock();
+        f.debug_struct("InProcNet")
+            .field("nodes", &nodes.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl InProcNet {
+    /// An empty network.
+    pub fn new() -> Arc<InProcNet> {
+        Arc::new(InProcNet::default())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, NetNode>> {
+        self.nodes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Add the node whose memory side is `target`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when a live node has its id; [`Error::Overloaded`] past
+    /// [`MAX_NODES`].
+    pub fn join(&self, target: &Arc<Target>) -> Result<()> {
+        let mut nodes = self.lock();
+        nodes.retain(|_, n| n.target.strong_count() > 0);
+        let id = target.node_id();
+        if nodes.contains_key(&id) {
+            return Err(Error::InvalidArgument(format!(
+                "node {id} is in this process already"
+            )));
+        }
+        if nodes.len() >= MAX_NODES {
+            return Err(Error::Overloaded {
+                what: format!("{MAX_NODES} in-process nodes (the limit)"),
+                retry_after_ms: 1_000,
+            });
+        }
+        nodes.insert(
+            id,
+            NetNode {
+                target: Arc::downgrade(target),
+                control: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// Take the control channels other nodes open to `node` (as
+    /// `TcpTransport::set_control_handler`).
+    pub fn set_control_handler(&self, node: u64, handler: Handler) {
+        if let Some(n) = self.lock().get_mut(&node) {
+            n.control = Some(handler);
+        }
+    }
+
+    /// The memory side of `node`, to open an endpoint to.
+    ///
+    /// # Errors
+    /// [`Error::PeerUnavailable`] when no live node has that id.
+    pub fn target_of(&self, node: u64) -> Result<Arc<Target>> {
+        self.lock()
+            .get(&node)
+            .and_then(|n| n.target.upgrade())
+            .ok_or_else(|| Error::PeerUnavailable(format!("node {node} is not in this process")))
+    }
+
+    /// A control channel from the node whose memory side is `from` to `node`: the other end
+    /// goes to `node`'s handler with `from`'s introduction; this end comes back with `node`'s.
+    ///
+    /// # Errors
+    /// [`Error::PeerUnavailable`] when `node` is not here or takes no control channels;
+    /// [`Error::Io`] when no channel can be made.
+    pub fn open_control(&self, from: &Target, node: u64) -> Result<(Channel, Bind)> {
+        let (target, handler) = {
+            let nodes = self.lock();
+            let n = nodes.get(&node);
+            let target = n.and_then(|n| n.target.upgrade()).ok_or_else(|| {
+                Error::PeerUnavailable(format!("node {node} is not in this process"))
+            })?;
+            let handler = n.and_then(|n| n.control.clone()).ok_or_else(|| {
+                Error::PeerUnavailable(format!("node {node} takes no control connections"))
+            })?;
+            (target, handler)
+        };
+        let (mine, theirs) = Channel::pair(&SessionKey::fresh()?)?;
+        for c in [&mine, &theirs] {
+            let _ = c.stream().set_read_timeout(Some(CHANNEL_TIMEOUT));
+            let _ = c.stream().set_write_timeout(Some(CHANNEL_TIMEOUT));
+        }
+        handler(
+            theirs,
+            Bind {
+                node_id: from.node_id(),
+                node_generation: from.node_generation(),
+                purpose: Purpose::Control,
+            },
+        );
+        Ok((
+            mine,
+            Bind {
+                node_id: node,
+                node_generation: target.node_generation(),
+                purpose: Purpose::Control,
+            },
+        ))
     }
 }
 

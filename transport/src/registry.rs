@@ -7,7 +7,13 @@
 //! are opened on first use, cached, and reopened once when they failed.
 //!
 //! A new backend is a change here and in its own module: the data port above calls
-//! [`Backends::run_batch`], [`Backends::grant`] and [`Backends::revoke`], never a backend.
+//! [`Backends::run_batch`], [`Backends::grant`], [`Backends::revoke`] and
+//! [`Backends::open_control`], never a backend.
+//!
+//! [`Backends::in_process`] puts the in-process backend in TCP's place (its batches a grant
+//! check and a copy, its control channels in-process pairs, peers found in an
+//! [`InProcNet`]), so that the transfer protocol above runs between nodes in one process,
+//! without sockets or privileges.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -15,10 +21,13 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::channel::Channel;
 use crate::engine::{EndpointId, Memory, Op, OpFailure, Revoked, Target, Transport};
 use crate::error::{Error, Result};
 use crate::grant::{Grant, SegmentId, TransferId};
-use crate::link::PeerAddr;
+use crate::inproc::{InProcNet, InProcTransport};
+use crate::link::wire::Bind;
+use crate::link::{Handler, PeerAddr};
 use crate::segment::SegmentDescriptor;
 use crate::tcp::TcpTransport;
 
@@ -30,6 +39,9 @@ pub enum Backend {
     Tcp,
     /// RDMA verbs.
     Rdma,
+    /// The in-process backend (nodes of one process).
+    #[serde(rename = "in_process")]
+    InProc,
 }
 
 /// What the choice is and was, per peer (the data port's `/status` shows it).
@@ -71,10 +83,27 @@ pub enum Wanted {
     Rdma(RdmaSettings),
 }
 
+/// The backend every node has: it carries control channels and holds the grant table.
+#[derive(Debug)]
+enum Base {
+    /// The data port's TCP engine.
+    Tcp(TcpTransport),
+    /// The in-process backend.
+    InProc(Box<InProc>),
+}
+
+/// The in-process backend, its memory side and the nodes it reaches.
+#[derive(Debug)]
+struct InProc {
+    engine: InProcTransport,
+    target: std::sync::Arc<Target>,
+    net: std::sync::Arc<InProcNet>,
+}
+
 /// The backends of one node's data port.
 #[derive(Debug)]
 pub struct Backends {
-    tcp: TcpTransport,
+    base: Base,
     #[cfg(feature = "rdma")]
     rdma: Option<std::sync::Arc<Rdma>>,
     requested: &'static str,
@@ -111,7 +140,7 @@ impl Backends {
     /// says why).
     pub fn start(tcp: TcpTransport, wanted: &Wanted, chunk_bytes: u32) -> Result<Backends> {
         let mut e = Backends {
-            tcp,
+            base: Base::Tcp(tcp),
             #[cfg(feature = "rdma")]
             rdma: None,
             requested: match wanted {
@@ -140,6 +169,36 @@ impl Backends {
         Ok(e)
     }
 
+    /// A node of `net` with node id `node_id` in incarnation `node_generation`: the in-process
+    /// backend in TCP's place, no RDMA.
+    ///
+    /// # Errors
+    /// As [`InProcNet::join`].
+    pub fn in_process(
+        net: &std::sync::Arc<InProcNet>,
+        node_id: u64,
+        node_generation: u64,
+    ) -> Result<Backends> {
+        let engine =
+            InProcTransport::new(node_id, node_generation, crate::engine::Limits::default());
+        let target = engine.target();
+        net.join(&target)?;
+        Ok(Backends {
+            base: Base::InProc(Box::new(InProc {
+                engine,
+                target,
+                net: std::sync::Arc::clone(net),
+            })),
+            #[cfg(feature = "rdma")]
+            rdma: None,
+            requested: "in_process",
+            reason: "in-process nodes".into(),
+            endpoints: Mutex::new(HashMap::new()),
+            used: Mutex::new(BTreeMap::new()),
+            no_rdma: Mutex::new(HashMap::new()),
+        })
+    }
+
     #[cfg(not(feature = "rdma"))]
     fn start_rdma(&mut self, _: &RdmaSettings, _: u32) -> std::result::Result<String, String> {
         Err("this kvd was built without RDMA (cargo feature `rdma`)".into())
@@ -154,6 +213,9 @@ impl Backends {
         use crate::rdma::device::DeviceChoice;
         use crate::rdma::sideway::{DeviceConfig, SidewayVerbs};
         use crate::rdma::{RdmaConfig, RdmaTransport};
+        let Base::Tcp(tcp) = &self.base else {
+            return Err("RDMA runs beside the TCP engine only".into());
+        };
         let choice = match (&s.device, &s.near_gpu) {
             (Some(n), _) => DeviceChoice::Named(n.clone()),
             (None, Some(g)) => DeviceChoice::NearGpu(g.clone()),
@@ -173,18 +235,17 @@ impl Backends {
         let rdma = RdmaTransport::start(
             verbs,
             config,
-            self.tcp.target_arc(),
-            self.tcp.opener(crate::link::wire::Purpose::Rdma),
+            tcp.target_arc(),
+            tcp.opener(crate::link::wire::Purpose::Rdma),
         )
         .map_err(|e| format!("the RDMA engine on {device}: {e}"))?;
         let rdma = std::sync::Arc::new(rdma);
         let weak = std::sync::Arc::downgrade(&rdma);
-        self.tcp
-            .set_rdma_handler(std::sync::Arc::new(move |stream, bind| {
-                if let Some(r) = weak.upgrade() {
-                    r.serve_side(stream, bind);
-                }
-            }));
+        tcp.set_rdma_handler(std::sync::Arc::new(move |stream, bind| {
+            if let Some(r) = weak.upgrade() {
+                r.serve_side(stream, bind);
+            }
+        }));
         self.rdma = Some(rdma);
         Ok(device)
     }
@@ -200,12 +261,14 @@ impl Backends {
         memory: std::sync::Arc<dyn Memory>,
         len: u64,
     ) -> Result<SegmentDescriptor> {
-        let descriptor = crate::engine::Registration::descriptor(&self.tcp.register(
-            segment,
-            memory.clone(),
-            0,
-            len,
-        )?);
+        use crate::engine::Registration;
+        let descriptor = match &self.base {
+            Base::Tcp(tcp) => tcp.register(segment, memory.clone(), 0, len)?.descriptor(),
+            Base::InProc(p) => p
+                .engine
+                .register(segment, memory.clone(), 0, len)?
+                .descriptor(),
+        };
         #[cfg(feature = "rdma")]
         if let Some(r) = &self.rdma {
             r.register(segment, memory, 0, len)?;
@@ -217,7 +280,10 @@ impl Backends {
 
     /// Ops and bytes in flight as initiator, both engines.
     pub fn in_flight(&self) -> (usize, u64) {
-        let (o, b) = self.tcp.in_flight();
+        let (o, b) = match &self.base {
+            Base::Tcp(tcp) => tcp.in_flight(),
+            Base::InProc(p) => p.engine.in_flight(),
+        };
         #[cfg(feature = "rdma")]
         if let Some(r) = &self.rdma {
             let (ro, rb) = r.in_flight();
@@ -226,19 +292,45 @@ impl Backends {
         (o, b)
     }
 
-    /// The TCP engine (control connections, counters).
-    pub fn tcp(&self) -> &TcpTransport {
-        &self.tcp
+    /// The TCP engine (its address, its counters); `None` in process.
+    pub fn tcp(&self) -> Option<&TcpTransport> {
+        match &self.base {
+            Base::Tcp(tcp) => Some(tcp),
+            Base::InProc(_) => None,
+        }
     }
 
     /// The grant table and segments both engines serve.
     pub fn target(&self) -> &Target {
-        self.tcp.target()
+        match &self.base {
+            Base::Tcp(tcp) => tcp.target(),
+            Base::InProc(p) => &p.target,
+        }
     }
 
     /// The engines' clock.
     pub fn now_ms(&self) -> u64 {
-        self.tcp.now_ms()
+        self.target().now_ms()
+    }
+
+    /// Open an authenticated control channel to `peer` for the owner's own messages, and
+    /// the peer's introduction (see `TcpTransport::open_control`).
+    ///
+    /// # Errors
+    /// [`Error::PeerUnavailable`] when the peer cannot be reached or authenticated.
+    pub fn open_control(&self, peer: &PeerAddr) -> Result<(Channel, Bind)> {
+        match &self.base {
+            Base::Tcp(tcp) => tcp.open_control(peer),
+            Base::InProc(p) => p.net.open_control(&p.target, peer.node_id),
+        }
+    }
+
+    /// Take the control channels peers open to this node.
+    pub fn set_control_handler(&self, handler: Handler) {
+        match &self.base {
+            Base::Tcp(tcp) => tcp.set_control_handler(handler),
+            Base::InProc(p) => p.net.set_control_handler(p.target.node_id(), handler),
+        }
     }
 
     /// Add a grant (it serves both engines).
@@ -250,7 +342,12 @@ impl Backends {
     /// As [`Transport::grant`].
     pub unsafe fn grant(&self, g: Grant) -> Result<()> {
         // SAFETY: the caller's contract, passed on.
-        unsafe { self.tcp.grant(g) }
+        unsafe {
+            match &self.base {
+                Base::Tcp(tcp) => tcp.grant(g),
+                Base::InProc(p) => p.engine.grant(g),
+            }
+        }
     }
 
     /// End a transfer's grants on both engines: once this returns no TCP chunk of it is in
@@ -260,7 +357,10 @@ impl Backends {
         if let Some(r) = &self.rdma {
             return r.revoke(transfer);
         }
-        self.tcp.revoke(transfer)
+        match &self.base {
+            Base::Tcp(tcp) => tcp.revoke(transfer),
+            Base::InProc(p) => p.engine.revoke(transfer),
+        }
     }
 
     /// The choice, and what each peer's last transfer used.
@@ -280,7 +380,11 @@ impl Backends {
 
     /// The engine used for peers that have it too.
     fn preferred(&self) -> &'static str {
-        if self.rdma_on() { "rdma" } else { "tcp" }
+        match &self.base {
+            Base::InProc(_) => "in_process",
+            Base::Tcp(_) if self.rdma_on() => "rdma",
+            Base::Tcp(_) => "tcp",
+        }
     }
 
     fn rdma_on(&self) -> bool {
@@ -325,7 +429,9 @@ impl Backends {
                 .is_some_and(|t| t.elapsed() < REPROBE);
             if !tcp_only {
                 // SAFETY: the caller's contract, passed on.
-                match unsafe { self.on(&**r, Backend::Rdma, peer, ops, checksums, timeout) } {
+                match unsafe {
+                    self.on(&**r, (Backend::Rdma, node), &peer, ops, checksums, timeout)
+                } {
                     Attempt::NoRdma(why) => {
                         tracing::info!(peer = node, reason = %why, "the peer serves no RDMA; using TCP");
                         let mut no = self.no_rdma.lock().unwrap_or_else(|p| p.into_inner());
@@ -338,8 +444,28 @@ impl Backends {
                 }
             }
         }
-        // SAFETY: the caller's contract, passed on.
-        match unsafe { self.on(&self.tcp, Backend::Tcp, peer, ops, checksums, timeout) } {
+        let node = peer.node_id;
+        let attempt = match &self.base {
+            // SAFETY: the caller's contract, passed on.
+            Base::Tcp(tcp) => unsafe {
+                self.on(tcp, (Backend::Tcp, node), &peer, ops, checksums, timeout)
+            },
+            Base::InProc(p) => {
+                let target = p.net.target_of(node)?;
+                // SAFETY: the caller's contract, passed on.
+                unsafe {
+                    self.on(
+                        &p.engine,
+                        (Backend::InProc, node),
+                        &target,
+                        ops,
+                        checksums,
+                        timeout,
+                    )
+                }
+            }
+        };
+        match attempt {
             Attempt::Done(r) => r,
             Attempt::NoRdma(why) => Err(Error::PeerUnavailable(why)),
         }
@@ -347,16 +473,15 @@ impl Backends {
 
     /// [`Backends::run_batch`] on one engine. An RDMA endpoint the peer will not open is
     /// answered [`Attempt::NoRdma`] (the caller falls back to TCP).
-    unsafe fn on<T: Transport<Peer = PeerAddr>>(
+    unsafe fn on<T: Transport>(
         &self,
         engine: &T,
-        backend: Backend,
-        peer: PeerAddr,
+        (backend, node): (Backend, u64),
+        peer: &T::Peer,
         ops: &[Op],
         checksums: &[Option<u32>],
         timeout: Duration,
     ) -> Attempt {
-        let node = peer.node_id;
         let mut reopened = false;
         loop {
             let ep = {
@@ -364,7 +489,7 @@ impl Backends {
                 match eps.get(&(backend, node)) {
                     Some(&ep) => ep,
                     None => {
-                        let ep = match engine.open(&peer) {
+                        let ep = match engine.open(peer) {
                             Ok(ep) => ep,
                             #[cfg(feature = "rdma")]
                             Err(e)

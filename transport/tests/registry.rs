@@ -92,7 +92,7 @@ fn a_peers_batches_go_over_the_backend_both_ends_have_and_the_report_says_which_
     assert!(r.reason.contains("RDMA"), "says why not RDMA: {r:?}");
     assert_eq!(r.peers.get(&2), Some(&Backend::Tcp), "{r:?}");
     assert_eq!(b.report().requested, "tcp");
-    let st = a.tcp().stats();
+    let st = a.tcp().expect("the TCP engine").stats();
     assert_eq!((st.chunks_done, st.connections_failed), (32, 0), "{st:?}");
 }
 

@@ -3,7 +3,6 @@
 //! deregisters the regions of grants that ended without a revoke.
 
 use std::collections::HashMap;
-use std::net::TcpStream;
 
 use crate::channel::Channel;
 use std::sync::atomic::Ordering;
@@ -39,7 +38,7 @@ impl<M> RemoteRegions<M> {
     }
 }
 
-fn wait_readable(s: &TcpStream, timeout: Duration) -> bool {
+fn wait_readable(s: &impl std::os::fd::AsFd, timeout: Duration) -> bool {
     use rustix::event::{PollFd, PollFlags, Timespec, poll};
     let t = Timespec {
         tv_sec: timeout.as_secs() as i64,

@@ -3,6 +3,9 @@
 //! to a holder and the recovery read back, and their wire ([`transfer::wire`]). Over the block
 //! store (`kvd-store`) and the transfer engines (`kvd-transport`); the daemon binary wires it
 //! up ([`port::DataPort::start`]) and feeds it cluster membership through [`Membership`].
+//! [`port::DataPort::over`] runs the same port over any backends the transport's registry
+//! makes, the in-process ones included, so the protocol is tested between nodes of one
+//! process (`tests/in_process.rs`).
 //!
 //! ```text
 //!  port.rs       DataPort: the transport's backends (`transport::registry`: TCP always, RDMA

@@ -154,6 +154,22 @@ impl DataPort {
             )),
             e => e.into(),
         })?;
+        DataPort::over(engine, config, node_id, store)
+    }
+
+    /// The data port over backends already started: [`DataPort::start`]'s TCP (and RDMA), or
+    /// [`Backends::in_process`] for nodes of one process (`config`'s address and secret file
+    /// are then unused). Registers the pool, takes the peers' control channels, starts the
+    /// reaper.
+    ///
+    /// # Errors
+    /// As [`Backends::register`], or [`Error::Io`] when a thread cannot be started.
+    pub fn over(
+        engine: Backends,
+        config: &DataPortConfig,
+        node_id: u64,
+        store: &Arc<Store>,
+    ) -> Result<Arc<DataPort>> {
         let region = store.pool_region();
         let len = region.len() as u64;
         let pool = engine.register(POOL_SEGMENT, region as Arc<dyn Memory>, len)?;
@@ -191,7 +207,6 @@ impl DataPort {
         // peers' control connections: one thread each (Incoming bounds how many)
         let weak: Weak<DataPort> = Arc::downgrade(&port);
         port.engine
-            .tcp()
             .set_control_handler(Arc::new(move |stream, bind| {
                 let Some(port) = weak.upgrade() else { return };
                 let spawned = std::thread::Builder::new()
@@ -314,14 +329,20 @@ impl DataPort {
         }));
     }
 
-    /// The address peers connect to.
+    /// The address peers connect to (`0.0.0.0:0` for a node in process, which has none).
     pub fn local_addr(&self) -> SocketAddr {
-        self.engine.tcp().local_addr()
+        self.engine.tcp().map_or_else(
+            || SocketAddr::from(([0, 0, 0, 0], 0)),
+            TcpTransport::local_addr,
+        )
     }
 
-    /// The engine's counters.
+    /// The engine's counters (the TCP engine's; none in process).
     pub fn counters(&self) -> EngineCounters {
-        self.engine.tcp().stats().into()
+        self.engine
+            .tcp()
+            .map(|t| t.stats().into())
+            .unwrap_or_default()
     }
 
     /// What `/status` shows.

@@ -409,7 +409,7 @@ impl Ring {
     }
 
     fn add_conn(&mut self, channel: Channel, role: Role) -> Option<usize> {
-        let (stream, seal, unseal, place) = channel.into_parts();
+        let (stream, seal, unseal, place) = channel.into_parts()?;
         if stream.set_nonblocking(true).is_err() {
             return None;
         }

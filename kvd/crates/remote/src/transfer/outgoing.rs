@@ -470,7 +470,7 @@ impl Outgoing {
         {
             return Ok((s, bind, answer));
         }
-        let (mut s, bind) = engine.tcp().open_control(peer)?;
+        let (mut s, bind) = engine.open_control(peer)?;
         let _ = s.stream().set_read_timeout(Some(self.limits.timeout));
         let answer = ask(&mut s, &request(&bind))?;
         Ok((s, bind, answer))
