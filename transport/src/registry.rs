@@ -575,6 +575,31 @@ impl Backends {
         )))
     }
 
+    /// Close every cached endpoint, so that the next batch to each peer opens new connections
+    /// whose handshake introduces this node as it is now: after its generation changed, peers
+    /// grant transfers to the new incarnation only, and refuse the old one's connections.
+    pub fn reconnect_all(&self) {
+        let eps: Vec<((Backend, u64), EndpointId)> = self
+            .endpoints
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .collect();
+        for ((backend, _), ep) in eps {
+            match (backend, &self.base) {
+                (Backend::Tcp, Base::Tcp(tcp)) => tcp.close(ep),
+                (Backend::InProc, Base::InProc(p)) => p.engine.close(ep),
+                #[cfg(feature = "rdma")]
+                (Backend::Rdma, _) => {
+                    if let Some(r) = &self.rdma {
+                        r.close(ep);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
     fn forget<T: Transport>(&self, engine: &T, backend: Backend, peer: u64, ep: EndpointId) {
         let mut eps = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
         if eps.get(&(backend, peer)) == Some(&ep) {

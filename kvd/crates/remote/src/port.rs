@@ -1,7 +1,8 @@
-//! The data port: this daemon's transfer engines (`transport::tcp`, and `transport::rdma` where
-//! built in and usable: [`crate::engines`]), on which peers' transfer connections are accepted
-//! and from which this daemon opens its own. It is on only with a
-//! cluster secret (`--cluster-secret-file`): a single node needs nothing but itself.
+//! The data port: this daemon's transfer backends (`transport::tcp`, and `transport::rdma`
+//! where built in and usable, chosen per peer by `transport::registry::Backends`), on which
+//! peers' transfer connections are accepted and from which this daemon opens its own. It is on
+//! only with a cluster secret (`--cluster-secret-file`): a single node needs nothing but
+//! itself. (In tests, [`DataPort::over`] runs it on in-process backends.)
 //!
 //! The whole pool is registered as one segment ([`POOL_SEGMENT`]); nothing of it is granted
 //! but the pages of a transfer in progress (`crate::transfer`), so every other access a peer
@@ -38,7 +39,7 @@ pub use crate::{CHUNK_BYTES, POOL_SEGMENT};
 /// The running data port.
 #[derive(Debug)]
 pub struct DataPort {
-    engine: Backends,
+    backends: Backends,
     pool: SegmentDescriptor,
     static_peers: BTreeMap<u64, SocketAddr>,
     incoming: Arc<Incoming>,
@@ -122,7 +123,8 @@ impl From<TcpStats> for EngineCounters {
 }
 
 impl DataPort {
-    /// Read the secret, start the engine on `config.listen`, register the pool.
+    /// Read the secret, start the TCP engine on `config.listen` (and RDMA as configured), and
+    /// the port over them ([`DataPort::over`]).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a missing, unreadable, group- or world-readable secret
@@ -148,13 +150,13 @@ impl DataPort {
             TransportChoice::Auto => Wanted::RdmaIfUsable(config.rdma.clone()),
             TransportChoice::Rdma => Wanted::Rdma(config.rdma.clone()),
         };
-        let engine = Backends::start(tcp, &wanted, CHUNK_BYTES).map_err(|e| match e {
+        let backends = Backends::start(tcp, &wanted, CHUNK_BYTES).map_err(|e| match e {
             transport::Error::Unsupported(why) => Error::InvalidArgument(format!(
                 "--transport rdma: {why}; use --transport auto (TCP where RDMA cannot be used) or tcp"
             )),
             e => e.into(),
         })?;
-        DataPort::over(engine, config, node_id, store)
+        DataPort::over(backends, config, node_id, store)
     }
 
     /// The data port over backends already started: [`DataPort::start`]'s TCP (and RDMA), or
@@ -165,18 +167,18 @@ impl DataPort {
     /// # Errors
     /// As [`Backends::register`], or [`Error::Io`] when a thread cannot be started.
     pub fn over(
-        engine: Backends,
+        backends: Backends,
         config: &DataPortConfig,
         node_id: u64,
         store: &Arc<Store>,
     ) -> Result<Arc<DataPort>> {
         let region = store.pool_region();
         let len = region.len() as u64;
-        let pool = engine.register(POOL_SEGMENT, region as Arc<dyn Memory>, len)?;
-        tracing::info!(transport = %engine.describe(), "the data port's byte mover");
+        let pool = backends.register(POOL_SEGMENT, region as Arc<dyn Memory>, len)?;
+        tracing::info!(transport = %backends.describe(), "the data port's byte mover");
         let counters = Arc::new(Counters::default());
         let port = Arc::new(DataPort {
-            engine,
+            backends,
             pool,
             static_peers: config.peers.clone(),
             incoming: Arc::new(Incoming::new(
@@ -206,12 +208,12 @@ impl DataPort {
         });
         // peers' control connections: one thread each (Incoming bounds how many)
         let weak: Weak<DataPort> = Arc::downgrade(&port);
-        port.engine
+        port.backends
             .set_control_handler(Arc::new(move |stream, bind| {
                 let Some(port) = weak.upgrade() else { return };
                 let spawned = std::thread::Builder::new()
                     .name("kvd-peer-control".into())
-                    .spawn(move || port.incoming.serve(&port.engine, stream, bind));
+                    .spawn(move || port.incoming.serve(&port.backends, stream, bind));
                 if let Err(e) = spawned {
                     tracing::warn!(error = %e, "could not start a control connection's thread");
                 }
@@ -226,7 +228,7 @@ impl DataPort {
                     std::thread::sleep(Duration::from_millis(100));
                     match weak.upgrade() {
                         Some(p) => {
-                            p.incoming.reap(&p.engine, 64);
+                            p.incoming.reap(&p.backends, 64);
                         }
                         None => break,
                     }
@@ -251,7 +253,7 @@ impl DataPort {
         let port = Arc::clone(self);
         let spawned = std::thread::Builder::new()
             .name("kvd-transfer".into())
-            .spawn(move || port.outgoing.run(&port.engine, id, kind, peer, &keys));
+            .spawn(move || port.outgoing.run(&port.backends, id, kind, peer, &keys));
         if let Err(e) = spawned {
             return Err(Error::Io(format!(
                 "could not start the transfer's thread: {e}"
@@ -272,15 +274,17 @@ impl DataPort {
 
     /// This node's generation as its peers know it.
     pub fn generation(&self) -> u64 {
-        self.engine.target().node_generation()
+        self.backends.target().node_generation()
     }
 
     /// Become generation `g` towards peers (cluster mode's re-registration): transfers bound
     /// to the old one are refused from now on.
     pub fn set_generation(&self, g: u64) {
-        let old = self.engine.target().set_node_generation(g);
-        // this node's idle control connections introduced it with the old generation
+        let old = self.backends.target().set_node_generation(g);
+        // this node's idle control connections and its data connections introduced it with
+        // the old generation (peers grant to the incarnation they negotiated with)
         self.outgoing.retain_idle(|_, _| false);
+        self.backends.reconnect_all();
         tracing::info!(old, new = g, "the node generation advanced");
     }
 
@@ -331,7 +335,7 @@ impl DataPort {
 
     /// The address peers connect to (`0.0.0.0:0` for a node in process, which has none).
     pub fn local_addr(&self) -> SocketAddr {
-        self.engine.tcp().map_or_else(
+        self.backends.tcp().map_or_else(
             || SocketAddr::from(([0, 0, 0, 0], 0)),
             TcpTransport::local_addr,
         )
@@ -339,7 +343,7 @@ impl DataPort {
 
     /// The engine's counters (the TCP engine's; none in process).
     pub fn counters(&self) -> EngineCounters {
-        self.engine
+        self.backends
             .tcp()
             .map(|t| t.stats().into())
             .unwrap_or_default()
@@ -347,7 +351,7 @@ impl DataPort {
 
     /// What `/status` shows.
     pub fn report(&self, node_id: u64) -> DataPortReport {
-        let (ops, bytes) = self.engine.in_flight();
+        let (ops, bytes) = self.backends.in_flight();
         DataPortReport {
             listen: self.local_addr().to_string(),
             node_id,
@@ -365,12 +369,12 @@ impl DataPort {
                 .collect(),
             ops_in_flight: ops as u64,
             bytes_in_flight: bytes,
-            live_grants: self.engine.target().live_grants() as u64,
+            live_grants: self.backends.target().live_grants() as u64,
             engine: self.counters(),
             pushes_in_flight: self.outgoing.in_flight() as u64,
             incoming_in_flight: self.incoming.in_flight() as u64,
             transfers: self.counters.snapshot(),
-            transport: self.engine.report(),
+            transport: self.backends.report(),
         }
     }
 }

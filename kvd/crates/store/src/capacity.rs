@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use crate::table::{Inner, Reservation, ReservationOwner};
+use crate::state::{Inner, Reservation, ReservationOwner};
 use crate::types::{ReservationId, SessionId};
 use crate::{Error, Result};
 

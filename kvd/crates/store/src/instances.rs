@@ -15,7 +15,7 @@ use kvd_core::error::{Error, Result};
 use kvd_core::types::{Handle, SessionId};
 use serde::{Deserialize, Serialize};
 
-use crate::table::Inner;
+use crate::state::Inner;
 
 /// Ranks one instance may have.
 pub const MAX_RANKS: u32 = 64;
@@ -182,7 +182,7 @@ impl Inner {
         let rank = self.rank_of(sid, id, generation)?;
         // the rank's own blocks must be publishable now (checked, not changed)
         self.sealed_group(sid, handles, |c| {
-            (c == crate::table::Class::Cache)
+            (c == crate::state::Class::Cache)
                 .then_some(())
                 .ok_or_else(|| Error::InvalidArgument("instance steps publish cache blocks".into()))
         })?;

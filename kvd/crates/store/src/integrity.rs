@@ -6,7 +6,7 @@
 
 use crate::error::BlockState;
 use crate::pins::ReadTicket;
-use crate::table::Inner;
+use crate::state::Inner;
 
 impl Inner {
     /// Take a PUBLISHED (or RETIRED) block out of service after a checksum mismatch.

@@ -22,8 +22,8 @@ pub mod pins;
 pub mod pool;
 pub mod reaper;
 pub mod sessions;
+mod state;
 mod sync;
-mod table;
 
 // The shared vocabulary, under the names the store's modules use for it.
 pub use kvd_core::types::{self, *};
@@ -38,8 +38,8 @@ use crate::clock::Clock;
 use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId, block_tags};
 use crate::lifecycle::SealStep;
 use crate::pool::{Backing, PoolConfig};
+use crate::state::Inner;
 use crate::sync::{Mutex, MutexGuard};
-use crate::table::Inner;
 use transport::local::{PageGenerations, SharedRegion};
 
 pub use crate::error::BlockState;
@@ -734,7 +734,7 @@ impl Store {
         let g = self.lock();
         let mut out = Vec::with_capacity(g.lru.len() as usize);
         let mut i = g.lru.head();
-        while i != table::NIL && out.len() <= g.lru.len() as usize {
+        while i != state::NIL && out.len() <= g.lru.len() as usize {
             out.push(i);
             i = g.slots[i as usize].lru_next;
         }

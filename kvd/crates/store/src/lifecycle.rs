@@ -12,7 +12,7 @@
 
 use crate::error::{BlockState, Corruption};
 use crate::keys::BlockKey;
-use crate::table::{Class, Inner};
+use crate::state::{Class, Inner};
 use crate::types::{
     Allocation, BlockClass, BlockEventKind, BlockVersion, Handle, ReservationId, SessionId,
 };

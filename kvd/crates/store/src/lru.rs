@@ -5,7 +5,7 @@
 //! its invariant ([`Lru::check`]): walking from the head reaches exactly `len` slots, each marked
 //! `in_lru`, each linked back to its predecessor, ending at the tail.
 
-use crate::table::{NIL, Slot};
+use crate::state::{NIL, Slot};
 
 /// The list's ends and length.
 #[derive(Debug)]

@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use crate::error::BlockState;
 use crate::keys::{BlockTag, NamespaceId, block_tags};
 use crate::pins::ReadTicket;
-use crate::table::{Class, Inner, ReservationOwner};
+use crate::state::{Class, Inner, ReservationOwner};
 use crate::types::{Handle, ManifestInfo, RequestId, ReservationId, SessionId};
 use crate::{Error, Result};
 

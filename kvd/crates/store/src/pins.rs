@@ -10,7 +10,7 @@ use crate::sessions::Pin;
 use crate::types::{BlockInfo, Handle, PrefixHit, SessionId};
 use crate::{Error, Result};
 
-use crate::table::Inner;
+use crate::state::Inner;
 
 /// The pins room: every pin's deadline across sessions (each session keeps its own pins), and
 /// how many (session, slot) pins there are.

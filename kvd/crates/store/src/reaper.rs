@@ -6,7 +6,7 @@
 //! checks the accounting invariant (free + each state + quarantined = total).
 
 use crate::error::BlockState;
-use crate::table::Inner;
+use crate::state::Inner;
 use crate::types::{Accounting, ReapReport};
 
 impl Inner {
@@ -145,7 +145,7 @@ impl Inner {
                 return Err(format!("slot {i} pin count {} != {}", s.pins, pins[i]));
             }
             let evictable = s.state == Some(BlockState::Published)
-                && s.class == crate::table::Class::Cache
+                && s.class == crate::state::Class::Cache
                 && s.pins == 0
                 && s.in_use == 0;
             if evictable != s.in_lru && s.in_use == 0 {

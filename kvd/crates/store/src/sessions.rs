@@ -9,7 +9,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use crate::error::BlockState;
-use crate::table::{Class, Inner, ReservationOwner};
+use crate::state::{Class, Inner, ReservationOwner};
 use crate::types::{ReservationId, SessionCleanup, SessionId, SessionPeer};
 use crate::{Error, Result};
 

@@ -133,7 +133,7 @@ impl Incoming {
 
     /// Serve one peer's control connection until it closes; whatever it left unfinished is
     /// aborted then. Runs on its own thread.
-    pub fn serve(self: &Arc<Self>, engine: &Backends, mut s: Channel, peer: Bind) {
+    pub fn serve(self: &Arc<Self>, backends: &Backends, mut s: Channel, peer: Bind) {
         if self.connections.fetch_add(1, Ordering::AcqRel) >= self.limits.connections as u64 {
             self.connections.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(
@@ -149,7 +149,7 @@ impl Incoming {
         // a frame that fails its tag ends the loop like a closed connection: the transfers it
         // carried are aborted below
         while let Ok(req) = super::wire::recv::<PeerRequest>(&mut s) {
-            let reply = match self.handle(engine, connection, &peer, req) {
+            let reply = match self.handle(backends, connection, &peer, req) {
                 Ok(r) => r,
                 Err(e) => PeerReply::Refused(WireError::from(e)),
             };
@@ -168,7 +168,7 @@ impl Incoming {
             self.counters
                 .aborted_incoming
                 .fetch_add(1, Ordering::Relaxed);
-            self.abort(engine, id);
+            self.abort(backends, id);
         }
         self.connections.fetch_sub(1, Ordering::AcqRel);
     }
@@ -185,7 +185,7 @@ impl Incoming {
 
     fn handle(
         &self,
-        engine: &Backends,
+        backends: &Backends,
         connection: u64,
         peer: &Bind,
         req: PeerRequest,
@@ -197,19 +197,19 @@ impl Incoming {
                 blocks,
                 checkpoint,
             } => self.offer(
-                engine, connection, peer, binding, &namespace, &blocks, checkpoint,
+                backends, connection, peer, binding, &namespace, &blocks, checkpoint,
             ),
-            PeerRequest::Commit { transfer } => self.commit(engine, connection, peer, transfer),
+            PeerRequest::Commit { transfer } => self.commit(backends, connection, peer, transfer),
             PeerRequest::Abort { transfer } => {
                 self.owned_by(connection, peer, transfer)?;
-                self.abort(engine, transfer);
+                self.abort(backends, transfer);
                 Ok(PeerReply::Aborted)
             }
             PeerRequest::Want { binding, keys } => {
-                self.want(engine, connection, peer, binding, &keys)
+                self.want(backends, connection, peer, binding, &keys)
             }
             PeerRequest::WantPrefix { binding, tokens } => {
-                self.check_binding(engine, peer, &binding, End::Source)?;
+                self.check_binding(backends, peer, &binding, End::Source)?;
                 // every block of the answer had its checksum checked just now
                 let prefix = self.store.restore_prefix(binding.request, &tokens)?;
                 let keys: Vec<BlockKey> = prefix.blocks.iter().map(|b| b.key).collect();
@@ -224,7 +224,7 @@ impl Incoming {
                     namespace: first.namespace,
                     ..binding
                 };
-                let reply = self.serve_keys(engine, connection, peer, binding, &keys)?;
+                let reply = self.serve_keys(backends, connection, peer, binding, &keys)?;
                 Ok(match reply {
                     PeerReply::Offering {
                         transfer,
@@ -245,7 +245,7 @@ impl Incoming {
             }
             PeerRequest::Release { transfer } => {
                 self.owned_by(connection, peer, transfer)?;
-                self.abort(engine, transfer);
+                self.abort(backends, transfer);
                 Ok(PeerReply::Released)
             }
         }
@@ -273,7 +273,13 @@ impl Incoming {
     /// Check what a transfer is bound to against what this node knows: this node's end (the
     /// destination of an offer, the source of a fetch) must name this node in this
     /// incarnation, the other end the peer on this connection in its own.
-    fn check_binding(&self, engine: &Backends, peer: &Bind, b: &Binding, here: End) -> Result<()> {
+    fn check_binding(
+        &self,
+        backends: &Backends,
+        peer: &Bind,
+        b: &Binding,
+        here: End,
+    ) -> Result<()> {
         let ((node, generation), (their_node, their_generation), asks) = match here {
             End::Destination => (
                 (b.destination_node, b.destination_generation),
@@ -294,7 +300,7 @@ impl Incoming {
         };
         // the node's generation as its peers know it (cluster mode advances it at every
         // re-registration; the store's own handles keep theirs)
-        let mine = engine.target().node_generation();
+        let mine = backends.target().node_generation();
         let refused = if generation != mine {
             // an earlier incarnation's transfer (this node restarted since)
             Some(stale(generation, mine))
@@ -381,20 +387,20 @@ impl Incoming {
     /// A fetch: pin the wanted blocks and grant their pages for reading.
     fn want(
         &self,
-        engine: &Backends,
+        backends: &Backends,
         connection: u64,
         peer: &Bind,
         binding: Binding,
         keys: &[BlockKey],
     ) -> Result<PeerReply> {
-        self.check_binding(engine, peer, &binding, End::Source)?;
-        self.serve_keys(engine, connection, peer, binding, keys)
+        self.check_binding(backends, peer, &binding, End::Source)?;
+        self.serve_keys(backends, connection, peer, binding, keys)
     }
 
     /// Pin `keys` and grant their pages for reading by `peer`.
     fn serve_keys(
         &self,
-        engine: &Backends,
+        backends: &Backends,
         connection: u64,
         peer: &Bind,
         binding: Binding,
@@ -430,7 +436,7 @@ impl Incoming {
                 return Err(e);
             }
         };
-        let expires_at_ms = engine.now_ms() + ttl_ms;
+        let expires_at_ms = backends.now_ms() + ttl_ms;
         let (mut blocks, mut handles) = (Vec::with_capacity(keys.len()), Vec::new());
         for p in pins {
             let Ok(info) = p else {
@@ -450,13 +456,13 @@ impl Incoming {
             // SAFETY: the page holds a PUBLISHED block pinned by this transfer's session:
             // its bytes are immutable and the page is not reused until the pin goes, which
             // happens only after the grant is revoked.
-            if let Err(e) = unsafe { engine.grant(g) } {
-                engine.revoke(TransferId(transfer));
+            if let Err(e) = unsafe { backends.grant(g) } {
+                backends.revoke(TransferId(transfer));
                 self.store.close_session(sid);
                 return Err(e.into());
             }
             // its sealed CRC-32C goes with a read of it (the reader's check is end to end)
-            engine.target().note_checksum(
+            backends.target().note_checksum(
                 TransferId(transfer),
                 POOL_SEGMENT,
                 info.offset,
@@ -486,7 +492,7 @@ impl Incoming {
         );
         Ok(PeerReply::Offering {
             transfer,
-            segment: engine_segment(engine),
+            segment: engine_segment(backends),
             namespace: Box::new(namespace),
             blocks,
             keys: vec![],
@@ -501,7 +507,7 @@ impl Incoming {
     )]
     fn offer(
         &self,
-        engine: &Backends,
+        backends: &Backends,
         connection: u64,
         peer: &Bind,
         binding: Binding,
@@ -509,7 +515,7 @@ impl Incoming {
         blocks: &[Offered],
         checkpoint: Option<CheckpointStep>,
     ) -> Result<PeerReply> {
-        self.check_binding(engine, peer, &binding, End::Destination)?;
+        self.check_binding(backends, peer, &binding, End::Destination)?;
         if checkpoint.is_some() && binding.request == 0 {
             return Err(Error::InvalidArgument(
                 "a checkpoint step names its request (0 is none)".into(),
@@ -604,7 +610,7 @@ impl Incoming {
                 }
             }
         }
-        let expires_at_ms = engine.now_ms() + self.limits.deadline.as_millis() as u64;
+        let expires_at_ms = backends.now_ms() + self.limits.deadline.as_millis() as u64;
         for (off, len) in offsets.iter().flatten().zip(&lens) {
             let g = Grant {
                 transfer: TransferId(transfer),
@@ -620,13 +626,13 @@ impl Incoming {
             // no client writes or reads it, and it is not reused before the transfer ends,
             // which revokes the grant (waiting for chunks in flight) before it frees or
             // publishes the page.
-            if let Err(e) = unsafe { engine.grant(g) } {
-                engine.revoke(TransferId(transfer));
+            if let Err(e) = unsafe { backends.grant(g) } {
+                backends.revoke(TransferId(transfer));
                 undo(&handles);
                 return Err(e.into());
             }
         }
-        let segment = engine_segment(engine);
+        let segment = engine_segment(backends);
         self.lock().transfers.insert(
             transfer,
             InFlight {
@@ -650,7 +656,7 @@ impl Incoming {
 
     fn commit(
         &self,
-        engine: &Backends,
+        backends: &Backends,
         connection: u64,
         peer: &Bind,
         transfer: u64,
@@ -660,7 +666,7 @@ impl Incoming {
             return Err(Error::NotFound(format!("transfer {transfer}")));
         };
         // no peer may touch the pages from here on
-        let revoked = engine.revoke(TransferId(transfer));
+        let revoked = backends.revoke(TransferId(transfer));
         let verdict = (|| {
             if revoked.corrupt_chunks > 0 {
                 // the engine refused those chunks already; whatever the source says now, the
@@ -736,17 +742,17 @@ impl Incoming {
     }
 
     /// Abort a transfer: revoke its grants (waiting for chunks in flight), free its pages.
-    pub fn abort(&self, engine: &Backends, transfer: u64) {
+    pub fn abort(&self, backends: &Backends, transfer: u64) {
         let Some(t) = self.lock().transfers.remove(&transfer) else {
             return;
         };
-        engine.revoke(TransferId(transfer));
+        backends.revoke(TransferId(transfer));
         let _ = self.store.abort(t.session, &t.handles);
         self.store.close_session(t.session);
     }
 
     /// Abort transfers past their deadline (at most `budget`); how many.
-    pub fn reap(&self, engine: &Backends, budget: usize) -> usize {
+    pub fn reap(&self, backends: &Backends, budget: usize) -> usize {
         let now = Instant::now();
         let late: Vec<u64> = self
             .lock()
@@ -760,14 +766,14 @@ impl Incoming {
             self.counters
                 .aborted_incoming
                 .fetch_add(1, Ordering::Relaxed);
-            self.abort(engine, *id);
+            self.abort(backends, *id);
         }
         late.len()
     }
 }
 
-fn engine_segment(engine: &Backends) -> Vec<u8> {
-    engine
+fn engine_segment(backends: &Backends) -> Vec<u8> {
+    backends
         .target()
         .descriptor(POOL_SEGMENT)
         .map(|d| d.encode().to_vec())

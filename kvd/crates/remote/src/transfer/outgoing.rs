@@ -235,14 +235,14 @@ impl Outgoing {
     }
 
     /// Run admitted transfer `id` to its end (blocking) and record the outcome.
-    pub fn run(&self, engine: &Backends, id: u64, kind: Kind, peer: u64, keys: &[BlockKey]) {
+    pub fn run(&self, backends: &Backends, id: u64, kind: Kind, peer: u64, keys: &[BlockKey]) {
         let started = Instant::now();
         let kind_label = match kind {
             Kind::Fetch | Kind::FetchPrefix { .. } => "fetch",
             Kind::Push | Kind::PushCheckpoint { .. } => "push",
         };
         let outcome = match kind {
-            Kind::Push => self.push(engine, peer, keys, None),
+            Kind::Push => self.push(backends, peer, keys, None),
             Kind::PushCheckpoint {
                 request,
                 epoch,
@@ -253,11 +253,11 @@ impl Outgoing {
                     committed_tokens,
                     ttl_ms,
                 };
-                self.push(engine, peer, keys, Some((request, epoch, step)))
+                self.push(backends, peer, keys, Some((request, epoch, step)))
             }
-            Kind::Fetch => self.fetch(engine, peer, keys, None),
+            Kind::Fetch => self.fetch(backends, peer, keys, None),
             Kind::FetchPrefix { request, tokens } => {
-                self.fetch(engine, peer, &[], Some((request, tokens)))
+                self.fetch(backends, peer, &[], Some((request, tokens)))
             }
         };
         let mut t = self.table();
@@ -319,7 +319,7 @@ impl Outgoing {
     /// The push itself: pinned, offered, written, committed; the pins go whatever happens.
     fn push(
         &self,
-        engine: &Backends,
+        backends: &Backends,
         peer: u64,
         keys: &[BlockKey],
         checkpoint: Option<(u64, u64, CheckpointStep)>,
@@ -333,7 +333,7 @@ impl Outgoing {
             for r in self.store.acquire(sid, keys, Some(ttl_ms))? {
                 pinned.push(r?);
             }
-            self.offer_and_send(engine, peer, &pinned, checkpoint)
+            self.offer_and_send(backends, peer, &pinned, checkpoint)
         })();
         let handles: Vec<_> = pinned.iter().map(|b| b.handle).collect();
         let _ = self.store.release(sid, &handles);
@@ -343,7 +343,7 @@ impl Outgoing {
 
     fn offer_and_send(
         &self,
-        engine: &Backends,
+        backends: &Backends,
         peer: u64,
         blocks: &[BlockInfo],
         checkpoint: Option<(u64, u64, CheckpointStep)>,
@@ -373,7 +373,7 @@ impl Outgoing {
             request,
             namespace: ns,
             source_node: self.node_id,
-            source_generation: engine.target().node_generation(),
+            source_generation: backends.target().node_generation(),
             destination_node: peer,
             destination_generation: bind.node_generation,
             epoch,
@@ -391,7 +391,7 @@ impl Outgoing {
                 .collect(),
             checkpoint: checkpoint.map(|(_, _, step)| step),
         };
-        let (mut s, bind, first) = self.first_ask(engine, &tcp_peer, offer)?;
+        let (mut s, bind, first) = self.first_ask(backends, &tcp_peer, offer)?;
         let binding = binding_for(&bind);
         let (transfer, segment, offsets) = match first {
             PeerReply::Accepted {
@@ -430,7 +430,7 @@ impl Outgoing {
             .map(|(b, _)| Some(b.checksum))
             .collect();
         if !ops.is_empty()
-            && let Err(e) = self.send(engine, tcp_peer, &ops, &sealed)
+            && let Err(e) = self.send(backends, tcp_peer, &ops, &sealed)
         {
             // Tell the peer, briefly: if the link is gone it aborts anyway when the
             // connection dies (or at its deadline), and the caller should hear of the failure
@@ -455,7 +455,7 @@ impl Outgoing {
     /// (its node generation). The connection, the introduction and the answer.
     fn first_ask(
         &self,
-        engine: &Backends,
+        backends: &Backends,
         peer: &PeerAddr,
         request: impl Fn(&Bind) -> PeerRequest,
     ) -> Result<(Channel, Bind, PeerReply)> {
@@ -470,7 +470,7 @@ impl Outgoing {
         {
             return Ok((s, bind, answer));
         }
-        let (mut s, bind) = engine.open_control(peer)?;
+        let (mut s, bind) = backends.open_control(peer)?;
         let _ = s.stream().set_read_timeout(Some(self.limits.timeout));
         let answer = ask(&mut s, &request(&bind))?;
         Ok((s, bind, answer))
@@ -500,7 +500,7 @@ impl Outgoing {
     /// peer's pins go whatever happens, and so do our pages unless published.
     fn fetch(
         &self,
-        engine: &Backends,
+        backends: &Backends,
         peer: u64,
         keys: &[BlockKey],
         prefix: Option<(u64, Vec<u32>)>,
@@ -529,7 +529,7 @@ impl Outgoing {
             source_node: peer,
             source_generation: bind.node_generation,
             destination_node: self.node_id,
-            destination_generation: engine.target().node_generation(),
+            destination_generation: backends.target().node_generation(),
             epoch: 1,
         };
         let want = |bind: &Bind| match &prefix {
@@ -542,7 +542,7 @@ impl Outgoing {
                 keys: keys.to_vec(),
             },
         };
-        let (mut s, bind, first) = self.first_ask(engine, &tcp_peer, want)?;
+        let (mut s, bind, first) = self.first_ask(backends, &tcp_peer, want)?;
         let binding = binding_for(&bind);
         let (transfer, segment, namespace, served, prefix_keys, tokens) = match first {
             PeerReply::Offering {
@@ -566,7 +566,7 @@ impl Outgoing {
         };
         let r = self
             .receive(
-                engine,
+                backends,
                 peer,
                 tcp_peer,
                 &binding,
@@ -596,7 +596,7 @@ impl Outgoing {
     #[allow(clippy::too_many_arguments)]
     fn receive(
         &self,
-        engine: &Backends,
+        backends: &Backends,
         peer: u64,
         tcp_peer: PeerAddr,
         binding: &Binding,
@@ -667,7 +667,7 @@ impl Outgoing {
             } else {
                 // SAFETY (inside send): the local ranges are WRITING pages of this fetch's own
                 // session, which no client touches and which are not reused before it ends.
-                self.send(engine, tcp_peer, &ops, &[])?
+                self.send(backends, tcp_peer, &ops, &[])?
             };
             for (i, (a, s)) in got.iter().enumerate() {
                 // the block's CRC-32C from the chunks verified on arrival (no pass over the
@@ -713,7 +713,7 @@ impl Outgoing {
     /// TCP; see [`Backends::run_batch`]).
     fn send(
         &self,
-        engine: &Backends,
+        backends: &Backends,
         tcp_peer: PeerAddr,
         ops: &[TransferOp],
         checksums: &[Option<u32>],
@@ -722,7 +722,7 @@ impl Outgoing {
         // (immutable, its page not reused while pinned), read only; or a WRITING page of this
         // fetch's own session, which nothing else touches and which is not reused before the
         // session ends, after the batch settles (run_batch returns only then).
-        Ok(unsafe { engine.run_batch(tcp_peer, ops, checksums, self.limits.timeout) }?)
+        Ok(unsafe { backends.run_batch(tcp_peer, ops, checksums, self.limits.timeout) }?)
     }
 }
 

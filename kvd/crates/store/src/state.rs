@@ -1,4 +1,4 @@
-//! The block table: one [`Slot`] per pool page, the key index, the LRU list of evictable blocks,
+//! The store's whole state ([`Inner`]): one [`Slot`] per pool page, the key index, the LRU list of evictable blocks,
 //! and the per-state page counts. Every state change of a slot goes through [`Inner::set_state`]
 //! or [`Inner::free_slot`], which keep the counts exact.
 
