@@ -154,7 +154,8 @@ fn the_event_log_capacity_flag_is_validated_and_documented() {
         assert!(!out.status.success(), "--event-log-capacity {bad} started");
         let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
         assert!(
-            log.contains("event_log_capacity must be 1 to 1048576"),
+            log.contains("'--event-log-capacity <EVENT_LOG_CAPACITY>': ")
+                && log.contains("not in 1..=1048576"),
             "{log}"
         );
     }

@@ -118,23 +118,6 @@ impl EtcdArgs {
         !self.etcd.is_empty()
     }
 
-    /// Each setting given here, else `other`'s (flags over the config file).
-    pub fn or(&self, other: EtcdArgs) -> EtcdArgs {
-        EtcdArgs {
-            etcd: if self.etcd.is_empty() {
-                other.etcd
-            } else {
-                self.etcd.clone()
-            },
-            etcd_prefix: self.etcd_prefix.clone().or(other.etcd_prefix),
-            etcd_user: self.etcd_user.clone().or(other.etcd_user),
-            etcd_password_file: self.etcd_password_file.clone().or(other.etcd_password_file),
-            etcd_ca_file: self.etcd_ca_file.clone().or(other.etcd_ca_file),
-            etcd_cert_file: self.etcd_cert_file.clone().or(other.etcd_cert_file),
-            etcd_key_file: self.etcd_key_file.clone().or(other.etcd_key_file),
-        }
-    }
-
     /// The cluster's key prefix, without a trailing slash.
     pub fn prefix(&self) -> String {
         self.etcd_prefix

@@ -1,29 +1,55 @@
-//! `kvd serve`'s configuration: command-line flags over an optional TOML file over embedded
-//! defaults. Every bound the daemon enforces is here, with its unit in its name.
+//! `kvd serve`'s settings. Each is declared once, in [`ServeArgs`]: its doc line (the `--help`
+//! text), its default and its bounds (clap's). The same names, with underscores, are the keys
+//! of the `--config` TOML file: [`ServeArgs::from_cli`] turns the file's keys into the
+//! flags they name and parses them with the command line's own (which win), so a value from
+//! the file is defaulted, parsed and bounded exactly as the flag is. What depends on several
+//! settings is checked in [`DaemonConfig::resolve`], which turns the settings into the
+//! daemon's configuration.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
+use clap::{Args, FromArgMatches};
+use serde::Serialize;
 
 use super::clients::ClientLimits;
 use crate::pool::HugePages;
 use crate::{Error, Result};
 
-/// `kvd serve` flags. Each overrides the same key of the `--config` file.
-#[derive(Debug, Clone, Default, clap::Args)]
+/// The embedded defaults: a laptop-sized single node.
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:7460";
+/// Where the data port listens by default (beside the admin port's 7460).
+pub const DEFAULT_DATA_LISTEN: &str = "127.0.0.1:7461";
+/// Block events kept for routers: at a few hundred events a second, minutes of history for a
+/// router that falls behind, in about 5 MiB.
+pub const DEFAULT_EVENT_LOG_CAPACITY: u32 = 65_536;
+/// Admin HTTP connections held at once: probes, a scrape and operators, with room to spare.
+pub const DEFAULT_ADMIN_MAX_CONNECTIONS: u32 = 64;
+/// A request head has this long to arrive on an admin connection, ms.
+pub const DEFAULT_ADMIN_HEADER_TIMEOUT_MS: u64 = 5_000;
+/// An admin connection that moves no byte for this long is closed, ms.
+pub const DEFAULT_ADMIN_IDLE_TIMEOUT_MS: u64 = 30_000;
+/// The longest admin timeout accepted, ms: beyond it a stuck client holds its slot for longer
+/// than any operator would wait.
+pub const MAX_ADMIN_TIMEOUT_MS: u64 = 600_000;
+/// The most admin connections accepted as a setting (each is a file descriptor).
+pub const MAX_ADMIN_CONNECTIONS: u32 = 65_536;
+
+/// `kvd serve`'s settings: flags, and the keys of the `--config` file (flags win).
+#[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
-    /// A TOML file with any of the keys below (flags win over the file).
+    /// A TOML file with any of the settings below as keys, underscores for dashes (flags win
+    /// over the file; an unknown key is an error).
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Resolve and check the settings (flags over the file over the defaults), print them and
     /// exit 0, or exit 2 with what is wrong: nothing is bound, created or locked.
     #[arg(long)]
     pub check_config: bool,
-    /// Where the node generation is persisted (created 0700; increased at every start)
-    /// [default: kvd-data].
-    #[arg(long)]
-    pub data_dir: Option<PathBuf>,
+    /// Where the node generation is persisted (created 0700; increased at every start).
+    #[arg(long, default_value = "kvd-data")]
+    pub data_dir: PathBuf,
     /// The local protocol's Unix socket (default: DATA_DIR/kvd.sock).
     #[arg(long)]
     pub socket: Option<PathBuf>,
@@ -31,10 +57,10 @@ pub struct ServeArgs {
     /// daemon's own group.
     #[arg(long)]
     pub socket_group: Option<String>,
-    /// The admin HTTP address (/healthz, /readyz, /metrics, /status, /drain); port 0 picks one
-    /// [default: 127.0.0.1:7460].
-    #[arg(long)]
-    pub admin_listen: Option<SocketAddr>,
+    /// The admin HTTP address (/healthz, /readyz, /metrics, /status, /drain); port 0 picks
+    /// one.
+    #[arg(long, default_value = DEFAULT_ADMIN_LISTEN)]
+    pub admin_listen: SocketAddr,
     /// A listener of their own for /healthz and /readyz (liveness and readiness probes): they
     /// answer there within a second however many connections the admin port is refused, with
     /// bounds of its own (in all and per source address). May be any address: it serves no
@@ -49,37 +75,39 @@ pub struct ServeArgs {
     #[arg(long)]
     pub allow_remote_drain: bool,
     /// Admin HTTP connections held at once; more are answered 503 with Retry-After: 1 and
-    /// closed. Lowered at start if the open-file limit is short [default: 64].
-    #[arg(long)]
-    pub admin_max_connections: Option<u32>,
+    /// closed. Lowered at start if the open-file limit is short.
+    #[arg(long, default_value_t = DEFAULT_ADMIN_MAX_CONNECTIONS,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_ADMIN_CONNECTIONS)))]
+    pub admin_max_connections: u32,
     /// How long an admin connection may take to send a whole request head, from its accept or
-    /// its previous answer (so it also bounds a connection that sends nothing), ms
-    /// [default: 5000].
-    #[arg(long)]
-    pub admin_header_timeout_ms: Option<u64>,
+    /// its previous answer (so it also bounds a connection that sends nothing), ms.
+    #[arg(long, default_value_t = DEFAULT_ADMIN_HEADER_TIMEOUT_MS,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_ADMIN_TIMEOUT_MS))]
+    pub admin_header_timeout_ms: u64,
     /// An admin connection on which no byte moves either way for this long is closed (a
-    /// client that stops reading its answers), ms [default: 30000].
-    #[arg(long)]
-    pub admin_idle_timeout_ms: Option<u64>,
-    /// The pool's size in MiB, rounded down to whole pages [default: 256].
-    #[arg(long)]
-    pub pool_mib: Option<u64>,
-    /// Bytes per page in KiB: the largest KV block, a multiple of 4 [default: 2560, i.e. 16
-    /// tokens of Qwen3-14B].
-    #[arg(long)]
-    pub page_kib: Option<u64>,
-    /// Huge pages for the pool: off, try (fall back to normal pages), require [default: try].
-    #[arg(long)]
-    pub huge_pages: Option<String>,
-    /// Sessions (client connections) open at most [default: 256].
-    #[arg(long)]
-    pub max_sessions: Option<u32>,
-    /// Connections still in their handshake at most, beyond the sessions [default: 32].
-    #[arg(long)]
-    pub max_pending_connections: Option<u32>,
-    /// How long a new connection may take to finish its handshake, ms [default: 2000].
-    #[arg(long)]
-    pub handshake_timeout_ms: Option<u64>,
+    /// client that stops reading its answers), ms.
+    #[arg(long, default_value_t = DEFAULT_ADMIN_IDLE_TIMEOUT_MS,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_ADMIN_TIMEOUT_MS))]
+    pub admin_idle_timeout_ms: u64,
+    /// The pool's size in MiB, rounded down to whole pages.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    pub pool_mib: u64,
+    /// Bytes per page in KiB: the largest KV block, a multiple of 4 (the default is 16 tokens
+    /// of Qwen3-14B).
+    #[arg(long, default_value_t = 2560, value_parser = clap::value_parser!(u64).range(4..=(1 << 30)))]
+    pub page_kib: u64,
+    /// Huge pages for the pool: off, try (fall back to normal pages), require.
+    #[arg(long, default_value = "try", value_parser = ["off", "try", "require"])]
+    pub huge_pages: String,
+    /// Sessions (client connections) open at most.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_sessions: u32,
+    /// Connections still in their handshake at most, beyond the sessions.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_pending_connections: u32,
+    /// How long a new connection may take to finish its handshake, ms.
+    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub handshake_timeout_ms: u64,
     /// Sessions one client process (by SO_PEERCRED pid) may hold [default: a quarter of
     /// --max-sessions].
     #[arg(long)]
@@ -96,35 +124,38 @@ pub struct ServeArgs {
     /// --max-pending-connections].
     #[arg(long)]
     pub max_pending_per_uid: Option<u32>,
-    /// Unanswered requests one session may have; more are answered Overloaded [default: 32].
-    #[arg(long)]
-    pub max_inflight: Option<u32>,
-    /// Items in one batched request at most [default: 1024].
-    #[arg(long)]
-    pub max_batch: Option<u32>,
-    /// How long a drain lets in-flight work finish before aborting it, ms [default: 30000].
-    #[arg(long)]
-    pub drain_deadline_ms: Option<u64>,
-    /// When a stuck drain gives up and exits non-zero, ms after it began [default: 45000].
-    #[arg(long)]
-    pub hard_deadline_ms: Option<u64>,
-    /// The reaper's tick (expired leases, pins and manifests), ms [default: 100].
-    #[arg(long)]
-    pub reap_interval_ms: Option<u64>,
+    /// Unanswered requests one session may have; more are answered Overloaded.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_inflight: u32,
+    /// Items in one batched request at most (a batch's reply must fit one frame).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_batch: u32,
+    /// How long a drain lets in-flight work finish before aborting it, ms.
+    #[arg(long, default_value_t = 30_000)]
+    pub drain_deadline_ms: u64,
+    /// When a stuck drain gives up and exits non-zero, ms after it began (after the drain
+    /// deadline).
+    #[arg(long, default_value_t = 45_000)]
+    pub hard_deadline_ms: u64,
+    /// The reaper's tick (expired leases, pins and manifests), ms.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+    pub reap_interval_ms: u64,
     /// Recompute writer-supplied checksums at seal (one more pass over every block).
     #[arg(long)]
     pub verify_supplied_checksums: bool,
-    /// Block events (stored / removed) kept for KV-aware routers, 1 to 1048576; when the ring
-    /// is full the oldest is dropped and a reader that had not read it is told to resync
-    /// [default: 65536].
-    #[arg(long)]
-    pub event_log_capacity: Option<u32>,
-    /// Runtime worker threads [default: 2].
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// This node's id among its peers (unique in the cluster) [default: 1].
-    #[arg(long)]
-    pub node_id: Option<u64>,
+    /// Block events (stored / removed) kept for KV-aware routers; when the ring is full the
+    /// oldest is dropped and a reader that had not read it is told to resync.
+    #[arg(long, default_value_t = DEFAULT_EVENT_LOG_CAPACITY,
+          value_parser = clap::value_parser!(u32)
+              .range(1..=i64::from(crate::store::events::MAX_EVENT_LOG_CAPACITY)))]
+    pub event_log_capacity: u32,
+    /// Runtime worker threads.
+    #[arg(long, default_value_t = 2,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1024))]
+    pub threads: usize,
+    /// This node's id among its peers (unique in the cluster).
+    #[arg(long, default_value_t = 1)]
+    pub node_id: u64,
     /// The cluster secret file (32 to 4096 bytes, readable by its owner only), the same on
     /// every node: turns the data port on. Make one with `head -c 32 /dev/urandom > FILE &&
     /// chmod 600 FILE`.
@@ -137,9 +168,9 @@ pub struct ServeArgs {
     /// What peers' blocks move over: `auto` uses RDMA where this kvd was built with it
     /// (feature `rdma`), a device is usable and the peer serves RDMA too, and TCP otherwise;
     /// `rdma` refuses to start without a usable device; `tcp` never tries RDMA. Control
-    /// messages always go over TCP [default: auto].
-    #[arg(long, value_enum)]
-    pub transport: Option<TransportChoice>,
+    /// messages always go over TCP.
+    #[arg(long, value_enum, default_value_t = TransportChoice::Auto)]
+    pub transport: TransportChoice,
     /// The RDMA device (`ibv_devices` lists them) [default: the one nearest --rdma-near-gpu,
     /// else the first].
     #[arg(long)]
@@ -148,95 +179,142 @@ pub struct ServeArgs {
     /// `nvidia-smi --query-gpu=pci.bus_id --format=csv` prints it (0000:3b:00.0).
     #[arg(long, value_name = "PCI_BUS_ID")]
     pub rdma_near_gpu: Option<String>,
-    /// The RDMA port's GID index (RoCE v2 is usually 1 or 3; `show_gids` lists them)
-    /// [default: 0].
-    #[arg(long)]
-    pub rdma_gid_index: Option<u32>,
-    /// A peer's data port, as NODE_ID=ADDR (repeat for each peer); needs
-    /// --cluster-secret-file. Cluster mode will fill the same table from etcd.
+    /// The RDMA port's GID index (RoCE v2 is usually 1 or 3; `show_gids` lists them).
+    #[arg(long, default_value_t = 0)]
+    pub rdma_gid_index: u32,
+    /// A peer's data port, as NODE_ID=ADDR (repeat for each peer; a list in the file); needs
+    /// --cluster-secret-file. Cluster mode fills the same table from etcd.
     #[arg(long = "peer", value_name = "NODE_ID=ADDR")]
     pub peer: Vec<String>,
     /// Pushes and fetches this node runs at once with one peer; more are answered Overloaded
-    /// (retryable) [default: 8].
-    #[arg(long)]
-    pub max_transfers_per_peer: Option<u32>,
-    /// Pushes and fetches this node runs at once in all [default: 16].
-    #[arg(long)]
-    pub max_transfers: Option<u32>,
+    /// (retryable).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub max_transfers_per_peer: u32,
+    /// Pushes and fetches this node runs at once in all.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub max_transfers: u32,
     /// Transfers peers may have under way into or out of this node at once, per peer; more
-    /// are answered Overloaded [default: 8].
-    #[arg(long)]
-    pub max_incoming_transfers_per_peer: Option<u32>,
-    /// The same, in all [default: 32].
-    #[arg(long)]
-    pub max_incoming_transfers: Option<u32>,
+    /// are answered Overloaded.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub max_incoming_transfers_per_peer: u32,
+    /// The same, in all.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub max_incoming_transfers: u32,
     /// How long a peer's transfer may take from offer to commit (or want to release) before
-    /// this node aborts it and frees its pages, ms [default: 30000].
-    #[arg(long)]
-    pub transfer_deadline_ms: Option<u64>,
+    /// this node aborts it and frees its pages, ms.
+    #[arg(long, default_value_t = 30_000,
+          value_parser = clap::value_parser!(u64).range(1_000..=600_000))]
+    pub transfer_deadline_ms: u64,
     /// How to reach etcd (cluster mode), as for `kvd control`.
     #[command(flatten)]
     pub etcd: super::cluster::EtcdArgs,
-    /// The registration lease's TTL, ms: a node that dies is gone from every view this long
-    /// after (plus the watch's delivery) [default: 5000].
-    #[arg(long)]
-    pub etcd_lease_ttl_ms: Option<u64>,
+    /// The registration lease's TTL, ms (etcd leases count whole seconds): a node that dies
+    /// is gone from every view this long after (plus the watch's delivery).
+    #[arg(long, default_value_t = 5_000,
+          value_parser = clap::value_parser!(u64).range(1_000..=600_000))]
+    pub etcd_lease_ttl_ms: u64,
 }
 
-/// The same keys as a TOML file.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(missing_docs)]
-pub struct FileConfig {
-    pub data_dir: Option<PathBuf>,
-    pub socket: Option<PathBuf>,
-    pub socket_group: Option<String>,
-    pub admin_listen: Option<SocketAddr>,
-    pub probe_listen: Option<SocketAddr>,
-    pub allow_remote_admin: Option<bool>,
-    pub allow_remote_drain: Option<bool>,
-    pub admin_max_connections: Option<u32>,
-    pub admin_header_timeout_ms: Option<u64>,
-    pub admin_idle_timeout_ms: Option<u64>,
-    pub pool_mib: Option<u64>,
-    pub page_kib: Option<u64>,
-    pub huge_pages: Option<String>,
-    pub max_sessions: Option<u32>,
-    pub max_pending_connections: Option<u32>,
-    pub handshake_timeout_ms: Option<u64>,
-    pub max_sessions_per_process: Option<u32>,
-    pub max_sessions_per_uid: Option<u32>,
-    pub max_pending_per_process: Option<u32>,
-    pub max_pending_per_uid: Option<u32>,
-    pub max_inflight: Option<u32>,
-    pub max_batch: Option<u32>,
-    pub drain_deadline_ms: Option<u64>,
-    pub hard_deadline_ms: Option<u64>,
-    pub reap_interval_ms: Option<u64>,
-    pub verify_supplied_checksums: Option<bool>,
-    pub event_log_capacity: Option<u32>,
-    pub threads: Option<usize>,
-    pub node_id: Option<u64>,
-    pub cluster_secret_file: Option<PathBuf>,
-    pub data_listen: Option<SocketAddr>,
-    pub transport: Option<TransportChoice>,
-    pub rdma_device: Option<String>,
-    pub rdma_near_gpu: Option<String>,
-    pub rdma_gid_index: Option<u32>,
-    pub peer: Option<Vec<String>>,
-    pub max_transfers_per_peer: Option<u32>,
-    pub max_transfers: Option<u32>,
-    pub max_incoming_transfers_per_peer: Option<u32>,
-    pub max_incoming_transfers: Option<u32>,
-    pub transfer_deadline_ms: Option<u64>,
-    pub etcd: Option<Vec<String>>,
-    pub etcd_lease_ttl_ms: Option<u64>,
-    pub etcd_prefix: Option<String>,
-    pub etcd_user: Option<String>,
-    pub etcd_password_file: Option<PathBuf>,
-    pub etcd_ca_file: Option<PathBuf>,
-    pub etcd_cert_file: Option<PathBuf>,
-    pub etcd_key_file: Option<PathBuf>,
+/// `kvd serve`'s command, as [`ServeArgs::from_cli`] parses it (the arguments after `serve`).
+fn serve_command() -> clap::Command {
+    ServeArgs::augment_args(clap::Command::new("kvd serve").no_binary_name(true))
+        .args_override_self(true)
+}
+
+/// The first line of a clap error, without its `error: ` prefix.
+fn clap_error(e: &clap::Error, source: &str) -> Error {
+    let text = e.to_string();
+    let line = text.lines().next().unwrap_or_default();
+    Error::InvalidArgument(format!(
+        "{}{source}",
+        line.strip_prefix("error: ").unwrap_or(line)
+    ))
+}
+
+impl ServeArgs {
+    /// The settings the arguments after `serve` give: the flags, over the `--config` file's
+    /// keys, over the defaults; every value parsed and bounded as its flag's.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad flag, an unreadable or malformed file, a key that
+    /// names no setting, or a value out of its bounds (saying where it came from).
+    pub fn from_cli<I: IntoIterator<Item = OsString>>(cli: I) -> Result<ServeArgs> {
+        let cli: Vec<OsString> = cli.into_iter().collect();
+        let parse = |args: &[OsString], source: &str| {
+            serve_command()
+                .try_get_matches_from(args)
+                .and_then(|m| ServeArgs::from_arg_matches(&m))
+                .map_err(|e| clap_error(&e, source))
+        };
+        let flags = parse(&cli, "")?;
+        let Some(path) = flags.config.clone() else {
+            return Ok(flags);
+        };
+        let mut args = file_args(&path, &cli)?;
+        args.extend(cli);
+        parse(&args, &format!(" (in the flags or {})", path.display()))
+    }
+}
+
+/// The `--config` file's keys as the flags they name, leaving out those the command line
+/// gives itself (flags win, lists included).
+fn file_args(path: &Path, cli: &[OsString]) -> Result<Vec<OsString>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::InvalidArgument(format!("reading {}: {e}", path.display())))?;
+    let table: toml::Table = toml::from_str(&text)
+        .map_err(|e| Error::InvalidArgument(format!("{}: {e}", path.display())))?;
+    let command = serve_command();
+    let mut args = Vec::new();
+    for (key, value) in &table {
+        let long = key.replace('_', "-");
+        let arg = command
+            .get_arguments()
+            .find(|a| a.get_long() == Some(long.as_str()))
+            .filter(|_| !matches!(long.as_str(), "config" | "check-config"))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{}: {key:?} is not a setting of kvd serve (the keys are its flags' names \
+                     with underscores: kvd serve --help, docs/DAEMON.md)",
+                    path.display()
+                ))
+            })?;
+        let flag = format!("--{long}");
+        let given = cli.iter().any(|a| {
+            a.to_str()
+                .is_some_and(|a| a == flag || a.starts_with(&format!("{flag}=")))
+        });
+        if given {
+            continue;
+        }
+        let takes_value = arg.get_action().takes_values();
+        let items = match value {
+            toml::Value::Array(items) => items.iter().collect(),
+            v => vec![v],
+        };
+        for v in items {
+            let text = match v {
+                toml::Value::Boolean(b) if !takes_value => {
+                    if *b {
+                        args.push(OsString::from(&flag));
+                    }
+                    continue;
+                }
+                toml::Value::String(s) => s.clone(),
+                toml::Value::Integer(_) | toml::Value::Float(_) | toml::Value::Boolean(_) => {
+                    v.to_string()
+                }
+                other => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{}: {key} = {other}: a setting is a string, a number, a boolean or a \
+                         list of them",
+                        path.display()
+                    )));
+                }
+            };
+            args.push(OsString::from(format!("{flag}={text}")));
+        }
+    }
+    Ok(args)
 }
 
 pub use kvd_remote::{DataPortConfig, RdmaSettings, TransportChoice};
@@ -306,9 +384,6 @@ pub struct DaemonConfig {
     pub cluster: Option<super::cluster::ClusterConfig>,
 }
 
-/// Where the data port listens by default (beside the admin port's 7460).
-pub const DEFAULT_DATA_LISTEN: &str = "127.0.0.1:7461";
-
 /// Parse `--peer NODE_ID=ADDR` entries into a table; `me` may not appear in it.
 fn parse_peers(entries: &[String], me: u64) -> Result<std::collections::BTreeMap<u64, SocketAddr>> {
     let mut peers = std::collections::BTreeMap::new();
@@ -337,274 +412,75 @@ fn parse_peers(entries: &[String], me: u64) -> Result<std::collections::BTreeMap
     Ok(peers)
 }
 
-/// Block events kept for routers: at a few hundred events a second, minutes of history for a
-/// router that falls behind, in about 5 MiB.
-pub const DEFAULT_EVENT_LOG_CAPACITY: u32 = 65_536;
-
-/// The embedded defaults: a laptop-sized single node.
-pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:7460";
-/// Admin HTTP connections held at once: probes, a scrape and operators, with room to spare.
-pub const DEFAULT_ADMIN_MAX_CONNECTIONS: u32 = 64;
-/// A request head has this long to arrive on an admin connection, ms.
-pub const DEFAULT_ADMIN_HEADER_TIMEOUT_MS: u64 = 5_000;
-/// An admin connection that moves no byte for this long is closed, ms.
-pub const DEFAULT_ADMIN_IDLE_TIMEOUT_MS: u64 = 30_000;
-/// The longest admin timeout accepted, ms: beyond it a stuck client holds its slot for longer
-/// than any operator would wait.
-pub const MAX_ADMIN_TIMEOUT_MS: u64 = 600_000;
-/// The most admin connections accepted as a setting (each is a file descriptor).
-pub const MAX_ADMIN_CONNECTIONS: u32 = 65_536;
-
 impl DaemonConfig {
-    /// Resolve flags over the file over the defaults, and check the result.
+    /// The daemon's configuration from its settings, with what depends on several of them
+    /// filled in (derived defaults) and checked.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for an unreadable or malformed file, a bad value, or a
-    /// non-loopback admin address without `--allow-remote-admin`.
-    #[expect(
-        clippy::too_many_lines,
-        reason = "over the 120-line ratchet (253 lines) when it came in: shorten it, then drop this"
-    )]
-    pub fn resolve(args: &ServeArgs) -> Result<DaemonConfig> {
-        let file = match &args.config {
-            Some(p) => load_file(p)?,
-            None => FileConfig::default(),
-        };
-        let data_dir = args
-            .data_dir
-            .clone()
-            .or(file.data_dir)
-            .unwrap_or_else(|| PathBuf::from("kvd-data"));
-        let socket = args
-            .socket
-            .clone()
-            .or(file.socket)
-            .unwrap_or_else(|| data_dir.join("kvd.sock"));
-        let admin_listen = args
-            .admin_listen
-            .or(file.admin_listen)
-            .unwrap_or_else(|| DEFAULT_ADMIN_LISTEN.parse().expect("a valid literal"));
-        let allow_remote_admin = args.allow_remote_admin || file.allow_remote_admin == Some(true);
-        let allow_remote_drain = args.allow_remote_drain || file.allow_remote_drain == Some(true);
-        if !admin_listen.ip().is_loopback() && !allow_remote_admin {
+    /// [`Error::InvalidArgument`] for settings that do not fit together (a non-loopback admin
+    /// address without `--allow-remote-admin`, bounds out of order, a data port without its
+    /// secret, cluster mode without a data port).
+    pub fn resolve(s: &ServeArgs) -> Result<DaemonConfig> {
+        if !s.admin_listen.ip().is_loopback() && !s.allow_remote_admin {
             return Err(Error::InvalidArgument(format!(
-                "admin address {admin_listen} is not loopback; pass --allow-remote-admin to \
-                 expose the read-only endpoints"
+                "admin address {} is not loopback; pass --allow-remote-admin to expose the \
+                 read-only endpoints",
+                s.admin_listen
             )));
         }
-        if allow_remote_drain && !allow_remote_admin {
+        if s.allow_remote_drain && !s.allow_remote_admin {
             return Err(Error::InvalidArgument(
                 "--allow-remote-drain needs --allow-remote-admin".into(),
             ));
         }
-        let huge = args
-            .huge_pages
-            .clone()
-            .or(file.huge_pages)
-            .unwrap_or_else(|| "try".into());
-        let huge_pages = match huge.as_str() {
+        let huge_pages = match s.huge_pages.as_str() {
             "off" => HugePages::Off,
-            "try" => HugePages::Try,
             "require" => HugePages::Require,
-            h => {
-                return Err(Error::InvalidArgument(format!(
-                    "huge_pages must be off, try or require, not {h:?}"
-                )));
-            }
+            _ => HugePages::Try,
         };
-        let page_kib = args.page_kib.or(file.page_kib).unwrap_or(2560);
-        let pool_mib = args.pool_mib.or(file.pool_mib).unwrap_or(256);
-        let max_sessions = args.max_sessions.or(file.max_sessions).unwrap_or(256);
-        let max_pending = args
-            .max_pending_connections
-            .or(file.max_pending_connections)
-            .unwrap_or(32);
         let quarter = |n: u32| (n / 4).max(1);
         let three_quarters = |n: u32| (n - n / 4).max(1);
+        let (sessions, pending) = (s.max_sessions, s.max_pending_connections);
         let peers = ClientLimits {
-            pending_per_process: args
-                .max_pending_per_process
-                .or(file.max_pending_per_process)
-                .unwrap_or(quarter(max_pending)),
-            pending_per_uid: args
-                .max_pending_per_uid
-                .or(file.max_pending_per_uid)
-                .unwrap_or(three_quarters(max_pending)),
-            sessions_per_process: args
-                .max_sessions_per_process
-                .or(file.max_sessions_per_process)
-                .unwrap_or(quarter(max_sessions)),
-            sessions_per_uid: args
-                .max_sessions_per_uid
-                .or(file.max_sessions_per_uid)
-                .unwrap_or(three_quarters(max_sessions)),
+            pending_per_process: s.max_pending_per_process.unwrap_or(quarter(pending)),
+            pending_per_uid: s.max_pending_per_uid.unwrap_or(three_quarters(pending)),
+            sessions_per_process: s.max_sessions_per_process.unwrap_or(quarter(sessions)),
+            sessions_per_uid: s.max_sessions_per_uid.unwrap_or(three_quarters(sessions)),
         };
-        let node_id = args.node_id.or(file.node_id).unwrap_or(1);
-        let secret = args
-            .cluster_secret_file
-            .clone()
-            .or(file.cluster_secret_file);
-        let data_listen = args.data_listen.or(file.data_listen);
-        let peer_entries = if args.peer.is_empty() {
-            file.peer.unwrap_or_default()
-        } else {
-            args.peer.clone()
-        };
-        let data_port = match secret {
-            Some(cluster_secret_file) => {
-                let per_peer = args
-                    .max_transfers_per_peer
-                    .or(file.max_transfers_per_peer)
-                    .unwrap_or(8);
-                let total = args.max_transfers.or(file.max_transfers).unwrap_or(16);
-                if per_peer == 0 || per_peer > total || total > 1024 {
-                    return Err(Error::InvalidArgument(format!(
-                        "transfer bounds must satisfy 1 <= per peer ({per_peer}) <= in all \
-                         ({total}) <= 1024"
-                    )));
-                }
-                let in_peer = args
-                    .max_incoming_transfers_per_peer
-                    .or(file.max_incoming_transfers_per_peer)
-                    .unwrap_or(8);
-                let in_total = args
-                    .max_incoming_transfers
-                    .or(file.max_incoming_transfers)
-                    .unwrap_or(32);
-                if in_peer == 0 || in_peer > in_total || in_total > 1024 {
-                    return Err(Error::InvalidArgument(format!(
-                        "incoming transfer bounds must satisfy 1 <= per peer ({in_peer}) <= in \
-                         all ({in_total}) <= 1024"
-                    )));
-                }
-                let deadline = args
-                    .transfer_deadline_ms
-                    .or(file.transfer_deadline_ms)
-                    .unwrap_or(30_000);
-                if !(1_000..=600_000).contains(&deadline) {
-                    return Err(Error::InvalidArgument(format!(
-                        "transfer_deadline_ms must be 1000 to 600000, not {deadline}"
-                    )));
-                }
-                Some(DataPortConfig {
-                    listen: data_listen
-                        .unwrap_or_else(|| DEFAULT_DATA_LISTEN.parse().expect("a valid literal")),
-                    cluster_secret_file,
-                    peers: parse_peers(&peer_entries, node_id)?,
-                    max_transfers_per_peer: per_peer,
-                    max_transfers: total,
-                    max_incoming_per_peer: in_peer,
-                    max_incoming: in_total,
-                    transfer_deadline_ms: deadline,
-                    transport: args.transport.or(file.transport).unwrap_or_default(),
-                    rdma: RdmaSettings {
-                        device: args.rdma_device.clone().or(file.rdma_device),
-                        near_gpu: args.rdma_near_gpu.clone().or(file.rdma_near_gpu),
-                        gid_index: args.rdma_gid_index.or(file.rdma_gid_index).unwrap_or(0),
-                    },
-                })
-            }
-            None if data_listen.is_some() || !peer_entries.is_empty() => {
-                return Err(Error::InvalidArgument(
-                    "--data-listen and --peer need --cluster-secret-file (the data port only \
-                     runs authenticated)"
-                        .into(),
-                ));
-            }
-            None => None,
-        };
-        let etcd = args.etcd.or(super::cluster::EtcdArgs {
-            etcd: file.etcd.unwrap_or_default(),
-            etcd_prefix: file.etcd_prefix,
-            etcd_user: file.etcd_user,
-            etcd_password_file: file.etcd_password_file,
-            etcd_ca_file: file.etcd_ca_file,
-            etcd_cert_file: file.etcd_cert_file,
-            etcd_key_file: file.etcd_key_file,
-        });
-        let cluster = if !etcd.is_on() {
-            None
-        } else {
-            if data_port.is_none() {
-                return Err(Error::InvalidArgument(
-                    "--etcd needs --cluster-secret-file (cluster mode moves blocks between \
-                     nodes over the authenticated data port)"
-                        .into(),
-                ));
-            }
-            let lease_ttl_ms = args
-                .etcd_lease_ttl_ms
-                .or(file.etcd_lease_ttl_ms)
-                .unwrap_or(5_000);
-            if !(1_000..=600_000).contains(&lease_ttl_ms) {
-                return Err(Error::InvalidArgument(format!(
-                    "etcd_lease_ttl_ms must be 1000 to 600000 (etcd leases count whole seconds), \
-                     not {lease_ttl_ms}"
-                )));
-            }
-            let (auth, tls) = etcd.security()?;
-            Some(super::cluster::ClusterConfig {
-                prefix: etcd.prefix(),
-                etcd: etcd.etcd,
-                tls,
-                lease_ttl_ms,
-                auth,
-            })
-        };
+        let data_port = DaemonConfig::data_port(s)?;
+        let cluster = DaemonConfig::cluster(s, data_port.is_some())?;
         let c = DaemonConfig {
-            data_dir,
-            socket,
-            socket_group: args.socket_group.clone().or(file.socket_group),
-            admin_listen,
-            probe_listen: args.probe_listen.or(file.probe_listen),
-            allow_remote_drain,
-            admin_max_connections: args
-                .admin_max_connections
-                .or(file.admin_max_connections)
-                .unwrap_or(DEFAULT_ADMIN_MAX_CONNECTIONS),
-            admin_header_timeout_ms: args
-                .admin_header_timeout_ms
-                .or(file.admin_header_timeout_ms)
-                .unwrap_or(DEFAULT_ADMIN_HEADER_TIMEOUT_MS),
-            admin_idle_timeout_ms: args
-                .admin_idle_timeout_ms
-                .or(file.admin_idle_timeout_ms)
-                .unwrap_or(DEFAULT_ADMIN_IDLE_TIMEOUT_MS),
-            pool_bytes: pool_mib.saturating_mul(1 << 20),
-            page_bytes: page_kib.saturating_mul(1024),
+            data_dir: s.data_dir.clone(),
+            socket: s
+                .socket
+                .clone()
+                .unwrap_or_else(|| s.data_dir.join("kvd.sock")),
+            socket_group: s.socket_group.clone(),
+            admin_listen: s.admin_listen,
+            probe_listen: s.probe_listen,
+            allow_remote_drain: s.allow_remote_drain,
+            admin_max_connections: s.admin_max_connections,
+            admin_header_timeout_ms: s.admin_header_timeout_ms,
+            admin_idle_timeout_ms: s.admin_idle_timeout_ms,
+            pool_bytes: s.pool_mib.saturating_mul(1 << 20),
+            page_bytes: s.page_kib.saturating_mul(1024),
             huge_pages,
-            max_sessions,
-            max_pending_connections: max_pending,
-            handshake_timeout_ms: args
-                .handshake_timeout_ms
-                .or(file.handshake_timeout_ms)
-                .unwrap_or(2_000),
+            max_sessions: sessions,
+            max_pending_connections: pending,
+            handshake_timeout_ms: s.handshake_timeout_ms,
             peers,
-            max_inflight: args.max_inflight.or(file.max_inflight).unwrap_or(32),
-            max_batch: args.max_batch.or(file.max_batch).unwrap_or(1024),
+            max_inflight: s.max_inflight,
+            max_batch: s.max_batch,
             max_frame_bytes: crate::protocol::MAX_FRAME_BYTES,
             frame_timeout_ms: 10_000,
-            drain_deadline_ms: args
-                .drain_deadline_ms
-                .or(file.drain_deadline_ms)
-                .unwrap_or(30_000),
-            hard_deadline_ms: args
-                .hard_deadline_ms
-                .or(file.hard_deadline_ms)
-                .unwrap_or(45_000),
-            reap_interval_ms: args
-                .reap_interval_ms
-                .or(file.reap_interval_ms)
-                .unwrap_or(100),
+            drain_deadline_ms: s.drain_deadline_ms,
+            hard_deadline_ms: s.hard_deadline_ms,
+            reap_interval_ms: s.reap_interval_ms,
             reap_budget: 4096,
-            verify_supplied_checksums: args.verify_supplied_checksums
-                || file.verify_supplied_checksums == Some(true),
-            event_log_capacity: args
-                .event_log_capacity
-                .or(file.event_log_capacity)
-                .unwrap_or(DEFAULT_EVENT_LOG_CAPACITY),
-            threads: args.threads.or(file.threads).unwrap_or(2),
-            node_id,
+            verify_supplied_checksums: s.verify_supplied_checksums,
+            event_log_capacity: s.event_log_capacity,
+            threads: s.threads,
+            node_id: s.node_id,
             data_port,
             cluster,
         };
@@ -612,23 +488,83 @@ impl DaemonConfig {
         Ok(c)
     }
 
+    /// The data port's settings, when a cluster secret turns it on.
+    fn data_port(s: &ServeArgs) -> Result<Option<DataPortConfig>> {
+        let Some(cluster_secret_file) = s.cluster_secret_file.clone() else {
+            if s.data_listen.is_some() || !s.peer.is_empty() {
+                return Err(Error::InvalidArgument(
+                    "--data-listen and --peer need --cluster-secret-file (the data port only \
+                     runs authenticated)"
+                        .into(),
+                ));
+            }
+            return Ok(None);
+        };
+        let (per_peer, total) = (s.max_transfers_per_peer, s.max_transfers);
+        if per_peer > total {
+            return Err(Error::InvalidArgument(format!(
+                "transfer bounds must satisfy per peer ({per_peer}) <= in all ({total})"
+            )));
+        }
+        let (in_peer, in_total) = (s.max_incoming_transfers_per_peer, s.max_incoming_transfers);
+        if in_peer > in_total {
+            return Err(Error::InvalidArgument(format!(
+                "incoming transfer bounds must satisfy per peer ({in_peer}) <= in all \
+                 ({in_total})"
+            )));
+        }
+        Ok(Some(DataPortConfig {
+            listen: s
+                .data_listen
+                .unwrap_or_else(|| DEFAULT_DATA_LISTEN.parse().expect("a valid literal")),
+            cluster_secret_file,
+            peers: parse_peers(&s.peer, s.node_id)?,
+            max_transfers_per_peer: per_peer,
+            max_transfers: total,
+            max_incoming_per_peer: in_peer,
+            max_incoming: in_total,
+            transfer_deadline_ms: s.transfer_deadline_ms,
+            transport: s.transport,
+            rdma: RdmaSettings {
+                device: s.rdma_device.clone(),
+                near_gpu: s.rdma_near_gpu.clone(),
+                gid_index: s.rdma_gid_index,
+            },
+        }))
+    }
+
+    /// Cluster mode's settings, when etcd endpoints are given.
+    fn cluster(s: &ServeArgs, data_port: bool) -> Result<Option<super::cluster::ClusterConfig>> {
+        if !s.etcd.is_on() {
+            return Ok(None);
+        }
+        if !data_port {
+            return Err(Error::InvalidArgument(
+                "--etcd needs --cluster-secret-file (cluster mode moves blocks between nodes \
+                 over the authenticated data port)"
+                    .into(),
+            ));
+        }
+        let (auth, tls) = s.etcd.security()?;
+        Ok(Some(super::cluster::ClusterConfig {
+            prefix: s.etcd.prefix(),
+            etcd: s.etcd.etcd.clone(),
+            tls,
+            lease_ttl_ms: s.etcd_lease_ttl_ms,
+            auth,
+        }))
+    }
+
+    /// What single settings' bounds cannot say.
     fn check(&self) -> Result<()> {
         let bad = |m: String| Err(Error::InvalidArgument(m));
-        if self.page_bytes == 0 || self.pool_bytes < self.page_bytes {
+        if self.pool_bytes < self.page_bytes {
             return bad(format!(
                 "the pool ({} bytes) must hold at least one page ({} bytes)",
                 self.pool_bytes, self.page_bytes
             ));
         }
-        if self.max_sessions == 0 || self.max_inflight == 0 || self.max_batch == 0 {
-            return bad("max_sessions, max_inflight and max_batch must be at least 1".into());
-        }
         let p = &self.peers;
-        if self.max_pending_connections == 0 || self.handshake_timeout_ms == 0 {
-            return bad(
-                "max_pending_connections and handshake_timeout_ms must be at least 1".into(),
-            );
-        }
         if p.sessions_per_process == 0
             || p.sessions_per_process > p.sessions_per_uid
             || p.sessions_per_uid > self.max_sessions
@@ -649,165 +585,156 @@ impl DaemonConfig {
                 p.pending_per_process, p.pending_per_uid, self.max_pending_connections
             ));
         }
-        if self.max_batch > 4096 {
-            return bad(format!(
-                "max_batch {} exceeds 4096 (a batch's reply must fit one frame)",
-                self.max_batch
-            ));
-        }
         if self.hard_deadline_ms <= self.drain_deadline_ms {
             return bad(format!(
                 "the hard deadline ({} ms) must come after the drain deadline ({} ms)",
                 self.hard_deadline_ms, self.drain_deadline_ms
             ));
         }
-        let max_events = crate::store::events::MAX_EVENT_LOG_CAPACITY;
-        if self.event_log_capacity == 0 || self.event_log_capacity > max_events {
-            return bad(format!(
-                "event_log_capacity must be 1 to {max_events}, not {}",
-                self.event_log_capacity
-            ));
-        }
-        if self.reap_interval_ms == 0 || self.threads == 0 {
-            return bad("reap_interval_ms and threads must be at least 1".into());
-        }
-        if self.admin_max_connections == 0 || self.admin_max_connections > MAX_ADMIN_CONNECTIONS {
-            return bad(format!(
-                "admin_max_connections must be 1 to {MAX_ADMIN_CONNECTIONS}, not {}",
-                self.admin_max_connections
-            ));
-        }
-        for (name, ms) in [
-            ("admin_header_timeout_ms", self.admin_header_timeout_ms),
-            ("admin_idle_timeout_ms", self.admin_idle_timeout_ms),
-        ] {
-            if ms == 0 || ms > MAX_ADMIN_TIMEOUT_MS {
-                return bad(format!(
-                    "{name} must be 1 to {MAX_ADMIN_TIMEOUT_MS}, not {ms}"
-                ));
-            }
-        }
         Ok(())
     }
-}
-
-fn load_file(p: &Path) -> Result<FileConfig> {
-    let text = std::fs::read_to_string(p)
-        .map_err(|e| Error::InvalidArgument(format!("reading {}: {e}", p.display())))?;
-    toml::from_str(&text).map_err(|e| Error::InvalidArgument(format!("{}: {e}", p.display())))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn flags_win_over_the_file_and_the_file_over_the_defaults() {
+    /// The settings and the configuration `args` (what follows `serve`) give.
+    fn resolve(args: &[&str]) -> Result<DaemonConfig> {
+        DaemonConfig::resolve(&ServeArgs::from_cli(args.iter().map(OsString::from))?)
+    }
+
+    fn file(text: &str) -> (tempfile::TempDir, String) {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("kvd.toml");
-        std::fs::write(&f, "pool_mib = 64\nmax_sessions = 8\npage_kib = 160\n").unwrap();
-        let args = ServeArgs {
-            config: Some(f),
-            max_sessions: Some(4),
-            ..ServeArgs::default()
-        };
-        let c = DaemonConfig::resolve(&args).unwrap();
+        std::fs::write(&f, text).unwrap();
+        (dir, f.to_str().unwrap().to_string())
+    }
+
+    #[test]
+    fn flags_win_over_the_file_and_the_file_over_the_defaults() {
+        let (_d, f) = file(
+            "pool_mib = 64\nmax_sessions = 8\npage_kib = 160\npeer = [\"2=127.0.0.1:1\", \"3=127.0.0.1:2\"]\ncluster_secret_file = \"s\"\nallow_remote_admin = true\n",
+        );
+        let c = resolve(&[
+            "--config",
+            &f,
+            "--max-sessions=4",
+            "--peer",
+            "4=127.0.0.1:3",
+        ])
+        .unwrap();
         assert_eq!(c.pool_bytes, 64 << 20);
         assert_eq!(c.page_bytes, 160 * 1024);
-        assert_eq!(c.max_sessions, 4);
-        assert_eq!(c.max_inflight, 32);
+        assert_eq!(c.max_sessions, 4, "the flag wins");
+        assert_eq!(c.max_inflight, 32, "the default");
         assert_eq!(c.socket, PathBuf::from("kvd-data/kvd.sock"));
+        // a list given as flags replaces the file's (it is not added to it)
+        let peers = c.data_port.unwrap().peers;
+        assert_eq!(peers.keys().copied().collect::<Vec<_>>(), vec![4]);
+        // without the flags, the file's list and its boolean
+        let c = resolve(&["--config", &f, "--admin-listen", "0.0.0.0:7460"]).unwrap();
+        assert_eq!(c.data_port.unwrap().peers.len(), 2);
+        assert_eq!(c.max_sessions, 8);
     }
 
     #[test]
     fn a_non_loopback_admin_address_needs_an_explicit_flag() {
-        let args = ServeArgs {
-            admin_listen: Some("0.0.0.0:7460".parse().unwrap()),
-            ..ServeArgs::default()
-        };
-        assert!(DaemonConfig::resolve(&args).is_err());
-        let args = ServeArgs {
-            allow_remote_admin: true,
-            ..args
-        };
-        let c = DaemonConfig::resolve(&args).unwrap();
+        assert!(resolve(&["--admin-listen", "0.0.0.0:7460"]).is_err());
+        let c = resolve(&["--admin-listen", "0.0.0.0:7460", "--allow-remote-admin"]).unwrap();
         assert!(!c.allow_remote_drain);
     }
 
     #[test]
-    fn admin_bounds_come_from_flags_or_the_file_and_zero_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let f = dir.path().join("kvd.toml");
-        std::fs::write(
-            &f,
-            "admin_max_connections = 8\nadmin_idle_timeout_ms = 900\n",
-        )
-        .unwrap();
-        let args = ServeArgs {
-            config: Some(f),
-            admin_idle_timeout_ms: Some(700),
-            ..ServeArgs::default()
-        };
-        let c = DaemonConfig::resolve(&args).unwrap();
+    fn a_value_from_the_file_is_bounded_as_its_flag_and_the_error_says_where_it_came_from() {
+        let (_d, f) = file("admin_max_connections = 8\nadmin_idle_timeout_ms = 900\n");
+        let c = resolve(&["--config", &f, "--admin-idle-timeout-ms", "700"]).unwrap();
         assert_eq!(c.admin_max_connections, 8);
         assert_eq!(c.admin_header_timeout_ms, DEFAULT_ADMIN_HEADER_TIMEOUT_MS);
         assert_eq!(c.admin_idle_timeout_ms, 700);
-        for bad in [
-            ServeArgs {
-                admin_max_connections: Some(0),
-                ..ServeArgs::default()
-            },
-            ServeArgs {
-                admin_header_timeout_ms: Some(0),
-                ..ServeArgs::default()
-            },
-            ServeArgs {
-                admin_idle_timeout_ms: Some(MAX_ADMIN_TIMEOUT_MS + 1),
-                ..ServeArgs::default()
-            },
+        for (flag, bad) in [
+            ("admin_max_connections", "0".to_string()),
+            ("admin_header_timeout_ms", "0".to_string()),
+            (
+                "admin_idle_timeout_ms",
+                (MAX_ADMIN_TIMEOUT_MS + 1).to_string(),
+            ),
+            ("event_log_capacity", "0".to_string()),
+            (
+                "event_log_capacity",
+                (crate::store::events::MAX_EVENT_LOG_CAPACITY + 1).to_string(),
+            ),
+            ("max_batch", "4097".to_string()),
+            ("transfer_deadline_ms", "999".to_string()),
+            ("huge_pages", "\"sometimes\"".to_string()),
         ] {
-            let e = DaemonConfig::resolve(&bad).unwrap_err();
-            assert!(e.to_string().contains("admin_"), "{e}");
+            let long = format!("--{}", flag.replace('_', "-"));
+            let from_flag = resolve(&[&format!("{long}={}", bad.trim_matches('"'))]).unwrap_err();
+            assert!(from_flag.to_string().contains(&long), "{from_flag}");
+            let (_d, f) = file(&format!("{flag} = {bad}\n"));
+            let from_file = resolve(&["--config", &f]).unwrap_err();
+            assert!(
+                from_file.to_string().contains(&long) && from_file.to_string().contains(&f),
+                "{from_file}"
+            );
         }
     }
 
     #[test]
-    fn the_event_log_capacity_comes_from_the_flag_or_the_file_within_its_bounds() {
-        let dir = tempfile::tempdir().unwrap();
-        let f = dir.path().join("kvd.toml");
-        std::fs::write(&f, "event_log_capacity = 16\n").unwrap();
-        let from_file = ServeArgs {
-            config: Some(f),
-            ..ServeArgs::default()
-        };
+    fn the_event_log_capacity_comes_from_the_flag_or_the_file() {
+        let (_d, f) = file("event_log_capacity = 16\n");
+        assert_eq!(resolve(&["--config", &f]).unwrap().event_log_capacity, 16);
         assert_eq!(
-            DaemonConfig::resolve(&from_file)
-                .unwrap()
-                .event_log_capacity,
-            16
+            resolve(&[]).unwrap().event_log_capacity,
+            DEFAULT_EVENT_LOG_CAPACITY
         );
-        let c = DaemonConfig::resolve(&ServeArgs::default()).unwrap();
-        assert_eq!(c.event_log_capacity, DEFAULT_EVENT_LOG_CAPACITY);
-        for bad in [0, crate::store::events::MAX_EVENT_LOG_CAPACITY + 1] {
-            let args = ServeArgs {
-                event_log_capacity: Some(bad),
-                ..ServeArgs::default()
-            };
-            let e = DaemonConfig::resolve(&args).unwrap_err();
-            assert!(e.to_string().contains("event_log_capacity"), "{e}");
+    }
+
+    #[test]
+    fn an_unknown_key_or_a_table_in_the_file_is_an_error_that_names_it() {
+        for (text, names) in [
+            ("pool_gib = 1\n", "pool_gib"),
+            ("config = \"other.toml\"\n", "config"),
+            ("[etcd]\nurl = \"x\"\n", "etcd"),
+        ] {
+            let (_d, f) = file(text);
+            let e = resolve(&["--config", &f]).unwrap_err();
+            assert!(e.to_string().contains(names), "{e}");
         }
     }
 
     #[test]
-    fn an_unknown_key_in_the_file_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let f = dir.path().join("kvd.toml");
-        std::fs::write(&f, "pool_gib = 1\n").unwrap();
-        let args = ServeArgs {
-            config: Some(f),
-            ..ServeArgs::default()
-        };
-        assert!(DaemonConfig::resolve(&args).is_err());
+    fn settings_that_do_not_fit_together_are_refused() {
+        for (args, says) in [
+            (
+                &[
+                    "--max-transfers-per-peer",
+                    "9",
+                    "--max-transfers",
+                    "8",
+                    "--cluster-secret-file",
+                    "s",
+                ][..],
+                "per peer",
+            ),
+            (&["--peer", "2=127.0.0.1:1"][..], "--cluster-secret-file"),
+            (
+                &["--etcd", "http://127.0.0.1:2379"][..],
+                "--cluster-secret-file",
+            ),
+            (&["--drain-deadline-ms", "50000"][..], "hard deadline"),
+            (
+                &["--pool-mib", "1", "--page-kib", "2048"][..],
+                "at least one page",
+            ),
+            (
+                &["--max-sessions", "2", "--max-sessions-per-uid", "3"][..],
+                "session bounds",
+            ),
+        ] {
+            let e = resolve(args).unwrap_err();
+            assert!(e.to_string().contains(says), "{args:?}: {e}");
+        }
     }
 }
 
@@ -849,6 +776,41 @@ mod documented {
         assert!(
             stale.is_empty(),
             "docs/DAEMON.md rows for no setting: {stale:?}"
+        );
+    }
+
+    #[test]
+    fn every_default_in_docs_daemon_md_is_the_one_the_setting_declares() {
+        use clap::Args;
+        let cmd = ServeArgs::augment_args(clap::Command::new("serve"));
+        // the settings table's row of each key (the first: later tables may name it too)
+        let mut rows = std::collections::BTreeMap::new();
+        for l in include_str!("../../../docs/DAEMON.md").lines() {
+            let Some((key, rest)) = l.strip_prefix("| `").and_then(|l| l.split_once('`')) else {
+                continue;
+            };
+            if let Some(default) = rest.split('|').nth(1) {
+                rows.entry(key.to_string())
+                    .or_insert_with(|| default.trim().trim_matches('`').to_string());
+            }
+        }
+        let mut wrong = Vec::new();
+        for a in cmd.get_arguments() {
+            let (Some(long), [declared]) = (a.get_long(), a.get_default_values()) else {
+                continue;
+            };
+            let key = long.replace('-', "_");
+            let declared = declared.to_string_lossy();
+            if rows.get(&key).map(String::as_str) != Some(&*declared) {
+                wrong.push(format!(
+                    "{key}: declared {declared}, documented {:?}",
+                    rows.get(&key)
+                ));
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "docs/DAEMON.md's defaults differ: {wrong:#?}"
         );
     }
 }

@@ -50,14 +50,25 @@ pub fn init_logging() {
 /// Run `kvd serve` to its end.
 pub fn run(args: ServeArgs) -> std::process::ExitCode {
     init_logging();
-    let config = match DaemonConfig::resolve(&args) {
+    // with a config file, the settings are the file's keys under the command line's flags
+    let settings = match &args.config {
+        None => Ok(args),
+        Some(_) => ServeArgs::from_cli(
+            std::env::args_os()
+                .skip(1)
+                .skip_while(|a| a != "serve")
+                .skip(1),
+        ),
+    };
+    let (settings, config) = match settings.and_then(|s| DaemonConfig::resolve(&s).map(|c| (s, c)))
+    {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kvd serve: {e}");
             return std::process::ExitCode::from(2);
         }
     };
-    if args.check_config {
+    if settings.check_config {
         match serde_json::to_string_pretty(&config) {
             Ok(text) => println!("{text}"),
             Err(e) => {
