@@ -573,6 +573,8 @@ pub struct TwoHosts {
     pub a: String,
     /// The second host's namespace (10.77.0.2).
     pub b: String,
+    /// What names this pair's namespaces and veth devices apart from other pairs'.
+    tag: String,
 }
 
 /// Run `ip` with `args`; panic with its error when it fails.
@@ -603,6 +605,7 @@ fn remove_stale_namespaces() {
         let Some(pid) = name
             .strip_prefix("kvdt")
             .and_then(|r| r.strip_suffix(['a', 'b']))
+            .and_then(|r| r.split('x').next())
             .and_then(|n| n.parse::<u32>().ok())
         else {
             continue;
@@ -620,10 +623,15 @@ impl TwoHosts {
     /// `b`), loopback up in both.
     pub fn new() -> TwoHosts {
         remove_stale_namespaces();
-        let tag = std::process::id();
+        // the process and a count within it: tests of one binary may run at once (cargo test
+        // runs them as threads of one process; nextest as processes of their own)
+        static PAIRS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = PAIRS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 100;
+        let tag = format!("{}x{n}", std::process::id());
         let h = TwoHosts {
             a: format!("kvdt{tag}a"),
             b: format!("kvdt{tag}b"),
+            tag: tag.clone(),
         };
         ip(&["netns", "add", &h.a]);
         ip(&["netns", "add", &h.b]);
@@ -641,12 +649,12 @@ impl TwoHosts {
 
     /// The veth device in `a`.
     pub fn dev_a(&self) -> String {
-        format!("kv{}a", std::process::id())
+        format!("kv{}a", self.tag)
     }
 
     /// The veth device in `b`.
     pub fn dev_b(&self) -> String {
-        format!("kv{}b", std::process::id())
+        format!("kv{}b", self.tag)
     }
 
     /// Shape `ns`'s egress on `dev` to `rate` (tc tbf), so that a transfer surely is in the
