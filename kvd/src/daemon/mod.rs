@@ -104,72 +104,26 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
 }
 
 /// Start everything, serve until a drain ends.
-#[expect(
-    clippy::too_many_lines,
-    reason = "over the 120-line ratchet (148 lines) when it came in: shorten it, then drop this"
-)]
 async fn serve(config: DaemonConfig) -> Result<()> {
     let signals = DrainSignals::install()?;
     let budget = fd_budget(&config)?;
     let datadir = datadir::DataDir::open(&config.data_dir)?;
     let generation = datadir.generation();
-    let pool = PoolConfig {
-        huge_pages: config.huge_pages,
-        ..PoolConfig::with_total(config.page_bytes, config.pool_bytes)
-    };
-    let mut sc = StoreConfig::new(pool);
-    sc.node_generation = generation;
-    sc.max_sessions = config.max_sessions;
-    sc.max_batch = config.max_batch;
-    sc.verify_supplied_checksums = config.verify_supplied_checksums;
-    sc.event_log_capacity = config.event_log_capacity;
     let clock = Arc::new(MonotonicClock::new());
-    let store = Arc::new(Store::new(sc, clock.clone())?);
-    // Clients map the memfd read-write; sealing it stops any of them from shrinking it under
-    // the daemon's own mapping (which would fault the daemon).
-    if let Err(e) = rustix::fs::fcntl_add_seals(
-        store.pool_fd(),
-        rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW | rustix::fs::SealFlags::SEAL,
-    ) {
-        tracing::warn!(error = %e, "could not seal the pool memfd against resizing");
-    }
+    let store = open_store(&config, generation, clock.clone())?;
     // The data port before the socket: a bad secret file is a start-up error that leaves
     // nothing bound behind.
     let data_port = match &config.data_port {
         Some(dp) => Some(data_port::DataPort::start(dp, config.node_id, &store)?),
         None => None,
     };
-    let listener = server::bind_socket(&config.socket, config.socket_group.as_deref())?;
-    let listener = tokio::net::UnixListener::from_std(listener)
-        .map_err(|e| Error::Io(format!("registering the socket: {e}")))?;
-    let admin = tokio::net::TcpListener::bind(config.admin_listen)
-        .await
-        .map_err(|e| {
-            Error::Io(format!(
-                "binding the admin address {}: {e}",
-                config.admin_listen
-            ))
-        })?;
-    let admin_addr = admin.local_addr().map_err(|e| Error::Io(e.to_string()))?;
-    let probe = match config.probe_listen {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|e| Error::Io(format!("binding the probe address {addr}: {e}")))?,
-        ),
-        None => None,
-    };
-    let probe_addr = match &probe {
-        Some(p) => Some(p.local_addr().map_err(|e| Error::Io(e.to_string()))?),
-        None => None,
-    };
+    let listeners = Listeners::bind(&config).await?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
     let config_peers = config.peers;
     let mut daemon_metrics = metrics::Metrics::new(store.clone());
     if let Some(dp) = &data_port {
         daemon_metrics = daemon_metrics.with_data_port(dp.clone());
     }
-    let data_addr = data_port.as_ref().map(|dp| dp.local_addr());
     let registry = config
         .cluster
         .clone()
@@ -192,66 +146,19 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         drain: drain::DrainState::default(),
         shutdown,
         started: Instant::now(),
-        admin_addr,
+        admin_addr: listeners.admin_addr,
         clients: clients::Clients::new(config_peers),
     });
-    tokio::spawn(server::accept_loop(d.clone(), listener));
+    tokio::spawn(server::accept_loop(d.clone(), listeners.socket));
     tokio::spawn(server::reaper(d.clone()));
-    tokio::spawn(admin::serve(d.clone(), admin, budget));
-    if let Some(p) = probe {
+    tokio::spawn(admin::serve(d.clone(), listeners.admin, budget));
+    let probe_addr = listeners.probe.as_ref().and_then(|p| p.local_addr().ok());
+    if let Some(p) = listeners.probe {
         tokio::spawn(probes::serve(d.clone(), p));
     }
     let datadir = Arc::new(std::sync::Mutex::new(datadir));
-    let registry_task = registry.map(|r| {
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let dd = d.clone();
-        let registration = move || cluster::Registration {
-            node_id: dd.config.node_id,
-            generation: dd
-                .data_port
-                .as_ref()
-                .map_or(dd.store.node_generation(), |dp| dp.generation()),
-            data_addr: data_addr.map_or_else(String::new, |a| a.to_string()),
-            admin_addr: dd.admin_addr.to_string(),
-            capacity_bytes: dd.store.pool_bytes(),
-            free_bytes: u64::from(dd.store.stats().accounting.free) * dd.store.page_size(),
-        };
-        let (dd, dir) = (d.clone(), Arc::clone(&datadir));
-        let advance = move || {
-            let next = dir.lock().unwrap_or_else(|p| p.into_inner()).advance();
-            match (next, &dd.data_port) {
-                (Ok(g), Some(dp)) => dp.set_generation(g),
-                (Err(e), _) => tracing::error!(error = %e, "could not advance the node generation"),
-                _ => {}
-            }
-        };
-        let task = tokio::spawn(async move { r.run(registration, advance, stop_rx).await });
-        (stop_tx, task)
-    });
-    tracing::info!(
-        node_generation = generation,
-        socket = %d.config.socket.display(),
-        admin = %admin_addr,
-        pool_bytes = d.store.pool_bytes(),
-        page_bytes = d.store.page_size(),
-        backing = ?d.store.backing(),
-        data_dir = %d.config.data_dir.display(),
-        node_id = d.config.node_id,
-        data_port = %data_addr.map_or_else(|| "off (no --cluster-secret-file)".to_string(), |a| a.to_string()),
-        "kvd serving"
-    );
-    // One machine-readable line on stdout for scripts and tests (the admin port may be 0).
-    {
-        let mut out = std::io::stdout().lock();
-        let data = data_addr.map_or_else(String::new, |a| format!(" data={a}"));
-        let probes = probe_addr.map_or_else(String::new, |a| format!(" probes={a}"));
-        let _ = writeln!(
-            out,
-            "kvd ready generation={generation} socket={} admin={admin_addr}{data}{probes}",
-            d.config.socket.display()
-        );
-        let _ = out.flush();
-    }
+    let registry_task = registry.map(|r| register(&d, r, Arc::clone(&datadir)));
+    announce(&d, generation, probe_addr);
     wait_for_drain(&d, signals).await?;
     // withdraw from the cluster before the drain stops serving (bounded: etcd may be away)
     if let Some((stop, task)) = registry_task {
@@ -262,6 +169,134 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     let _ = std::fs::remove_file(&d.config.socket);
     drop(datadir);
     Ok(())
+}
+
+/// The block store on a pool as `config` says, at this start's generation, on `clock`.
+fn open_store(
+    config: &DaemonConfig,
+    generation: u64,
+    clock: Arc<MonotonicClock>,
+) -> Result<Arc<Store>> {
+    let pool = PoolConfig {
+        huge_pages: config.huge_pages,
+        ..PoolConfig::with_total(config.page_bytes, config.pool_bytes)
+    };
+    let mut sc = StoreConfig::new(pool);
+    sc.node_generation = generation;
+    sc.max_sessions = config.max_sessions;
+    sc.max_batch = config.max_batch;
+    sc.verify_supplied_checksums = config.verify_supplied_checksums;
+    sc.event_log_capacity = config.event_log_capacity;
+    let store = Arc::new(Store::new(sc, clock)?);
+    // Clients map the memfd read-write; sealing it stops any of them from shrinking it under
+    // the daemon's own mapping (which would fault the daemon).
+    if let Err(e) = rustix::fs::fcntl_add_seals(
+        store.pool_fd(),
+        rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW | rustix::fs::SealFlags::SEAL,
+    ) {
+        tracing::warn!(error = %e, "could not seal the pool memfd against resizing");
+    }
+    Ok(store)
+}
+
+/// The daemon's listeners: the local protocol's socket, the admin port, the probes' own.
+struct Listeners {
+    socket: tokio::net::UnixListener,
+    admin: tokio::net::TcpListener,
+    admin_addr: std::net::SocketAddr,
+    probe: Option<tokio::net::TcpListener>,
+}
+
+impl Listeners {
+    async fn bind(config: &DaemonConfig) -> Result<Listeners> {
+        let socket = server::bind_socket(&config.socket, config.socket_group.as_deref())?;
+        let socket = tokio::net::UnixListener::from_std(socket)
+            .map_err(|e| Error::Io(format!("registering the socket: {e}")))?;
+        let addr = config.admin_listen;
+        let admin = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::Io(format!("binding the admin address {addr}: {e}")))?;
+        let admin_addr = admin.local_addr().map_err(|e| Error::Io(e.to_string()))?;
+        let probe = match config.probe_listen {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| Error::Io(format!("binding the probe address {addr}: {e}")))?,
+            ),
+            None => None,
+        };
+        Ok(Listeners {
+            socket,
+            admin,
+            admin_addr,
+            probe,
+        })
+    }
+}
+
+/// Cluster mode: register this node in etcd and keep it registered (a new generation at every
+/// re-registration); the stop switch and the task.
+fn register(
+    d: &Arc<context::Daemon>,
+    r: Arc<cluster::EtcdRegistry>,
+    datadir: Arc<std::sync::Mutex<datadir::DataDir>>,
+) -> (
+    tokio::sync::watch::Sender<bool>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let dd = d.clone();
+    let data_addr = d.data_port.as_ref().map(|dp| dp.local_addr());
+    let registration = move || cluster::Registration {
+        node_id: dd.config.node_id,
+        generation: dd
+            .data_port
+            .as_ref()
+            .map_or(dd.store.node_generation(), |dp| dp.generation()),
+        data_addr: data_addr.map_or_else(String::new, |a| a.to_string()),
+        admin_addr: dd.admin_addr.to_string(),
+        capacity_bytes: dd.store.pool_bytes(),
+        free_bytes: u64::from(dd.store.stats().accounting.free) * dd.store.page_size(),
+    };
+    let dd = d.clone();
+    let advance = move || {
+        let next = datadir.lock().unwrap_or_else(|p| p.into_inner()).advance();
+        match (next, &dd.data_port) {
+            (Ok(g), Some(dp)) => dp.set_generation(g),
+            (Err(e), _) => tracing::error!(error = %e, "could not advance the node generation"),
+            _ => {}
+        }
+    };
+    let task = tokio::spawn(async move { r.run(registration, advance, stop_rx).await });
+    (stop_tx, task)
+}
+
+/// The start-up log line, and one machine-readable line on stdout for scripts and tests (the
+/// admin port may have been 0).
+fn announce(d: &context::Daemon, generation: u64, probe_addr: Option<std::net::SocketAddr>) {
+    let data_addr = d.data_port.as_ref().map(|dp| dp.local_addr());
+    tracing::info!(
+        node_generation = generation,
+        socket = %d.config.socket.display(),
+        admin = %d.admin_addr,
+        pool_bytes = d.store.pool_bytes(),
+        page_bytes = d.store.page_size(),
+        backing = ?d.store.backing(),
+        data_dir = %d.config.data_dir.display(),
+        node_id = d.config.node_id,
+        data_port = %data_addr.map_or_else(|| "off (no --cluster-secret-file)".to_string(), |a| a.to_string()),
+        "kvd serving"
+    );
+    let mut out = std::io::stdout().lock();
+    let data = data_addr.map_or_else(String::new, |a| format!(" data={a}"));
+    let probes = probe_addr.map_or_else(String::new, |a| format!(" probes={a}"));
+    let _ = writeln!(
+        out,
+        "kvd ready generation={generation} socket={} admin={}{data}{probes}",
+        d.config.socket.display(),
+        d.admin_addr
+    );
+    let _ = out.flush();
 }
 
 /// SIGTERM and SIGINT, caught from before the daemon says it is ready: a signal that arrives
