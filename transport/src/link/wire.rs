@@ -61,6 +61,7 @@ pub(crate) fn protocol(what: String) -> Error {
     Error::InvalidArgument(format!("transfer protocol: {what}"))
 }
 
+#[inline]
 pub(crate) fn check_head(b: &[u8], magic: &[u8; 2]) -> Result<()> {
     if &b[0..2] != magic {
         return Err(protocol(format!(
@@ -77,10 +78,12 @@ pub(crate) fn check_head(b: &[u8], magic: &[u8; 2]) -> Result<()> {
     Ok(())
 }
 
+#[inline]
 pub(crate) fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
 
+#[inline]
 pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
