@@ -46,14 +46,20 @@ fn live() -> &'static Live {
     LIVE.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("kvd.sock");
-        let args = kvd::daemon::config::ServeArgs {
-            data_dir: Some(dir.path().join("data")),
-            socket: Some(socket.clone()),
-            admin_listen: Some("127.0.0.1:0".parse().unwrap()),
-            pool_mib: Some(16),
-            page_kib: Some(64),
-            ..Default::default()
-        };
+        let (data, sock) = (dir.path().join("data"), socket.clone());
+        let args = kvd::daemon::config::ServeArgs::from_cli(
+            [
+                "--data-dir".as_ref(),
+                data.as_os_str(),
+                "--socket".as_ref(),
+                sock.as_os_str(),
+                "--admin-listen=127.0.0.1:0".as_ref(),
+                "--pool-mib=16".as_ref(),
+                "--page-kib=64".as_ref(),
+            ]
+            .map(std::ffi::OsStr::to_os_string),
+        )
+        .unwrap();
         std::thread::spawn(move || kvd::daemon::run(args));
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while !socket.exists() {
