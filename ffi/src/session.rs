@@ -88,7 +88,7 @@ pub extern "C" fn kvd_connect(
             lease_ttl_ms: o.lease_ttl_ms,
             io_timeout_ms: o.io_timeout_ms,
             populate: o.populate,
-            retry: None,
+            ..ClientOptions::named(name)
         };
         let c = Client::connect(path, &options)?;
         *out = handles::insert(c)?;

@@ -127,6 +127,11 @@ pub struct ServeArgs {
     /// Unanswered requests one session may have; more are answered Overloaded.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_inflight: u32,
+    /// How long a session polls its socket for the next request after answering one, µs, before
+    /// its thread waits in the event loop (0: wait at once). Waking an idle thread costs more than
+    /// a metadata call's work; the poll spends at most this much CPU per answer, none while idle.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub spin_us: u32,
     /// Items in one batched request at most (a batch's reply must fit one frame).
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_batch: u32,
@@ -356,6 +361,8 @@ pub struct DaemonConfig {
     pub peers: ClientLimits,
     /// Unanswered requests per session.
     pub max_inflight: u32,
+    /// How long a session polls for the next request after an answer, µs.
+    pub spin_us: u32,
     /// Items per batch.
     pub max_batch: u32,
     /// Body bytes per frame.
@@ -470,6 +477,7 @@ impl DaemonConfig {
             handshake_timeout_ms: s.handshake_timeout_ms,
             peers,
             max_inflight: s.max_inflight,
+            spin_us: s.spin_us,
             max_batch: s.max_batch,
             max_frame_bytes: crate::protocol::MAX_FRAME_BYTES,
             frame_timeout_ms: 10_000,

@@ -363,13 +363,24 @@ async fn session(d: Arc<Daemon>, stream: UnixStream, sid: SessionId, lease_ttl_m
     let mut shutdown = d.shutdown.subscribe();
     let idle = Duration::from_millis(lease_ttl_ms.saturating_add(5_000));
     let frame_timeout = Duration::from_millis(d.config.frame_timeout_ms);
+    let mut spin =
+        crate::protocol::spin::Spinner::new(Duration::from_micros(u64::from(d.config.spin_us)));
     let mut renewed = Instant::now();
     let mut out: Vec<u8> = Vec::with_capacity(64 * 1024);
     loop {
+        // Poll a moment for the next request before the thread may sleep in the event loop
+        // (bounded; see `protocol::spin`): a request that comes within it is read at once.
+        let waited = rd.buffer().is_empty();
+        if waited {
+            spin.before_wait(AsRef::<UnixStream>::as_ref(rd.get_ref()));
+        }
         let next = tokio::select! {
             r = read_frame::<_, Request>(&mut rd, d.config.max_frame_bytes, idle, frame_timeout) => r,
             _ = shutdown.changed() => break,
         };
+        if waited {
+            spin.after_wait();
+        }
         let (resp, last) = match next {
             Ok(req) => {
                 let queued = complete_frames(rd.buffer());

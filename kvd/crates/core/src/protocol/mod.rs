@@ -17,6 +17,7 @@
 pub mod fdpass;
 pub mod frame;
 pub mod messages;
+pub mod spin;
 
 pub use frame::{FRAME_HEADER_BYTES, MAGIC, MAX_FRAME_BYTES, PROTOCOL_VERSION};
 pub use messages::*;
