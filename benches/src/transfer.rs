@@ -7,15 +7,20 @@
 //!   names it is in flight), until at least `--gib-per-case` GiB moved. Writes push to the
 //!   target's granted range, reads pull from it. Checksums off and on (CRC-32C per chunk,
 //!   computed by the sender, checked by the receiver).
-//! - **raw TCP**: one plain blocking socket, `write_all` of 1 MiB slices of the same memory in
-//!   this process, `read_exact` into the target's memory in the child: what one stream over
-//!   loopback can do on this machine, with no protocol at all.
-//! - **memcpy**: one large memcpy (1 GiB), best of three.
+//! - **raw TCP**: as many plain blocking sockets as the engine's connections, one thread per
+//!   socket on each side, `write_all` of 1 MiB slices in this process, `read_exact` into the
+//!   target's memory in the child: what a plain program does over loopback with the same
+//!   resources and no protocol at all. Two kinds, both reported: **cache-hot** (each stream
+//!   reuses one 1 MiB buffer on each side) and **memory to memory** (each stream walks its
+//!   share of a segment larger than the last-level cache on each side, as blocks do). Ratios
+//!   are to the better of the two.
+//! - **memcpy**: the better of one large glibc memcpy and kvd's own non-temporal copy (1 GiB),
+//!   best of three.
 //!
 //! CPU per GB is user + system time of both processes (getrusage) over bytes moved, for the
 //! engine and for raw TCP alike. Every case runs `--repeat` times; the table gives the median
-//! and the spread (min–max). Raw TCP is sampled again before every case and the median of all
-//! its samples is the bound. Progress goes to stderr, the table to stdout.
+//! and the spread (min–max). Raw TCP is sampled again before every case and the median of each
+//! kind's samples is its bound. Progress goes to stderr, the table to stdout.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -53,8 +58,8 @@ pub struct TransferArgs {
     /// Times each case runs (median and spread reported).
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
-    /// Connections per endpoint.
-    #[arg(long, default_value_t = 2)]
+    /// Connections per endpoint (the raw TCP bounds use as many streams).
+    #[arg(long, default_value_t = transport::tcp::DEFAULT_CONNECTIONS)]
     pub connections: usize,
     /// Chunk size in KiB.
     #[arg(long, default_value_t = 1024)]
@@ -137,8 +142,9 @@ fn touch(mem: &HeapMemory) {
 }
 
 /// The child: a target engine with one segment granted for writes and for reads, and a raw
-/// socket receiver. Commands on stdin: `cpu` (answers `cpu SECONDS`), `raw BYTES` (accepts one
-/// raw connection, reads that many bytes, answers `raw-done`); EOF ends it.
+/// socket receiver. Commands on stdin: `cpu` (answers `cpu SECONDS`), `raw BYTES STREAMS MODE`
+/// (accepts STREAMS raw connections, reads that many bytes over them in all, into memory as
+/// MODE says, answers `raw-done`); EOF ends it.
 pub fn target(args: &TargetArgs) -> Result<(), String> {
     let secret = ClusterSecret::from_file(&args.secret_file).map_err(|e| e.to_string())?;
     let mut c = TcpConfig::new(
@@ -193,17 +199,11 @@ pub fn target(args: &TargetArgs) -> Result<(), String> {
                 let total: u64 = n
                     .parse()
                     .map_err(|_| format!("raw takes a byte count: {n}"))?;
-                let (mut s, _) = raw.accept().map_err(|e| e.to_string())?;
+                let streams: usize = words.next().and_then(|w| w.parse().ok()).unwrap_or(1);
+                let mode = RawMode::parse(words.next().unwrap_or("mem"))?;
                 // SAFETY: the engine is idle between cases (the parent runs raw cases alone).
                 let dst = unsafe { mem.bytes_mut() };
-                let mut got = 0u64;
-                while got < total {
-                    let at = (got % (dst.len() as u64 - (1 << 20))) as usize;
-                    let want = ((total - got) as usize).min(1 << 20);
-                    s.read_exact(&mut dst[at..at + want])
-                        .map_err(|e| e.to_string())?;
-                    got += want as u64;
-                }
+                raw_receive(&raw, dst, total, streams, mode)?;
                 println!("raw-done");
             }
             _ => return Err(format!("unknown command {line:?}")),
@@ -284,19 +284,96 @@ impl Row {
     }
 }
 
-/// Run the benchmark.
-#[expect(
-    clippy::too_many_lines,
-    reason = "over the 120-line ratchet (141 lines) when it came in: shorten it, then drop this"
-)]
-pub fn run(args: &TransferArgs) -> Result<(), String> {
-    if args.batch == 0 || args.repeat == 0 || args.block_kib.is_empty() {
-        return Err("--batch, --repeat and --block-kib need at least one".into());
+/// The two raw TCP bounds, sampled side by side before the first case and between cases.
+struct Bounds {
+    hot: Row,
+    mem: Row,
+    streams: usize,
+}
+
+impl Bounds {
+    fn new(streams: usize) -> Bounds {
+        let row = |m: RawMode| Row {
+            case: format!("raw TCP, {streams} streams, {}", m.label()),
+            samples: vec![],
+        };
+        Bounds {
+            hot: row(RawMode::CacheHot),
+            mem: row(RawMode::MemoryToMemory),
+            streams,
+        }
     }
-    let zc = zero_copy(&args.zero_copy)?;
+
+    /// One sample of each, memory to memory first.
+    fn sample(&mut self, t: &mut Target, mem: &HeapMemory, total: u64) -> Result<(), String> {
+        for (row, mode) in [
+            (&mut self.mem, RawMode::MemoryToMemory),
+            (&mut self.hot, RawMode::CacheHot),
+        ] {
+            let s = raw_tcp(&mut t.child, &t.raw_addr, mem, total, self.streams, mode)?;
+            row.samples.push(s);
+        }
+        Ok(())
+    }
+
+    /// The better of the two (by median GB/s): what every ratio is to.
+    fn best(&self) -> &Row {
+        if self.hot.gbps() >= self.mem.gbps() {
+            &self.hot
+        } else {
+            &self.mem
+        }
+    }
+}
+
+/// The initiator's engine for one checksum mode, with `mem` registered, and its endpoint to
+/// the target.
+fn initiator(
+    args: &TransferArgs,
+    secret: &ClusterSecret,
+    checksum: bool,
+    mem: &Arc<HeapMemory>,
+    target: &Target,
+) -> Result<(TcpTransport, transport::engine::EndpointId), String> {
+    let mut c = TcpConfig::new(
+        1,
+        1,
+        "127.0.0.1:0".parse().expect("an address"),
+        secret.clone(),
+    );
+    c.connections = args.connections;
+    c.chunk_bytes = args.chunk_kib << 10;
+    c.window = args.window;
+    c.checksum = checksum;
+    c.zero_copy = zero_copy(&args.zero_copy)?;
+    c.limits = big_limits();
+    c.stall_timeout = Duration::from_secs(10);
+    let engine = TcpTransport::start(c).map_err(|e| e.to_string())?;
+    engine
+        .register(SEG, mem.clone() as Arc<dyn Memory>, 0, mem.len() as u64)
+        .map_err(|e| e.to_string())?;
+    let ep = engine
+        .open(&PeerAddr {
+            addr: target.data_addr,
+            node_id: TARGET_NODE,
+        })
+        .map_err(|e| e.to_string())?;
+    Ok((engine, ep))
+}
+
+/// The smallest segment on each side: large enough that the memory-to-memory bound's streams
+/// each walk more than the last-level cache.
+const MIN_SEGMENT: u64 = 512 << 20;
+
+/// Run the benchmark.
+pub fn run(args: &TransferArgs) -> Result<(), String> {
+    if args.batch == 0 || args.repeat == 0 || args.block_kib.is_empty() || args.connections == 0 {
+        return Err("--batch, --repeat, --connections and --block-kib need at least one".into());
+    }
+    zero_copy(&args.zero_copy)?;
     let largest = args.block_kib.iter().max().copied().unwrap_or(1024) << 10;
     // two halves, each one batch of the largest block
-    let segment = 2 * args.batch as u64 * largest;
+    let segment = (2 * args.batch as u64 * largest).max(MIN_SEGMENT);
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let secret_path = write_secret(dir.path())?;
     let secret = ClusterSecret::from_file(&secret_path).map_err(|e| e.to_string())?;
@@ -304,63 +381,28 @@ pub fn run(args: &TransferArgs) -> Result<(), String> {
         "kvd-bench transfer: starting the target process ({} MiB segment on each side)",
         segment >> 20
     );
-    let Target {
-        mut child,
-        data_addr,
-        raw_addr,
-        remote,
-    } = Target::spawn(&secret_path, segment, args.chunk_kib, &args.zero_copy)?;
-
+    let mut target = Target::spawn(&secret_path, segment, args.chunk_kib, &args.zero_copy)?;
     let mem = Arc::new(HeapMemory::zeroed(segment as usize));
     touch(&mem);
     let total = (args.gib_per_case * (1u64 << 30) as f64) as u64;
-    let mut rows: Vec<Row> = Vec::new();
-
     eprintln!("kvd-bench transfer: memcpy bound (1 GiB, best of 3)");
     let memcpy = crate::local::memcpy_bound(1 << 30);
-
-    // Raw TCP is sampled before the first case and again before every case, and the bound is
-    // the median of all those samples: loopback throughput drifts with what else the two
+    // The raw bounds are sampled before the first case and again before every case, and each
+    // bound is the median of its samples: loopback throughput drifts with what else the two
     // cores do, and interleaving spreads that drift over both sides of the ratio.
-    let mut raw = Row {
-        case: "raw TCP, 1 stream, 1 MiB writes".into(),
-        samples: vec![],
-    };
+    let mut bounds = Bounds::new(args.connections);
     for i in 0..args.repeat {
         eprintln!("kvd-bench transfer: raw TCP {} of {}", i + 1, args.repeat);
-        raw.samples
-            .push(raw_tcp(&mut child, &raw_addr, &mem, total)?);
+        bounds.sample(&mut target, &mem, total)?;
     }
-
+    let mut rows: Vec<Row> = Vec::new();
     for ck in &args.checksum {
         let checksum = match ck.as_str() {
             "off" => false,
             "on" => true,
             _ => return Err(format!("--checksum takes off or on, not {ck:?}")),
         };
-        let mut c = TcpConfig::new(
-            1,
-            1,
-            "127.0.0.1:0".parse().expect("an address"),
-            secret.clone(),
-        );
-        c.connections = args.connections;
-        c.chunk_bytes = args.chunk_kib << 10;
-        c.window = args.window;
-        c.checksum = checksum;
-        c.zero_copy = zc;
-        c.limits = big_limits();
-        c.stall_timeout = Duration::from_secs(10);
-        let engine = TcpTransport::start(c).map_err(|e| e.to_string())?;
-        engine
-            .register(SEG, mem.clone() as Arc<dyn Memory>, 0, segment)
-            .map_err(|e| e.to_string())?;
-        let ep = engine
-            .open(&PeerAddr {
-                addr: data_addr,
-                node_id: TARGET_NODE,
-            })
-            .map_err(|e| e.to_string())?;
+        let (engine, ep) = initiator(args, &secret, checksum, &mem, &target)?;
         for d in &args.direction {
             let kind = match d.as_str() {
                 "write" => OpKind::Write,
@@ -368,11 +410,10 @@ pub fn run(args: &TransferArgs) -> Result<(), String> {
                 _ => return Err(format!("--direction takes write or read, not {d:?}")),
             };
             for &kib in &args.block_kib {
-                eprintln!("kvd-bench transfer: raw TCP (a sample between cases)");
-                raw.samples
-                    .push(raw_tcp(&mut child, &raw_addr, &mem, total)?);
+                eprintln!("kvd-bench transfer: raw TCP (samples between cases)");
+                bounds.sample(&mut target, &mem, total)?;
                 let mut row = Row {
-                    case: format!("{d:<5} {:>5} KiB blocks, checksum {ck}", kib),
+                    case: format!("{d:<5} {kib:>5} KiB blocks, checksum {ck}"),
                     samples: vec![],
                 };
                 for i in 0..args.repeat {
@@ -382,25 +423,26 @@ pub fn run(args: &TransferArgs) -> Result<(), String> {
                         i + 1,
                         args.repeat
                     );
-                    let s = engine_case(
-                        &engine,
-                        ep,
-                        &mut child,
-                        remote,
+                    let case = Case {
                         kind,
-                        kib << 10,
-                        args.batch,
+                        block: kib << 10,
+                        batch: args.batch,
                         total,
-                    )?;
-                    row.samples.push(s);
+                    };
+                    row.samples
+                        .push(engine_case(&engine, ep, &mut target, case)?);
                 }
                 rows.push(row);
             }
         }
     }
+    print_table(args, memcpy, &bounds, &rows);
+    Ok(())
+}
 
-    let raw_gbps = raw.gbps();
-    let raw_cpu = raw.cpu();
+fn print_table(args: &TransferArgs, memcpy: f64, bounds: &Bounds, rows: &[Row]) {
+    let best = bounds.best();
+    let (raw_gbps, raw_cpu) = (best.gbps(), best.cpu());
     println!();
     println!(
         "{:<44} {:>7} {:>13} {:>7} {:>7} {:>8} {:>7}",
@@ -421,8 +463,9 @@ pub fn run(args: &TransferArgs) -> Result<(), String> {
         );
     };
     println!("{:<44} {:>7.2}", "memcpy, 1 GiB (best of 3)", memcpy);
-    print(&raw);
-    for r in &rows {
+    print(&bounds.mem);
+    print(&bounds.hot);
+    for r in rows {
         print(r);
     }
     println!(
@@ -436,10 +479,13 @@ pub fn run(args: &TransferArgs) -> Result<(), String> {
         args.zero_copy
     );
     println!(
-        "raw TCP: the median of {} samples taken before and between the cases; ratios are to it.",
-        raw.samples.len()
+        "raw TCP: {} streams (as many as kvd's connections), 1 MiB writes, one thread per stream on \
+         each side; the median of {} samples of each kind taken before and between the cases. \
+         Ratios (xTCP, CPU/TCP) are to the better of the two: {}.",
+        bounds.streams,
+        bounds.mem.samples.len(),
+        best.case
     );
-    Ok(())
 }
 
 /// A fresh 32-byte cluster secret file (mode 0600) in `dir`.
@@ -513,32 +559,167 @@ impl Target {
         })
     }
 
-    /// One raw single-stream loopback TCP sample of `total` bytes from `mem`: (GB/s, CPU
-    /// seconds per GB of both processes).
+    /// One raw loopback TCP sample of `total` bytes from `mem` over `streams` connections, in
+    /// `mode`: (GB/s, CPU seconds per GB of both processes).
     pub(crate) fn raw_sample(
         &mut self,
         mem: &HeapMemory,
         total: u64,
+        streams: usize,
+        mode: RawMode,
     ) -> Result<(f64, f64), String> {
-        let s = raw_tcp(&mut self.child, &self.raw_addr, mem, total)?;
+        let s = raw_tcp(&mut self.child, &self.raw_addr, mem, total, streams, mode)?;
         Ok((s.gbps, s.cpu_per_gb))
     }
 }
 
-fn raw_tcp(child: &mut Child_, addr: &str, mem: &HeapMemory, total: u64) -> Result<Sample, String> {
+/// Where the raw TCP bound's bytes come from and go to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RawMode {
+    /// Each stream sends from and receives into one 1 MiB buffer of its own, again and again:
+    /// the buffers stay in the caches, the best a plain program does when the copy into and
+    /// out of the socket is all it pays.
+    CacheHot,
+    /// Each stream walks its own share of a segment larger than the last-level cache (on
+    /// both sides), as kvd's blocks do: every byte comes from memory and goes to memory.
+    MemoryToMemory,
+}
+
+impl RawMode {
+    fn parse(s: &str) -> Result<RawMode, String> {
+        match s {
+            "hot" => Ok(RawMode::CacheHot),
+            "mem" => Ok(RawMode::MemoryToMemory),
+            _ => Err(format!("raw mode takes hot or mem, not {s:?}")),
+        }
+    }
+    fn word(self) -> &'static str {
+        match self {
+            RawMode::CacheHot => "hot",
+            RawMode::MemoryToMemory => "mem",
+        }
+    }
+    /// Its name in a table.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            RawMode::CacheHot => "cache-hot",
+            RawMode::MemoryToMemory => "memory to memory",
+        }
+    }
+}
+
+/// The range stream `i` of `streams` uses for piece number `k` (1 MiB pieces): its own share
+/// of `len` bytes, walked piece by piece (memory to memory) or always its first piece
+/// (cache-hot).
+fn raw_piece(len: usize, streams: usize, i: usize, k: u64, mode: RawMode) -> usize {
+    let share = len / streams;
+    let pieces = (share >> 20).max(1) as u64;
+    let at = match mode {
+        RawMode::CacheHot => 0,
+        RawMode::MemoryToMemory => ((k % pieces) << 20) as usize,
+    };
+    i * share + at.min(share.saturating_sub(1 << 20))
+}
+
+/// The bytes stream `i` of `streams` carries of `total`.
+fn raw_share(total: u64, streams: usize, i: usize) -> u64 {
+    total / streams as u64 + u64::from((i as u64) < total % streams as u64)
+}
+
+/// The target's half of a raw sample: accept `streams` connections and read `total` bytes
+/// over them into `dst`, one thread per stream.
+fn raw_receive(
+    l: &TcpListener,
+    dst: &mut [u8],
+    total: u64,
+    streams: usize,
+    mode: RawMode,
+) -> Result<(), String> {
+    if streams == 0 || dst.len() < streams << 20 {
+        return Err(format!("raw: {streams} streams do not fit the segment"));
+    }
+    let len = dst.len();
+    let conns = (0..streams)
+        .map(|_| l.accept().map(|(s, _)| s).map_err(|e| e.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let base = dst.as_mut_ptr() as usize;
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = conns
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut c)| {
+                sc.spawn(move || -> Result<(), String> {
+                    let want = raw_share(total, streams, i);
+                    let (mut got, mut k) = (0u64, 0u64);
+                    while got < want {
+                        let at = raw_piece(len, streams, i, k, mode);
+                        let n = ((want - got) as usize).min(1 << 20);
+                        // SAFETY: stream i only touches its own share of the segment
+                        // (`raw_piece` stays inside it), so the threads' ranges are disjoint,
+                        // and nothing else uses the segment while a raw sample runs.
+                        let d =
+                            unsafe { std::slice::from_raw_parts_mut((base + at) as *mut u8, n) };
+                        c.read_exact(d).map_err(|e| e.to_string())?;
+                        got += n as u64;
+                        k += 1;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        hs.into_iter().try_for_each(|h| {
+            h.join()
+                .unwrap_or_else(|_| Err("a raw reader panicked".into()))
+        })
+    })
+}
+
+/// One raw loopback TCP sample: `total` bytes from `mem` over `streams` connections (one
+/// thread each, 1 MiB writes), into the target's segment; GB/s and CPU seconds per GB of both
+/// processes.
+fn raw_tcp(
+    child: &mut Child_,
+    addr: &str,
+    mem: &HeapMemory,
+    total: u64,
+    streams: usize,
+    mode: RawMode,
+) -> Result<Sample, String> {
     let cpu0 = cpu_seconds() + child.cpu()?;
-    writeln!(child.stdin, "raw {total}").map_err(|e| e.to_string())?;
-    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    writeln!(child.stdin, "raw {total} {streams} {}", mode.word()).map_err(|e| e.to_string())?;
     // SAFETY: no engine batch is in flight while the raw case runs.
     let src = unsafe { mem.bytes() };
-    let t = Instant::now();
-    let mut sent = 0u64;
-    while sent < total {
-        let at = (sent % (src.len() as u64 - (1 << 20))) as usize;
-        let n = ((total - sent) as usize).min(1 << 20);
-        s.write_all(&src[at..at + n]).map_err(|e| e.to_string())?;
-        sent += n as u64;
+    if streams == 0 || src.len() < streams << 20 {
+        return Err(format!("raw: {streams} streams do not fit the segment"));
     }
+    let conns = (0..streams)
+        .map(|_| TcpStream::connect(addr).map_err(|e| e.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let t = Instant::now();
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = conns
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut c)| {
+                sc.spawn(move || -> Result<(), String> {
+                    let want = raw_share(total, streams, i);
+                    let (mut sent, mut k) = (0u64, 0u64);
+                    while sent < want {
+                        let at = raw_piece(src.len(), streams, i, k, mode);
+                        let n = ((want - sent) as usize).min(1 << 20);
+                        c.write_all(&src[at..at + n]).map_err(|e| e.to_string())?;
+                        sent += n as u64;
+                        k += 1;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        hs.into_iter().try_for_each(|h| {
+            h.join()
+                .unwrap_or_else(|_| Err("a raw sender panicked".into()))
+        })
+    })?;
     let mut done = String::new();
     child
         .stdout
@@ -556,17 +737,27 @@ fn raw_tcp(child: &mut Child_, addr: &str, mem: &HeapMemory, total: u64) -> Resu
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn engine_case(
-    engine: &TcpTransport,
-    ep: transport::engine::EndpointId,
-    child: &mut Child_,
-    remote: SegmentDescriptor,
+/// One engine case: what moves and how much.
+#[derive(Debug, Clone, Copy)]
+struct Case {
     kind: OpKind,
     block: u64,
     batch: usize,
     total: u64,
+}
+
+fn engine_case(
+    engine: &TcpTransport,
+    ep: transport::engine::EndpointId,
+    target: &mut Target,
+    Case {
+        kind,
+        block,
+        batch,
+        total,
+    }: Case,
 ) -> Result<Sample, String> {
+    let (child, remote) = (&mut target.child, target.remote);
     let half = batch as u64 * block;
     let transfer = match kind {
         OpKind::Write => WRITE_TRANSFER,

@@ -105,6 +105,9 @@ pub struct TcpConfig {
     pub max_connections_per_peer: usize,
 }
 
+/// Data connections an endpoint opens to a peer unless configured otherwise.
+pub const DEFAULT_CONNECTIONS: usize = 2;
+
 impl TcpConfig {
     /// Defaults for a node, listening on `listen`.
     pub fn new(
@@ -118,7 +121,7 @@ impl TcpConfig {
             node_generation,
             listen,
             secret,
-            connections: 2,
+            connections: DEFAULT_CONNECTIONS,
             chunk_bytes: 1 << 20,
             window: 8,
             checksum: true,
