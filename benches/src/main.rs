@@ -8,15 +8,23 @@
 //! - `remote`: blocks between two daemons (push and fetch through their clients), beside raw
 //!   loopback TCP and memcpy measured in the same run.
 //! - `transfer`: the TCP transfer backend between two processes on loopback, beside raw
-//!   single-stream loopback TCP and memcpy measured in the same run.
+//!   loopback TCP (as many streams as kvd uses) and memcpy measured in the same run.
+//! - `scale`, `mesh`, `plan`: cost curves as the work grows (resident blocks in the store,
+//!   daemons pushing all to all, workers and requests in the control shim), each a table and,
+//!   with `--plot DIR`, an SVG plot (see `curve`).
 //!
 //! Progress goes to stderr, the summary table to stdout. Every loop is bounded in count and
 //! time.
 
 mod bindings;
 mod clients;
+mod curve;
 mod local;
+mod mesh;
+mod plan;
 mod remote;
+mod rtt;
+mod scale;
 mod transfer;
 
 use clap::{Parser, Subcommand};
@@ -51,8 +59,9 @@ enum Command {
     Bindings(bindings::BindingsArgs),
     /// TCP transfer backend throughput between two processes on loopback: write and read of
     /// 64 KiB to 4 MiB blocks in batches, checksums off and on, as GB/s, as a ratio to raw
-    /// single-stream loopback TCP and to one large memcpy (both measured in the same run),
-    /// and CPU seconds per GB of both processes beside raw TCP's.
+    /// loopback TCP over as many streams (cache-hot and memory to memory, the better of the
+    /// two) and to one large copy (all measured in the same run), and CPU seconds per GB of
+    /// both processes beside raw TCP's.
     ///
     /// Build with `cargo build --release -p kvd-bench` and run
     /// `target/release/kvd-bench transfer`; about a minute with the defaults.
@@ -60,13 +69,28 @@ enum Command {
     /// Blocks between two `kvd serve` on loopback, end to end through their clients: an engine
     /// on node 1 writes blocks and pushes them to node 2; an engine on node 2 fetches blocks
     /// from node 1. 256 KiB, 2 MiB and 2.5 MiB blocks in batches, at least 1 GiB per run and
-    /// direction; GB/s, blocks/s, and the ratio to raw loopback TCP measured in the same run.
+    /// direction; GB/s, blocks/s, and the ratio to raw loopback TCP over as many streams as a
+    /// daemon's data connections (cache-hot and memory to memory, the better), measured in the
+    /// same run.
     ///
     /// Build both binaries first: `cargo build --release -p kvd -p kvd-bench`.
     Remote(remote::RemoteArgs),
     /// The target process of `transfer` (started by it).
     #[command(hide = true)]
     TransferTarget(transfer::TargetArgs),
+    /// The store's costs against the number of resident blocks (up to 10^6 and more): lookup,
+    /// alloc, publish and evict p50 / p99, and the memory kvd spends per block.
+    Scale(scale::ScaleArgs),
+    /// Daemons pushing to each other all to all in network namespaces (2 to 16): aggregate
+    /// throughput and per-transfer latency, beside raw TCP of the same shape. Needs root.
+    Mesh(mesh::MeshArgs),
+    /// The control shim's planning time against the number of workers (up to 256) and of
+    /// requests in flight (up to 100,000).
+    Plan(plan::PlanArgs),
+    /// A metadata round trip over the local socket (heartbeat, exists of 1 and 128 keys)
+    /// against the spin budget of both ends, quiet and with every CPU kept busy, with the CPU
+    /// each side spends per call and while idle. Starts its own daemons.
+    Rtt(rtt::RttArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -103,6 +127,34 @@ fn main() -> std::process::ExitCode {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kvd-bench remote: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Command::Scale(args) => match scale::run(&args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvd-bench scale: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Command::Mesh(args) => match mesh::run(&args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvd-bench mesh: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Command::Plan(args) => match plan::run(&args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvd-bench plan: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        Command::Rtt(args) => match rtt::run(&args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvd-bench rtt: {e}");
                 std::process::ExitCode::FAILURE
             }
         },
