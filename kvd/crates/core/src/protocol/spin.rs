@@ -35,7 +35,9 @@ pub fn until_readable(fd: impl AsFd, budget: Duration) -> bool {
         if Instant::now() >= until {
             return false;
         }
-        std::hint::spin_loop();
+        // Yield rather than spin in place: where the peer waits for this very CPU (more
+        // runnable threads than CPUs), a pure spin would hold it off until the budget ran out.
+        std::thread::yield_now();
     }
 }
 
