@@ -38,6 +38,9 @@ pub struct RttArgs {
     /// Spin budgets to compare, µs, for both the client and the daemon (0: block at once).
     #[arg(long, value_delimiter = ',', default_values_t = vec![0u32, 50])]
     pub spin_us: Vec<u32>,
+    /// The daemon's budget in every case (default: the same as the client's in each case).
+    #[arg(long)]
+    pub daemon_spin_us: Option<u32>,
     /// Calls per measurement (each also bounded to 3 s).
     #[arg(long, default_value_t = 5000)]
     pub iters: usize,
@@ -72,12 +75,24 @@ pub fn run(args: &RttArgs) -> Result<(), String> {
                 "kvd-bench rtt: round {}/{repeat}, spin {spin} µs, quiet...",
                 round + 1
             );
-            quiet[i].push(one_run(&kvd, spin, args.iters, false)?);
+            quiet[i].push(one_run(
+                &kvd,
+                spin,
+                args.daemon_spin_us.unwrap_or(spin),
+                args.iters,
+                false,
+            )?);
             eprintln!(
                 "kvd-bench rtt: round {}/{repeat}, spin {spin} µs, CPUs busy...",
                 round + 1
             );
-            busy[i].push(one_run(&kvd, spin, args.iters, true)?);
+            busy[i].push(one_run(
+                &kvd,
+                spin,
+                args.daemon_spin_us.unwrap_or(spin),
+                args.iters,
+                true,
+            )?);
         }
     }
     print_table(args, &quiet, &busy);
@@ -94,7 +109,11 @@ fn print_table(args: &RttArgs, quiet: &[Vec<Run>], busy: &[Vec<Run>]) {
             fmt_num(p.y)
         }
     };
-    println!("\nmetadata round trip over the local socket (µs; medians of the runs, min..max)\n");
+    println!(
+        "\nmetadata round trip over the local socket (µs; medians of the runs, min..max); spin µs is the client's, the daemon's is {}\n",
+        args.daemon_spin_us
+            .map_or("the same".to_string(), |d| format!("{d} µs"))
+    );
     println!(
         "| spin µs | CPUs | heartbeat p50 | p99 | exists 1 p50 | exists 128 p50 | p99 | µs per key | daemon CPU µs/call | client CPU µs/call | daemon CPU idle ms/s |"
     );
@@ -127,8 +146,19 @@ fn print_table(args: &RttArgs, quiet: &[Vec<Run>], busy: &[Vec<Run>]) {
 }
 
 /// Start a daemon with this budget, measure the calls (with the CPUs busy or not), stop it.
-fn one_run(kvd: &std::path::Path, spin: u32, iters: usize, busy: bool) -> Result<Run, String> {
-    let d = ChildDaemon::start_with(kvd, 4096, 1024, &["--spin-us".into(), spin.to_string()])?;
+fn one_run(
+    kvd: &std::path::Path,
+    spin: u32,
+    daemon_spin: u32,
+    iters: usize,
+    busy: bool,
+) -> Result<Run, String> {
+    let d = ChildDaemon::start_with(
+        kvd,
+        4096,
+        1024,
+        &["--spin-us".into(), daemon_spin.to_string()],
+    )?;
     let pid = d.pid().ok_or("the daemon has no process")?;
     let opts = ClientOptions {
         lease_ttl_ms: 60_000,

@@ -128,9 +128,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_inflight: u32,
     /// How long a session polls its socket for the next request after answering one, µs, before
-    /// its thread waits in the event loop (0: wait at once). Waking an idle thread costs more than
-    /// a metadata call's work; the poll spends at most this much CPU per answer, none while idle.
-    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    /// its thread waits in the event loop (0, the default: wait at once). Halves a quiet
+    /// machine's metadata round trip, but a worker that polls serves no other session meanwhile:
+    /// it slowed one-block puts between copies (see docs/PERFORMANCE.md), so it is opt-in.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
     pub spin_us: u32,
     /// Items in one batched request at most (a batch's reply must fit one frame).
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=4096))]

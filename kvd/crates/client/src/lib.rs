@@ -99,16 +99,17 @@ pub struct ClientOptions {
     /// jitter; `None` (the default) returns the refusal at once.
     pub retry: Option<RetryPolicy>,
     /// How long a call polls its socket for the answer before it blocks in `read`, in
-    /// microseconds (0: block at once). A thread that blocks at once lets its CPU go idle, and
-    /// waking an idle CPU costs more than a metadata call's whole work on a virtual machine;
-    /// the poll spends at most this much CPU per call and nothing while no call waits.
+    /// microseconds (0, the default: block at once). A thread that blocks at once lets its CPU
+    /// go idle, and waking an idle CPU costs more than a metadata call's whole work on a
+    /// virtual machine; the poll spends at most this much CPU per call and nothing while no
+    /// call waits.
     pub spin_us: u32,
 }
 
-/// The default [`ClientOptions::spin_us`]: a little over a quiet daemon's answer to a
-/// metadata call, so the answers that come quickly never wait for a wake-up and the ones that
-/// do not cost at most this much CPU more.
-pub const DEFAULT_SPIN_US: u32 = 50;
+/// The default [`ClientOptions::spin_us`]: 0, block at once. A 50 µs poll halves a quiet
+/// machine's metadata round trip (p50) but raised its p99 in the measurements so far
+/// (docs/PERFORMANCE.md, "The metadata round trip and the waiting strategy"), so it is opt-in.
+pub const DEFAULT_SPIN_US: u32 = 0;
 
 impl ClientOptions {
     /// Defaults with a name: a 10 s lease, a 30 s I/O timeout, a populated mapping, no
