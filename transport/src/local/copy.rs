@@ -387,8 +387,17 @@ mod tests {
                 }
                 let mut plain = vec![0u8; len + 64];
                 copy(&mut plain[doff..doff + len], s);
-                assert_eq!(&plain[doff..doff + len], s, "plain, len {len} offsets {so}/{doff}");
-                assert!(plain[..doff].iter().chain(&plain[doff + len..]).all(|&b| b == 0));
+                assert_eq!(
+                    &plain[doff..doff + len],
+                    s,
+                    "plain, len {len} offsets {so}/{doff}"
+                );
+                assert!(
+                    plain[..doff]
+                        .iter()
+                        .chain(&plain[doff + len..])
+                        .all(|&b| b == 0)
+                );
             }
         }
     }

@@ -100,7 +100,10 @@ mod tests {
         std::io::Read::read_exact(&mut &b, &mut got).unwrap();
         assert_eq!(&got, b"x");
         drop(a);
-        assert!(until_readable(&b, Duration::from_secs(5)), "a close ends the spin too");
+        assert!(
+            until_readable(&b, Duration::from_secs(5)),
+            "a close ends the spin too"
+        );
     }
 
     #[test]
