@@ -4,6 +4,7 @@
 mod support;
 
 use kvd::Error;
+use kvd::client::{Client, ClientOptions};
 use kvd::protocol::SealItem;
 use kvd::store::{BlockClass, BlockVersion, Handle};
 use support::*;
@@ -358,4 +359,48 @@ fn a_reservation_fails_fast_when_it_does_not_fit() {
     assert!(e.is_retryable(), "{e}");
     assert!(matches!(e, Error::NoSpace { .. }), "{e}");
     c.release_reservation(r).unwrap();
+}
+
+/// With both ends polling before they sleep (`--spin-us`, `ClientOptions::spin_us`), the
+/// answers are the same: a write read back byte-exact, calls that outlast the budget (a sleep
+/// between them disarms the poll, a quick call re-arms it), and a client that goes away while
+/// its session polls for the next request ends that session at once.
+#[test]
+fn polling_ends_answer_as_blocking_ones_and_a_vanished_client_ends_its_session() {
+    let d = Daemon::start(&["--spin-us", "200"]);
+    let opts = ClientOptions {
+        spin_us: 200,
+        ..options("spinner", 10_000)
+    };
+    let mut c = Client::connect(&d.socket, &opts).unwrap();
+    let ns = c.register_namespace(&namespace()).unwrap();
+    let keys = keys(ns, 7, 4);
+    for (i, k) in keys.iter().enumerate() {
+        put_one(&mut c, *k, &pattern(PAGE - i, i as u8));
+        // a pause longer than the budget on every other call
+        if i % 2 == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        assert!(c.heartbeat().unwrap() > 0);
+    }
+    assert_eq!(c.exists(&keys).unwrap(), vec![true; 4]);
+    let tags: Vec<_> = keys.iter().map(|k| k.tag).collect();
+    let hit = c.lookup_prefix(&ns, &tags, true, None).unwrap();
+    assert_eq!(hit.blocks.len(), 4);
+    let mut buf = vec![0u8; PAGE];
+    for (i, b) in hit.blocks.iter().enumerate() {
+        let n = c.read_verified(&b.handle, &mut buf).unwrap() as usize;
+        assert!(
+            buf[..n] == pattern(PAGE - i, i as u8)[..],
+            "block {i} differs"
+        );
+    }
+    let before = d.status().stats.sessions;
+    // dropped without a goodbye, while the daemon's session polls for its next request
+    drop(c);
+    wait_until(
+        std::time::Duration::from_secs(10),
+        "the vanished client's session to end",
+        || d.status().stats.sessions < before,
+    );
 }
