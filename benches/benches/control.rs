@@ -2,45 +2,26 @@
 //! 64 workers with 10,000 requests in flight (target: a recovery plan in under 10 ms).
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use kvd::control::{AdmitRequest, ControlConfig, Controller, ControllerSnapshot, PolicyKind};
+use kvd::control::{AdmitRequest, Controller, ControllerSnapshot, PolicyKind};
 
 const WORKERS: u32 = 64;
 const IN_FLIGHT: u64 = 10_000;
 
-/// 64 workers with varied queueing delays and 10,000 decoding requests with checkpoints.
+#[path = "../src/control_load.rs"]
+mod control_load;
+
+/// 64 workers and 10,000 decoding requests with checkpoints (the state `kvd-bench plan`
+/// measures too).
 fn loaded(policy: PolicyKind) -> Controller {
-    let mut c = Controller::new(ControlConfig {
+    control_load::loaded(
         policy,
-        ..ControlConfig::default()
-    })
-    .unwrap();
-    for w in 0..WORKERS {
-        c.add_worker(w, 1 << 40, 0).unwrap();
-    }
-    for id in 0..IN_FLIGHT {
-        let serving = (id % WORKERS as u64) as u32;
-        let a = c
-            .admit(
-                AdmitRequest {
-                    request_id: id,
-                    serving,
-                    prompt_tokens: 512 + (id % 1024) as u32,
-                    max_new_tokens: 512,
-                    reserve_bytes: (1 << 26) + (id % 97) * (1 << 20),
-                    deadline_ms: None,
-                },
-                id / 10,
-            )
-            .unwrap();
-        c.prefill_started(id, a.epoch, id / 10 + (id * 7919) % 50)
-            .unwrap();
-        c.decoding_started(id, a.epoch, id / 10 + 60).unwrap();
-        if a.holder.is_some() {
-            c.checkpoint_stored(id, a.epoch, 256 + (id % 256) as u32, 1 << 20, id / 10 + 70)
-                .unwrap();
-        }
-    }
-    c
+        WORKERS,
+        IN_FLIGHT,
+        1 << 40,
+        std::time::Duration::from_secs(600),
+    )
+    .unwrap()
+    .expect("built within the limit")
 }
 
 fn placement(cr: &mut Criterion) {

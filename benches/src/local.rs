@@ -718,22 +718,26 @@ impl ChildDaemon {
     }
 
     fn stop_inner(&mut self) {
-        let Some(mut c) = self.child.take() else {
-            return;
-        };
-        if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        if let Some(mut c) = self.child.take() {
+            stop_child(&mut c);
         }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = c.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = c.kill();
-        let _ = c.wait();
     }
+}
+
+/// Ask a child to stop (SIGTERM: a daemon drains), give it up to 20 s, then kill it.
+pub(crate) fn stop_child(c: &mut Child) {
+    if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = c.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = c.kill();
+    let _ = c.wait();
 }
 
 impl Drop for ChildDaemon {

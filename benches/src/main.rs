@@ -18,6 +18,7 @@
 
 mod bindings;
 mod clients;
+mod control_load;
 mod curve;
 mod local;
 mod mesh;

@@ -25,8 +25,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvd::control::{AdmitRequest, ControlConfig, Controller, ControllerSnapshot, PolicyKind};
+use kvd::control::{Controller, ControllerSnapshot, PolicyKind};
 
+use crate::control_load::loaded;
 use crate::curve::{Curve, Point, Series, fmt_num};
 
 /// `kvd-bench plan` arguments.
@@ -105,7 +106,7 @@ fn point(
     limit: Duration,
 ) -> Result<Option<Measured>, String> {
     let t0 = Instant::now();
-    let Some(c) = loaded(workers, requests, limit)? else {
+    let Some(c) = loaded(PolicyKind::Lumen, workers, requests, CAPACITY, limit)? else {
         eprintln!(
             "kvd-bench plan: {workers} workers x {requests} requests: building took over {} s; \
              skipped (raise --build-seconds)",
@@ -172,49 +173,6 @@ fn timed_plan(
     // Dropping the plan and the controller is not part of planning.
     drop(std::hint::black_box(plan));
     Ok((dt.as_secs_f64() * 1e3, restores))
-}
-
-/// W workers and R decoding requests with checkpoints, as `benches/benches/control.rs` builds
-/// them; `None` past `limit`.
-fn loaded(workers: u32, requests: u64, limit: Duration) -> Result<Option<Controller>, String> {
-    let t0 = Instant::now();
-    let mut c = Controller::new(ControlConfig {
-        policy: PolicyKind::Lumen,
-        ..ControlConfig::default()
-    })
-    .map_err(|e| format!("controller: {e}"))?;
-    for w in 0..workers {
-        c.add_worker(w, CAPACITY, 0)
-            .map_err(|e| format!("add_worker {w}: {e}"))?;
-    }
-    for id in 0..requests {
-        if id % 1024 == 0 && t0.elapsed() > limit {
-            return Ok(None);
-        }
-        let serving = (id % u64::from(workers)) as u32;
-        let a = c
-            .admit(
-                AdmitRequest {
-                    request_id: id,
-                    serving,
-                    prompt_tokens: 512 + (id % 1024) as u32,
-                    max_new_tokens: 512,
-                    reserve_bytes: (1 << 26) + (id % 97) * (1 << 20),
-                    deadline_ms: None,
-                },
-                id / 10,
-            )
-            .map_err(|e| format!("admit {id}: {e}"))?;
-        let ev = |e: kvd::Error| format!("request {id}: {e}");
-        c.prefill_started(id, a.epoch, id / 10 + (id * 7919) % 50)
-            .map_err(ev)?;
-        c.decoding_started(id, a.epoch, id / 10 + 60).map_err(ev)?;
-        if a.holder.is_some() {
-            c.checkpoint_stored(id, a.epoch, 256 + (id % 256) as u32, 1 << 20, id / 10 + 70)
-                .map_err(ev)?;
-        }
-    }
-    Ok(Some(c))
 }
 
 /// One series per request count: the medians over the runs of `f`'s times, against workers.

@@ -643,6 +643,28 @@ fn raw_receive(
         .map(|_| l.accept().map(|(s, _)| s).map_err(|e| e.to_string()))
         .collect::<Result<Vec<_>, _>>()?;
     let base = dst.as_mut_ptr() as usize;
+    per_stream(conns, total, len, mode, "reader", |c, at, n| {
+        // SAFETY: stream i only touches its own share of the segment (`raw_piece` stays inside
+        // it), so the threads' ranges are disjoint, and nothing else uses the segment while a
+        // raw sample runs.
+        let d = unsafe { std::slice::from_raw_parts_mut((base + at) as *mut u8, n) };
+        c.read_exact(d)
+    })
+}
+
+/// Move each stream's share of `total` bytes, one thread per stream, in pieces of up to 1 MiB
+/// at the offsets `raw_piece` gives in a region of `len` bytes: `io(stream, offset, bytes)`
+/// sends or receives one piece.
+fn per_stream(
+    conns: Vec<TcpStream>,
+    total: u64,
+    len: usize,
+    mode: RawMode,
+    what: &str,
+    io: impl Fn(&mut TcpStream, usize, usize) -> std::io::Result<()> + Sync,
+) -> Result<(), String> {
+    let streams = conns.len();
+    let io = &io;
     std::thread::scope(|sc| {
         let hs: Vec<_> = conns
             .into_iter()
@@ -650,17 +672,12 @@ fn raw_receive(
             .map(|(i, mut c)| {
                 sc.spawn(move || -> Result<(), String> {
                     let want = raw_share(total, streams, i);
-                    let (mut got, mut k) = (0u64, 0u64);
-                    while got < want {
+                    let (mut moved, mut k) = (0u64, 0u64);
+                    while moved < want {
                         let at = raw_piece(len, streams, i, k, mode);
-                        let n = ((want - got) as usize).min(1 << 20);
-                        // SAFETY: stream i only touches its own share of the segment
-                        // (`raw_piece` stays inside it), so the threads' ranges are disjoint,
-                        // and nothing else uses the segment while a raw sample runs.
-                        let d =
-                            unsafe { std::slice::from_raw_parts_mut((base + at) as *mut u8, n) };
-                        c.read_exact(d).map_err(|e| e.to_string())?;
-                        got += n as u64;
+                        let n = ((want - moved) as usize).min(1 << 20);
+                        io(&mut c, at, n).map_err(|e| e.to_string())?;
+                        moved += n as u64;
                         k += 1;
                     }
                     Ok(())
@@ -669,7 +686,7 @@ fn raw_receive(
             .collect();
         hs.into_iter().try_for_each(|h| {
             h.join()
-                .unwrap_or_else(|_| Err("a raw reader panicked".into()))
+                .unwrap_or_else(|_| Err(format!("a raw {what} panicked")))
         })
     })
 }
@@ -696,29 +713,8 @@ fn raw_tcp(
         .map(|_| TcpStream::connect(addr).map_err(|e| e.to_string()))
         .collect::<Result<Vec<_>, _>>()?;
     let t = Instant::now();
-    std::thread::scope(|sc| {
-        let hs: Vec<_> = conns
-            .into_iter()
-            .enumerate()
-            .map(|(i, mut c)| {
-                sc.spawn(move || -> Result<(), String> {
-                    let want = raw_share(total, streams, i);
-                    let (mut sent, mut k) = (0u64, 0u64);
-                    while sent < want {
-                        let at = raw_piece(src.len(), streams, i, k, mode);
-                        let n = ((want - sent) as usize).min(1 << 20);
-                        c.write_all(&src[at..at + n]).map_err(|e| e.to_string())?;
-                        sent += n as u64;
-                        k += 1;
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        hs.into_iter().try_for_each(|h| {
-            h.join()
-                .unwrap_or_else(|_| Err("a raw sender panicked".into()))
-        })
+    per_stream(conns, total, src.len(), mode, "sender", |c, at, n| {
+        c.write_all(&src[at..at + n])
     })?;
     let mut done = String::new();
     child
