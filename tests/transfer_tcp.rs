@@ -604,3 +604,75 @@ fn across_a_veth_link_a_batch_arrives_and_cutting_the_link_fails_the_batch_withi
         "failed within the stall timeout plus a margin: {detected:?}"
     );
 }
+
+#[test]
+fn an_endpoint_spread_over_three_ring_threads_moves_bytes_exactly_and_fails_as_one_when_its_peer_dies()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path(), "secret", 1);
+    let mut t = start_target(dir.path(), &[], 2, "127.0.0.1:0", &secret, 256, 20);
+    t.grant(1, "w", 0, 128 * MIB);
+    t.grant(2, "r", 128 * MIB, 128 * MIB);
+    let e = {
+        let mut c = config(1, "127.0.0.1:0", &secret, 2000);
+        // four streams dealt to three lanes: one lane holds two
+        c.connections = 4;
+        c.lanes = 3;
+        c.window = 2;
+        c.chunk_bytes = 64 << 10;
+        TcpTransport::start(c).unwrap()
+    };
+    let mem = Arc::new(HeapMemory::zeroed((256 * MIB) as usize));
+    fill(&mem, 10);
+    e.register(SEG, mem.clone() as Arc<dyn Memory>, 0, 256 * MIB)
+        .unwrap();
+    let ep = e.open(&t.peer()).unwrap();
+    // ops of several chunks each, so one op's chunks travel on several lanes
+    let (s, _) = run(&e, ep, &ops(OpKind::Write, t.desc, 1, 0, 24, 1 << 20));
+    assert!(s.succeeded(), "{s:?}");
+    let (s, _) = run(
+        &e,
+        ep,
+        &ops(OpKind::Read, t.desc, 2, 128 * MIB, 24, 1 << 20),
+    );
+    assert!(s.succeeded(), "{s:?}");
+    assert_eq!(
+        t.crc(0, 24 * MIB),
+        format!("@crc {:08x}", crc_of(&mem, 0, 24 * MIB)),
+        "the writes landed byte-exact"
+    );
+    // SAFETY: the read batch settled.
+    let got = unsafe { mem.bytes() };
+    let at = 128 * MIB as usize;
+    let want = (at..at + 24 * MIB as usize).map(|i| byte_at(20, i));
+    assert!(
+        got[at..at + 24 * MIB as usize].iter().copied().eq(want),
+        "the reads landed byte-exact"
+    );
+    // a long batch, then the peer dies: every lane's part fails, nothing stays pending
+    let w = ops(OpKind::Write, t.desc, 1, 0, 128, MIB);
+    // SAFETY: this memory is only read while the batch runs.
+    let b = unsafe { e.submit(ep, &w).unwrap() };
+    support::wait_until(
+        Duration::from_secs(30),
+        "the first ops of the long batch land",
+        || e.poll(b, &mut []).unwrap().done > 0,
+    );
+    let killed = Instant::now();
+    t.helper.kill9();
+    let s = e.wait(b, Duration::from_secs(10)).unwrap();
+    println!(
+        "kill -9 with the endpoint on three lanes: settled {:?} after: {s:?}",
+        killed.elapsed()
+    );
+    assert!(s.settled && s.failed > 0, "{s:?}");
+    assert_eq!(
+        s.done + s.failed + s.cancelled,
+        w.len(),
+        "no op left pending"
+    );
+    assert!(killed.elapsed() < Duration::from_millis(2000 + 3000));
+    // SAFETY: as above.
+    let again = unsafe { e.submit(ep, &w[..1]) }.unwrap_err();
+    assert!(again.to_string().contains("open a new one"), "{again}");
+}

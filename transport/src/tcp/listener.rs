@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{Command, Shared};
+use super::Shared;
 use crate::admission::Admission;
 use crate::channel::PeerPurpose;
 use crate::link::handshake::{accept_one, refuse};
@@ -71,10 +71,7 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                 match accepted {
                     Ok((channel, bind)) if bind.purpose == Purpose::Data => {
                         s.target_connections.fetch_add(1, Ordering::AcqRel);
-                        s.send(Command::Serve {
-                            channel,
-                            peer: bind.peer_node(),
-                        });
+                        s.serve(channel, bind.peer_node());
                     }
                     Ok((channel, bind)) => {
                         let slot = match bind.purpose {

@@ -1,18 +1,22 @@
-//! The `tcp` backend: the transfer interface over TCP, driven by one io_uring event loop per
-//! engine.
+//! The `tcp` backend: the transfer interface over TCP, driven by [`TcpConfig::lanes`] io_uring
+//! event loops per engine (ring threads, "lanes").
 //!
 //! ```text
-//!  caller threads                         the ring thread (ring/)
-//!  open()  connect N sockets, auth, bind ──▶ Attach ─┐
-//!  submit() check, admit, cut into chunks ─▶ Submit ─┤  commands (bounded by the in-flight
-//!  cancel()/close()                        ─▶ ...   ─┘  limits), eventfd wakes the ring
-//!  poll()/wait() ◀── batch table (Mutex+Condvar) ◀── chunk completions
-//!  listener thread: accept, auth, bind ───▶ Serve (a target connection)
+//!  caller threads                         the ring threads (ring/), one inbox each
+//!  open()  connect N sockets, auth, bind ──▶ Attach ─┐ (an endpoint's sockets dealt to lanes)
+//!  submit() check, admit, cut into chunks ─▶ Submit ─┤ commands (bounded by the in-flight
+//!  cancel()/close()                        ─▶ ...   ─┘ limits), an eventfd wakes each ring
+//!  poll()/wait() ◀── batch table (Mutex+Condvar) ◀── chunk completions (any lane)
+//!  listener thread: accept, auth, bind ───▶ Serve (a target connection, lanes in turn)
 //! ```
 //!
-//! An endpoint is [`TcpConfig::connections`] connections to one peer. Its chunks wait in one
-//! queue; each connection pulls the next one whenever it has fewer than
-//! [`TcpConfig::window`] unanswered, so large ops are pipelined across all of them. A write
+//! An endpoint is [`TcpConfig::connections`] connections to one peer, dealt to the lanes in
+//! turn (its part on each lane a queue of chunks; a batch's chunks are dealt to the parts in
+//! turn). Each connection pulls the next chunk of its lane's queue whenever it has fewer than
+//! [`TcpConfig::window`] unanswered, so large ops are pipelined across all of them, and the
+//! streams' copies and TCP work run on as many cores as there are lanes (one thread doing all
+//! of it held the engine to about half of what two plain blocking streams move on loopback).
+//! A part that fails fails the endpoint's other parts with the same reason. A write
 //! chunk goes as one `sendmsg` of header and payload straight from the segment (zero-copy
 //! `SENDMSG_ZC` where enabled); the target checks the grant, receives the payload straight
 //! into the granted range, checks the CRC-32C and answers. A read is the mirror image. The
@@ -77,6 +81,10 @@ pub struct TcpConfig {
     pub secret: ClusterSecret,
     /// Connections per endpoint.
     pub connections: usize,
+    /// Ring threads (each its own io_uring): an endpoint's connections are spread over them,
+    /// and so are peers' connections to this target, so that one stream's copies and TCP
+    /// work do not wait for another's on the same thread.
+    pub lanes: usize,
     /// Largest chunk, in bytes (also the largest a target accepts).
     pub chunk_bytes: u32,
     /// Chunks in flight per connection.
@@ -108,6 +116,14 @@ pub struct TcpConfig {
 /// Data connections an endpoint opens to a peer unless configured otherwise.
 pub const DEFAULT_CONNECTIONS: usize = 2;
 
+/// Ring threads an engine runs unless configured otherwise: one per default connection, so
+/// that the two streams of an endpoint (and two peers' streams into this target) copy on two
+/// cores, as two plain blocking senders would.
+pub const DEFAULT_LANES: usize = DEFAULT_CONNECTIONS;
+
+/// The most ring threads an engine runs.
+pub const MAX_LANES: usize = 16;
+
 impl TcpConfig {
     /// Defaults for a node, listening on `listen`.
     pub fn new(
@@ -122,6 +138,7 @@ impl TcpConfig {
             listen,
             secret,
             connections: DEFAULT_CONNECTIONS,
+            lanes: DEFAULT_LANES,
             chunk_bytes: 1 << 20,
             window: 8,
             checksum: true,
@@ -141,6 +158,9 @@ impl TcpConfig {
         let bad = |what: &str| Err(Error::InvalidArgument(what.to_string()));
         if self.connections == 0 || self.connections > 16 {
             return bad("connections per endpoint: 1 to 16");
+        }
+        if self.lanes == 0 || self.lanes > MAX_LANES {
+            return bad("ring threads (lanes): 1 to 16");
         }
         if self.chunk_bytes < 4096 || self.chunk_bytes > (16 << 20) {
             return bad("chunk bytes: 4 KiB to 16 MiB");
@@ -225,6 +245,8 @@ enum Command {
     Attach {
         endpoint: EndpointId,
         streams: Vec<Channel>,
+        /// Every lane holding connections of the endpoint (this one included).
+        lanes: Vec<usize>,
     },
     /// A peer's authenticated connection (target side).
     Serve {
@@ -240,12 +262,28 @@ enum Command {
     Cancel { batch: BatchId },
     /// Close an endpoint.
     Close { endpoint: EndpointId },
+    /// Another lane's part of the endpoint failed: fail this part for the same reason.
+    Fail {
+        endpoint: EndpointId,
+        why: crate::engine::OpFailure,
+    },
 }
 
 #[derive(Debug)]
 struct EndpointInfo {
     node_id: u64,
     failed: Option<String>,
+    /// The lanes holding its connections, in the order chunks are dealt to them.
+    lanes: Vec<usize>,
+    /// The lane the next submitted batch's first chunk goes to.
+    next: usize,
+}
+
+/// One ring thread's inbox: commands, and the eventfd that wakes it.
+#[derive(Debug)]
+struct Lane {
+    commands: Mutex<Vec<Command>>,
+    wake: rustix::fd::OwnedFd,
 }
 
 struct ControlSlot(Mutex<Option<Handler>>);
@@ -270,8 +308,9 @@ struct Shared {
     target: Arc<Target>,
     batches: Mutex<Batches>,
     settled: Condvar,
-    commands: Mutex<Vec<Command>>,
-    wake: rustix::fd::OwnedFd,
+    lanes: Vec<Lane>,
+    /// The lane the next peer connection to this target is served on.
+    next_serve: AtomicUsize,
     endpoints: Mutex<HashMap<EndpointId, EndpointInfo>>,
     next_endpoint: AtomicU64,
     counters: Counters,
@@ -303,18 +342,28 @@ impl Shared {
         self.endpoints.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn send(&self, c: Command) {
-        self.commands
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(c);
-        self.wake_ring();
+    fn send(&self, lane: usize, c: Command) {
+        let l = &self.lanes[lane];
+        l.commands.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+        Self::wake(l);
     }
 
-    fn wake_ring(&self) {
+    /// Serve a peer's authenticated connection, on the lanes in turn.
+    fn serve(&self, channel: Channel, peer: crate::grant::PeerNode) {
+        let lane = self.next_serve.fetch_add(1, Ordering::Relaxed) % self.lanes.len();
+        self.send(lane, Command::Serve { channel, peer });
+    }
+
+    fn wake(lane: &Lane) {
         // An eventfd write only fails when the counter would overflow, which a pending wake-up
         // already covers.
-        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+        let _ = rustix::io::write(&lane.wake, &1u64.to_ne_bytes());
+    }
+
+    fn wake_all(&self) {
+        for l in &self.lanes {
+            Self::wake(l);
+        }
     }
 
     fn endpoint_failed(&self, endpoint: EndpointId, why: String) {
@@ -330,7 +379,7 @@ impl Shared {
 pub struct TcpTransport {
     shared: Arc<Shared>,
     local_addr: SocketAddr,
-    ring: Option<JoinHandle<()>>,
+    rings: Vec<JoinHandle<()>>,
     listener: Option<JoinHandle<()>>,
 }
 
@@ -347,11 +396,18 @@ impl TcpTransport {
         let local_addr = listener
             .local_addr()
             .map_err(|e| Error::Io(e.to_string()))?;
-        let wake = rustix::event::eventfd(
-            0,
-            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
-        )
-        .map_err(|e| Error::Io(format!("eventfd: {e}")))?;
+        let mut lanes = Vec::with_capacity(config.lanes);
+        for _ in 0..config.lanes {
+            let wake = rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+            )
+            .map_err(|e| Error::Io(format!("eventfd: {e}")))?;
+            lanes.push(Lane {
+                commands: Mutex::new(Vec::new()),
+                wake,
+            });
+        }
         let shared = Arc::new(Shared {
             target: Arc::new(Target::new(
                 config.node_id,
@@ -361,8 +417,8 @@ impl TcpTransport {
             )),
             batches: Mutex::new(Batches::new(config.limits)),
             settled: Condvar::new(),
-            commands: Mutex::new(Vec::new()),
-            wake,
+            lanes,
+            next_serve: AtomicUsize::new(0),
             endpoints: Mutex::new(HashMap::new()),
             next_endpoint: AtomicU64::new(1),
             counters: Counters::default(),
@@ -372,11 +428,49 @@ impl TcpTransport {
             rdma: ControlSlot(Mutex::new(None)),
             config,
         });
-        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+        let mut rings = Vec::with_capacity(shared.lanes.len());
+        let stop_rings = |rings: Vec<JoinHandle<()>>| {
+            shared.stop.store(true, Ordering::Release);
+            shared.wake_all();
+            for r in rings {
+                let _ = r.join();
+            }
+        };
+        for lane in 0..shared.lanes.len() {
+            match Self::start_ring(&shared, lane) {
+                Ok(r) => rings.push(r),
+                Err(e) => {
+                    stop_rings(rings);
+                    return Err(e);
+                }
+            }
+        }
         let s = Arc::clone(&shared);
+        let listener = match std::thread::Builder::new()
+            .name("kvd-tcp-accept".into())
+            .spawn(move || listener::accept_loop(&s, &listener))
+        {
+            Ok(l) => l,
+            Err(e) => {
+                stop_rings(rings);
+                return Err(Error::Io(e.to_string()));
+            }
+        };
+        Ok(TcpTransport {
+            shared,
+            local_addr,
+            rings,
+            listener: Some(listener),
+        })
+    }
+
+    /// Start lane `lane`'s ring thread; returns once its ring is set up (or failed to be).
+    fn start_ring(shared: &Arc<Shared>, lane: usize) -> Result<JoinHandle<()>> {
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+        let s = Arc::clone(shared);
         let ring = std::thread::Builder::new()
-            .name("kvd-tcp-ring".into())
-            .spawn(move || match ring::Ring::new(s) {
+            .name(format!("kvd-tcp-ring{lane}"))
+            .spawn(move || match ring::Ring::new(s, lane) {
                 Ok(r) => {
                     let _ = ready_tx.send(Ok(()));
                     r.run();
@@ -389,21 +483,13 @@ impl TcpTransport {
         let started = ready_rx
             .recv()
             .unwrap_or_else(|_| Err(Error::Io("the ring thread died at start".into())));
-        if let Err(e) = started {
-            let _ = ring.join();
-            return Err(e);
+        match started {
+            Ok(()) => Ok(ring),
+            Err(e) => {
+                let _ = ring.join();
+                Err(e)
+            }
         }
-        let s = Arc::clone(&shared);
-        let listener = std::thread::Builder::new()
-            .name("kvd-tcp-accept".into())
-            .spawn(move || listener::accept_loop(&s, &listener))
-            .map_err(|e| Error::Io(e.to_string()))?;
-        Ok(TcpTransport {
-            shared,
-            local_addr,
-            ring: Some(ring),
-            listener: Some(listener),
-        })
     }
 
     /// The address the target side listens on.
@@ -498,11 +584,11 @@ impl TcpTransport {
 impl Drop for TcpTransport {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
-        self.shared.wake_ring();
+        self.shared.wake_all();
         if let Some(h) = self.listener.take() {
             let _ = h.join();
         }
-        if let Some(h) = self.ring.take() {
+        for h in self.rings.drain(..) {
             let _ = h.join();
         }
     }
@@ -557,20 +643,46 @@ impl Transport for TcpTransport {
             streams.push(handshake::connect(&s.handshake(), peer, Purpose::Data)?.0);
         }
         let endpoint = EndpointId(s.next_endpoint.fetch_add(1, Ordering::Relaxed));
+        // the endpoint's streams are dealt to the lanes in turn, starting one further for
+        // each endpoint so that one-stream endpoints spread too
+        let n = s.lanes.len();
+        let first = endpoint.0 as usize % n;
+        let mut per_lane: Vec<(usize, Vec<Channel>)> = Vec::new();
+        for (i, stream) in streams.into_iter().enumerate() {
+            let lane = (first + i) % n;
+            match per_lane.iter_mut().find(|(l, _)| *l == lane) {
+                Some((_, v)) => v.push(stream),
+                None => per_lane.push((lane, vec![stream])),
+            }
+        }
+        let lanes: Vec<usize> = per_lane.iter().map(|(l, _)| *l).collect();
         s.endpoints().insert(
             endpoint,
             EndpointInfo {
                 node_id: peer.node_id,
                 failed: None,
+                lanes: lanes.clone(),
+                next: 0,
             },
         );
-        s.send(Command::Attach { endpoint, streams });
+        for (lane, streams) in per_lane {
+            let lanes = lanes.clone();
+            s.send(
+                lane,
+                Command::Attach {
+                    endpoint,
+                    streams,
+                    lanes,
+                },
+            );
+        }
         Ok(endpoint)
     }
 
     fn close(&self, endpoint: EndpointId) {
-        if self.shared.endpoints().remove(&endpoint).is_some() {
-            self.shared.send(Command::Close { endpoint });
+        let gone = self.shared.endpoints().remove(&endpoint);
+        for lane in gone.map(|e| e.lanes).unwrap_or_default() {
+            self.shared.send(lane, Command::Close { endpoint });
         }
     }
 
@@ -586,10 +698,10 @@ impl Transport for TcpTransport {
         checksums: &[Option<u32>],
     ) -> Result<BatchId> {
         let s = &self.shared;
-        let peer_node = {
-            let eps = s.endpoints();
+        let (peer_node, lanes, first_lane) = {
+            let mut eps = s.endpoints();
             let e = eps
-                .get(&endpoint)
+                .get_mut(&endpoint)
                 .ok_or_else(|| Error::NotFound(format!("endpoint {}", endpoint.0)))?;
             if let Some(why) = &e.failed {
                 return Err(Error::PeerUnavailable(format!(
@@ -597,7 +709,10 @@ impl Transport for TcpTransport {
                     endpoint.0
                 )));
             }
-            e.node_id
+            // batches start on the lanes in turn, so that small batches spread too
+            let first = e.next;
+            e.next = (e.next + 1) % e.lanes.len().max(1);
+            (e.node_id, e.lanes.clone(), first)
         };
         let chunk_bytes = s.config.chunk_bytes;
         let mut locals = Vec::with_capacity(ops.len());
@@ -662,7 +777,20 @@ impl Transport for TcpTransport {
                 });
             }
         }
-        s.send(Command::Submit { endpoint, chunks });
+        // chunks are dealt to the endpoint's lanes in turn (each lane's connections pull from
+        // its own queue)
+        let mut dealt: Vec<Vec<ring::Chunk>> = lanes
+            .iter()
+            .map(|_| Vec::with_capacity(chunks.len() / lanes.len() + 1))
+            .collect();
+        for (i, c) in chunks.into_iter().enumerate() {
+            dealt[(first_lane + i) % lanes.len()].push(c);
+        }
+        for (lane, chunks) in lanes.iter().zip(dealt) {
+            if !chunks.is_empty() {
+                s.send(*lane, Command::Submit { endpoint, chunks });
+            }
+        }
         Ok(batch)
     }
 
@@ -687,7 +815,9 @@ impl Transport for TcpTransport {
         if !self.shared.batches().cancel(batch) {
             return Err(Error::NotFound(format!("batch {}", batch.0)));
         }
-        self.shared.send(Command::Cancel { batch });
+        for lane in 0..self.shared.lanes.len() {
+            self.shared.send(lane, Command::Cancel { batch });
+        }
         Ok(())
     }
 

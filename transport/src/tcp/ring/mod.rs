@@ -1,6 +1,6 @@
-//! The TCP backend's event loop: one thread, one io_uring, every connection of the engine
+//! The TCP backend's event loop: one thread, one io_uring, every connection of its lane
 //! (endpoints' connections as initiator, peers' connections as target) as a small state
-//! machine. All of the backend's `unsafe` lives in this module: pointers handed to the kernel.
+//! machine; an engine runs one per lane, sharing the batch table, the grants and the counters. All of the backend's `unsafe` lives in this module: pointers handed to the kernel.
 //!
 //! This file holds the state, the loop, commands, failure and closing; `io` posts sends and
 //! receives and handles their completions; `initiator` and `target` are the two sides' protocol.
@@ -229,11 +229,16 @@ struct Ep {
     conns: Vec<usize>,
     queue: VecDeque<Chunk>,
     failed: bool,
+    /// Every lane holding a part of the endpoint (this one included): a failure here fails
+    /// the other parts too.
+    lanes: Vec<usize>,
 }
 
 pub(super) struct Ring {
     ring: IoUring,
     shared: Arc<Shared>,
+    /// Which of the engine's lanes this ring is (its inbox in `shared.lanes`).
+    lane: usize,
     conns: Vec<Option<Box<Conn>>>,
     free: Vec<usize>,
     endpoints: HashMap<EndpointId, Ep>,
@@ -267,7 +272,7 @@ impl Ring {
     /// A ring for `shared`. Build it on the thread that will run it: it is set up for a
     /// single issuer with task work deferred to that thread's waits (fewer interrupts and
     /// wake-ups per completion), where the kernel allows; plainly otherwise.
-    pub(super) fn new(shared: Arc<Shared>) -> Result<Ring> {
+    pub(super) fn new(shared: Arc<Shared>, lane: usize) -> Result<Ring> {
         let tuned = IoUring::builder()
             .setup_cqsize(16_384)
             .setup_single_issuer()
@@ -288,6 +293,7 @@ impl Ring {
         Ok(Ring {
             ring,
             shared,
+            lane,
             conns: Vec::new(),
             free: Vec::new(),
             endpoints: HashMap::new(),
@@ -312,7 +318,7 @@ impl Ring {
 
     fn post_wake(&mut self) {
         let e = opcode::Read::new(
-            types::Fd(self.shared.wake.as_raw_fd()),
+            types::Fd(self.shared.lanes[self.lane].wake.as_raw_fd()),
             self.wake_buf.as_mut_ptr(),
             8,
         )
@@ -359,16 +365,22 @@ impl Ring {
 
     fn take_commands(&mut self) {
         let cmds = std::mem::take(
-            &mut *self
-                .shared
+            &mut *self.shared.lanes[self.lane]
                 .commands
                 .lock()
                 .unwrap_or_else(|p| p.into_inner()),
         );
         for c in cmds {
             match c {
-                Command::Attach { endpoint, streams } => {
-                    let mut ep = Ep::default();
+                Command::Attach {
+                    endpoint,
+                    streams,
+                    lanes,
+                } => {
+                    let mut ep = Ep {
+                        lanes,
+                        ..Ep::default()
+                    };
                     for s in streams {
                         if let Some(slot) = self.add_conn(s, Role::Initiator { endpoint }) {
                             ep.conns.push(slot);
@@ -404,6 +416,7 @@ impl Ring {
                     }
                 }
                 Command::Close { endpoint } => self.fail_endpoint(endpoint, OpFailure::Closed),
+                Command::Fail { endpoint, why } => self.fail_endpoint(endpoint, why),
             }
         }
     }
@@ -538,9 +551,16 @@ impl Ring {
         let Some(ep) = self.endpoints.get_mut(&endpoint) else {
             return;
         };
+        let first = !ep.failed;
         ep.failed = true;
         let queued: Vec<Chunk> = ep.queue.drain(..).collect();
         let conns = ep.conns.clone();
+        // the endpoint's parts on other lanes fail with it (a close reaches them all anyway)
+        if first && why != OpFailure::Closed {
+            for &lane in ep.lanes.iter().filter(|&&l| l != self.lane) {
+                self.shared.send(lane, Command::Fail { endpoint, why });
+            }
+        }
         self.shared.endpoint_failed(endpoint, why.to_string());
         for c in queued {
             self.finish(&c, ChunkOutcome::Failed(why));
