@@ -52,6 +52,9 @@ pub struct RemoteArgs {
     /// The `kvd` binary to start (default: the one beside this binary).
     #[arg(long)]
     pub kvd: Option<PathBuf>,
+    /// Each daemon's `--data-lanes` (ring threads of its TCP engine).
+    #[arg(long, default_value_t = transport::tcp::DEFAULT_LANES)]
+    pub data_lanes: usize,
 }
 
 /// No single transfer may take longer than this.
@@ -108,7 +111,13 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
     let memcpy = crate::local::memcpy_bound(1 << 30);
     let raw_mem = HeapMemory::zeroed(RAW_SEGMENT as usize);
     crate::transfer::fill(&raw_mem);
-    let mut raw = Target::spawn(&secret, RAW_SEGMENT, 1024, "auto")?;
+    let mut raw = Target::spawn(
+        &secret,
+        RAW_SEGMENT,
+        1024,
+        "auto",
+        transport::tcp::DEFAULT_LANES,
+    )?;
     let mut rows = Vec::new();
     for &kib in &args.block_kib {
         let block = (kib << 10) as usize;
@@ -127,6 +136,8 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
                 format!("{peer}=127.0.0.1:{peer_port}"),
                 "--max-batch".into(),
                 "1024".into(),
+                "--data-lanes".into(),
+                args.data_lanes.to_string(),
             ]
         };
         // room for one set plus the batches in flight
@@ -219,13 +230,14 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
     }
     println!(
         "\nmemcpy (1 GiB, best of 3): {memcpy:.2} GB/s. {} runs per size, >= {:.2} GiB per run and \
-         direction, batches of {}, two in flight; raw TCP: {DATA_CONNECTIONS} streams (a daemon's \
+         direction, batches of {}, two in flight, {} ring threads per daemon; raw TCP: {DATA_CONNECTIONS} streams (a daemon's \
          data connections to a peer), cache-hot and memory to memory, the median of the samples of \
          each taken before every run (1 GiB each); the column and the ratios are the better of the \
          two ({}).",
         args.repeat,
         args.gib_per_case,
         args.batch,
+        args.data_lanes,
         bound_names.join(", ")
     );
 }

@@ -61,6 +61,10 @@ pub struct TransferArgs {
     /// Connections per endpoint (the raw TCP bounds use as many streams).
     #[arg(long, default_value_t = transport::tcp::DEFAULT_CONNECTIONS)]
     pub connections: usize,
+    /// Ring threads of each engine (initiator and target): an endpoint's connections and
+    /// peers' connections are spread over them.
+    #[arg(long, default_value_t = transport::tcp::DEFAULT_LANES)]
+    pub lanes: usize,
     /// Chunk size in KiB.
     #[arg(long, default_value_t = 1024)]
     pub chunk_kib: u32,
@@ -93,6 +97,9 @@ pub struct TargetArgs {
     /// Zero-copy sends of read replies: off, on, auto.
     #[arg(long)]
     pub zero_copy: String,
+    /// Ring threads.
+    #[arg(long, default_value_t = transport::tcp::DEFAULT_LANES)]
+    pub lanes: usize,
 }
 
 fn zero_copy(s: &str) -> Result<ZeroCopy, String> {
@@ -154,6 +161,7 @@ pub fn target(args: &TargetArgs) -> Result<(), String> {
         secret,
     );
     c.chunk_bytes = args.chunk_kib << 10;
+    c.lanes = args.lanes;
     c.zero_copy = zero_copy(&args.zero_copy)?;
     c.limits = big_limits();
     c.stall_timeout = Duration::from_secs(10);
@@ -342,6 +350,7 @@ fn initiator(
         secret.clone(),
     );
     c.connections = args.connections;
+    c.lanes = args.lanes;
     c.chunk_bytes = args.chunk_kib << 10;
     c.window = args.window;
     c.checksum = checksum;
@@ -381,7 +390,13 @@ pub fn run(args: &TransferArgs) -> Result<(), String> {
         "kvd-bench transfer: starting the target process ({} MiB segment on each side)",
         segment >> 20
     );
-    let mut target = Target::spawn(&secret_path, segment, args.chunk_kib, &args.zero_copy)?;
+    let mut target = Target::spawn(
+        &secret_path,
+        segment,
+        args.chunk_kib,
+        &args.zero_copy,
+        args.lanes,
+    )?;
     let mem = Arc::new(HeapMemory::zeroed(segment as usize));
     touch(&mem);
     let total = (args.gib_per_case * (1u64 << 30) as f64) as u64;
@@ -469,11 +484,12 @@ fn print_table(args: &TransferArgs, memcpy: f64, bounds: &Bounds, rows: &[Row]) 
         print(r);
     }
     println!(
-        "\n{} runs per case, >= {:.2} GiB each; batches of {}, two in flight; {} connections, {} KiB chunks, window {}, zero-copy {}.",
+        "\n{} runs per case, >= {:.2} GiB each; batches of {}, two in flight; {} connections over {} ring threads per engine, {} KiB chunks, window {}, zero-copy {}.",
         args.repeat,
         args.gib_per_case,
         args.batch,
         args.connections,
+        args.lanes,
         args.chunk_kib,
         args.window,
         args.zero_copy
@@ -520,6 +536,7 @@ impl Target {
         segment: u64,
         chunk_kib: u32,
         zero_copy: &str,
+        lanes: usize,
     ) -> Result<Target, String> {
         let me = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut child = Command::new(me)
@@ -528,6 +545,7 @@ impl Target {
             .args(["--segment-bytes", &segment.to_string()])
             .args(["--chunk-kib", &chunk_kib.to_string()])
             .args(["--zero-copy", zero_copy])
+            .args(["--lanes", &lanes.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

@@ -211,6 +211,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30_000,
           value_parser = clap::value_parser!(u64).range(1_000..=600_000))]
     pub transfer_deadline_ms: u64,
+    /// Ring threads of the data port's TCP engine (each its own io_uring): the connections to
+    /// a peer, and peers' connections here, are spread over them so that their copies run on
+    /// several cores.
+    #[arg(long, default_value_t = transport::tcp::DEFAULT_LANES as u32,
+          value_parser = clap::value_parser!(u32).range(1..=transport::tcp::MAX_LANES as i64))]
+    pub data_lanes: u32,
     /// How to reach etcd (cluster mode), as for `kvd control`.
     #[command(flatten)]
     pub etcd: super::cluster::EtcdArgs,
@@ -533,6 +539,7 @@ impl DaemonConfig {
             max_incoming_per_peer: in_peer,
             max_incoming: in_total,
             transfer_deadline_ms: s.transfer_deadline_ms,
+            lanes: s.data_lanes as usize,
             transport: s.transport,
             rdma: RdmaSettings {
                 device: s.rdma_device.clone(),
@@ -675,6 +682,8 @@ mod tests {
             ),
             ("max_batch", "4097".to_string()),
             ("transfer_deadline_ms", "999".to_string()),
+            ("data_lanes", "0".to_string()),
+            ("data_lanes", "17".to_string()),
             ("huge_pages", "\"sometimes\"".to_string()),
         ] {
             let long = format!("--{}", flag.replace('_', "-"));

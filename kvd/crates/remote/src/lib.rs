@@ -90,6 +90,8 @@ pub struct DataPortConfig {
     pub max_incoming: u32,
     /// A peer's transfer is aborted this long after its offer or want, ms.
     pub transfer_deadline_ms: u64,
+    /// Ring threads of the TCP engine.
+    pub lanes: usize,
     /// What blocks move over.
     pub transport: TransportChoice,
     /// How the RDMA device is chosen.

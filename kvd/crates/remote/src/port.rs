@@ -140,6 +140,7 @@ impl DataPort {
         // instead of computing one (and the receiver's check is end to end). Every daemon uses
         // the same size: it is also the largest chunk one accepts.
         tcp.chunk_bytes = CHUNK_BYTES;
+        tcp.lanes = config.lanes;
         // A peer's own share of connections per purpose: its transfers into here (one control
         // connection each, and as many idle ones kept), with room to spare.
         tcp.max_connections_per_peer = (2 * config.max_incoming_per_peer as usize).max(16);

@@ -76,6 +76,7 @@ fn node(net: &Arc<InProcNet>, id: u64, peers: &[u64], pages: u32) -> Node {
         max_incoming_per_peer: 4,
         max_incoming: 8,
         transfer_deadline_ms: 10_000,
+        lanes: 1,
         transport: TransportChoice::Tcp,
         rdma: RdmaSettings::default(),
     };
