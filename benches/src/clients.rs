@@ -9,6 +9,10 @@
 //! copies out → `release(B)`. Bytes moved (in and out) and round trips are summed over the
 //! workers and divided by the longest worker's time. The daemon serializes the clients if the
 //! aggregate stays at one client's rate while the bound grows with N.
+//!
+//! Each count runs `--client-runs` times (the bound re-measured before each run); the table
+//! gives medians, and `--plot DIR` draws the curve (`clients.svg`, `clients.md`): the bound,
+//! the crc-off puts' copies into the pool alone, and put+get with checksums off and on.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -45,15 +49,16 @@ pub struct WorkerArgs {
     pub checksums: bool,
 }
 
-/// One line of the table.
+/// One count's runs.
 #[derive(Debug, Default)]
 struct Row {
     n: usize,
-    bound: f64,
-    gbps: f64,
-    ops: f64,
-    crc_gbps: f64,
-    crc_ops: f64,
+    bound: Vec<f64>,
+    gbps: Vec<f64>,
+    ops: Vec<f64>,
+    copy_in: Vec<f64>,
+    crc_gbps: Vec<f64>,
+    crc_ops: Vec<f64>,
 }
 
 /// One worker's totals.
@@ -62,9 +67,17 @@ struct Totals {
     bytes: u64,
     round_trips: u64,
     secs: f64,
+    /// Bytes the puts copied into the pool, and the time those copies took (summed over the
+    /// workers).
+    put_bytes: u64,
+    put_copy_secs: f64,
 }
 
-/// Run the multi-client cases and print their table.
+fn median(v: &[f64]) -> f64 {
+    crate::curve::Point::of_runs(0.0, v).y
+}
+
+/// Run the multi-client cases and print their table (and, with `--plot`, draw the curve).
 pub fn run(args: &LocalArgs, kvd: &Path, counts: &[usize]) -> Result<(), String> {
     let page = (args
         .page_kib
@@ -78,64 +91,118 @@ pub fn run(args: &LocalArgs, kvd: &Path, counts: &[usize]) -> Result<(), String>
     let pages = (max_n * BATCH * 4).max(crate::local::pool_pages(page));
     let d = ChildDaemon::start(kvd, page, pages)?;
     let budget = args.seconds_per_case.max(1.0);
+    let runs = args.client_runs.clamp(1, 20);
     let mut rows = Vec::new();
     for &n in counts {
-        eprintln!("{n} client(s): measuring {n} parallel copies...");
-        let bound = parallel_copy_bound(n, page);
         let mut row = Row {
             n,
-            bound,
             ..Row::default()
         };
-        for checksums in [false, true] {
+        for r in 0..runs {
             eprintln!(
-                "  bound: {bound:.2} GB/s; {n} worker process(es), checksums {}, {budget:.1} s...",
-                if checksums { "on" } else { "off" }
+                "{n} client(s), run {} of {runs}: measuring {n} parallel copies...",
+                r + 1
             );
-            let t = run_workers(&d.socket, n, budget, checksums)?;
-            let gbps = t.bytes as f64 / t.secs / 1e9;
-            let ops = t.round_trips as f64 / t.secs;
-            eprintln!(
-                "  {gbps:.2} GB/s ({:.2} of the bound), {ops:.0} round trips/s",
-                gbps / bound
-            );
-            if checksums {
-                (row.crc_gbps, row.crc_ops) = (gbps, ops);
-            } else {
-                (row.gbps, row.ops) = (gbps, ops);
+            let bound = parallel_copy_bound(n, page);
+            row.bound.push(bound);
+            for checksums in [false, true] {
+                eprintln!(
+                    "  bound: {bound:.2} GB/s; {n} worker process(es), checksums {}, {budget:.1} s...",
+                    if checksums { "on" } else { "off" }
+                );
+                let t = run_workers(&d.socket, n, budget, checksums)?;
+                let gbps = t.bytes as f64 / t.secs / 1e9;
+                let ops = t.round_trips as f64 / t.secs;
+                eprintln!(
+                    "  {gbps:.2} GB/s ({:.2} of the bound), {ops:.0} round trips/s",
+                    gbps / bound
+                );
+                if checksums {
+                    row.crc_gbps.push(gbps);
+                    row.crc_ops.push(ops);
+                } else {
+                    row.gbps.push(gbps);
+                    row.ops.push(ops);
+                    // each worker's copies ran side by side: the aggregate rate of the copies
+                    // into the pool is n times one worker's average
+                    row.copy_in
+                        .push(t.put_bytes as f64 / (t.put_copy_secs / n as f64) / 1e9);
+                }
             }
         }
         rows.push(row);
     }
     d.stop();
+    print_table(page, runs, &rows);
+    let series = |name: &str, f: &dyn Fn(&Row) -> &Vec<f64>| crate::curve::Series {
+        name: name.into(),
+        points: rows
+            .iter()
+            .map(|r| crate::curve::Point::of_runs(r.n as f64, f(r)))
+            .collect(),
+    };
+    crate::curve::Curve {
+        title: format!(
+            "kvd-bench local --clients: {} pages, batch {BATCH}, put+get",
+            crate::local::human(page)
+        ),
+        x_label: "clients".into(),
+        y_label: "GB/s".into(),
+        log_x: false,
+        log_y: false,
+        series: vec![
+            series("bound (N parallel copies)", &|r| &r.bound),
+            series("copies into the pool (crc off)", &|r| &r.copy_in),
+            series("put+get, crc off", &|r| &r.gbps),
+            series("put+get, crc on", &|r| &r.crc_gbps),
+        ],
+    }
+    .emit(args.plot.as_deref(), "clients")
+}
+
+fn print_table(page: usize, runs: usize, rows: &[Row]) {
     println!();
     println!(
-        "kvd-bench local --clients — {} pages, batch {BATCH}, put+get per iteration",
+        "kvd-bench local --clients — {} pages, batch {BATCH}, put+get per iteration, median of {runs}",
         crate::local::human(page)
     );
     println!(
-        "{:>7} {:>10} {:>10} {:>6} {:>9} {:>10} {:>6} {:>9}",
-        "clients", "bound", "crc off", "ratio", "ops/s", "crc on", "ratio", "ops/s"
+        "{:>7} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>8} {:>6} {:>8}",
+        "clients",
+        "bound",
+        "crc off",
+        "ratio",
+        "copy in",
+        "ratio",
+        "ops/s",
+        "crc on",
+        "ratio",
+        "ops/s"
     );
-    println!("{}", "-".repeat(74));
+    println!("{}", "-".repeat(84));
     for r in rows {
+        let b = median(&r.bound);
+        let (off, cin, on) = (median(&r.gbps), median(&r.copy_in), median(&r.crc_gbps));
         println!(
-            "{:>7} {:>10.2} {:>10.2} {:>6.2} {:>9.0} {:>10.2} {:>6.2} {:>9.0}",
+            "{:>7} {:>8.2} {:>8.2} {:>6.2} {:>8.2} {:>6.2} {:>8.0} {:>8.2} {:>6.2} {:>8.0}",
             r.n,
-            r.bound,
-            r.gbps,
-            r.gbps / r.bound,
-            r.ops,
-            r.crc_gbps,
-            r.crc_gbps / r.bound,
-            r.crc_ops
+            b,
+            off,
+            off / b,
+            cin,
+            cin / b,
+            median(&r.ops),
+            on,
+            on / b,
+            median(&r.crc_ops)
         );
     }
     println!("GB/s. bound: N threads of the same non-temporal copy, each on its own buffers,");
-    println!("timed together (best of 3). crc off: plain copies (the seal carries a CRC computed");
-    println!("before timing); crc on: CRC-32C fused with the copy in, verified in the copy out.");
-    println!("ops/s: metadata round trips (alloc, seal, publish, acquire, release) per second.");
-    Ok(())
+    println!("timed together (best of 3), before each run. crc off: plain copies (the seal");
+    println!("carries a CRC computed before timing); crc on: CRC-32C fused with the copy in,");
+    println!("verified in the copy out. copy in: the crc-off puts' copies into the pool alone");
+    println!("(what the calls around them cost is the gap to crc off). ops/s: metadata round");
+    println!("trips (alloc, seal, publish, acquire, release) per second.");
 }
 
 /// How long one trial of the bound copies, so that it sees the same background load as the
@@ -237,6 +304,8 @@ fn run_workers(socket: &Path, n: usize, seconds: f64, checksums: bool) -> Result
         total.bytes += field("bytes=")? as u64;
         total.round_trips += field("round_trips=")? as u64;
         total.secs = total.secs.max(field("secs=")?);
+        total.put_bytes += field("put_bytes=")? as u64;
+        total.put_copy_secs += field("put_copy_secs=")?;
     }
     Ok(total)
 }
@@ -275,7 +344,10 @@ pub fn worker(args: &WorkerArgs) -> Result<(), String> {
         } else {
             Crc::Off
         };
-        put_batch(&mut c, &k, &src, &src_crc, rot, mode).map_err(|e| e.to_string())?;
+        let copying =
+            put_batch(&mut c, &k, &src, &src_crc, rot, mode).map_err(|e| e.to_string())?;
+        t.put_copy_secs += copying.as_secs_f64();
+        t.put_bytes += (k.len() * page) as u64;
         t.bytes += (k.len() * page) as u64;
         t.round_trips += 3;
         if !previous.is_empty() {
@@ -290,8 +362,8 @@ pub fn worker(args: &WorkerArgs) -> Result<(), String> {
     t.secs = t0.elapsed().as_secs_f64();
     c.close().map_err(|e| e.to_string())?;
     println!(
-        "RESULT bytes={} round_trips={} secs={:.6}",
-        t.bytes, t.round_trips, t.secs
+        "RESULT bytes={} round_trips={} secs={:.6} put_bytes={} put_copy_secs={:.6}",
+        t.bytes, t.round_trips, t.secs, t.put_bytes, t.put_copy_secs
     );
     Ok(())
 }

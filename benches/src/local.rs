@@ -63,6 +63,13 @@ pub struct LocalArgs {
     /// --page-kib).
     #[arg(long, value_delimiter = ',')]
     pub clients: Vec<usize>,
+    /// With --clients: runs per count and mode, alternating the bound and both modes (median
+    /// and spread reported).
+    #[arg(long, default_value_t = 3)]
+    pub client_runs: usize,
+    /// With --clients: write the curve (SVG) and its table (Markdown) into this directory.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 const MOVED_CAP_BYTES: u64 = 16 << 30;
