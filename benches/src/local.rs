@@ -63,6 +63,9 @@ pub struct LocalArgs {
     /// --page-kib).
     #[arg(long, value_delimiter = ',')]
     pub clients: Vec<usize>,
+    /// The client's `spin_us` (how long a call polls for its answer before it blocks).
+    #[arg(long, default_value_t = kvd::client::DEFAULT_SPIN_US)]
+    pub client_spin_us: u32,
     /// With --clients: runs per count and mode, alternating the bound and both modes (median
     /// and spread reported).
     #[arg(long, default_value_t = 3)]
@@ -192,8 +195,14 @@ pub(crate) fn pool_pages(page: usize) -> usize {
 }
 
 pub(crate) fn connect(sock: &Path) -> Result<Client, String> {
+    connect_spinning(sock, kvd::client::DEFAULT_SPIN_US)
+}
+
+/// As [`connect`], the client polling up to `spin_us` for each answer before it blocks.
+pub(crate) fn connect_spinning(sock: &Path, spin_us: u32) -> Result<Client, String> {
     let opts = ClientOptions {
         lease_ttl_ms: 60_000,
+        spin_us,
         ..ClientOptions::named("kvd-bench")
     };
     Client::connect(sock, &opts).map_err(|e| format!("connecting to {}: {e}", sock.display()))
@@ -261,7 +270,7 @@ fn run_page_size(
     rows: &mut Vec<Row>,
     lat: &mut Vec<(String, f64, f64)>,
 ) -> Result<(), String> {
-    let mut c = connect(sock)?;
+    let mut c = connect_spinning(sock, args.client_spin_us)?;
     let ns = c
         .register_namespace(&descriptor(page))
         .map_err(|e| e.to_string())?;

@@ -53,7 +53,7 @@ pub struct RemoteArgs {
     #[arg(long)]
     pub kvd: Option<PathBuf>,
     /// Each daemon's `--data-lanes` (ring threads of its TCP engine).
-    #[arg(long, default_value_t = transport::tcp::DEFAULT_LANES)]
+    #[arg(long, default_value_t = kvd::daemon::DEFAULT_DATA_LANES)]
     pub data_lanes: usize,
 }
 

@@ -116,6 +116,9 @@ pub struct MeshArgs {
     /// Write the plot (SVG) and table (Markdown) into this directory.
     #[arg(long)]
     pub plot: Option<std::path::PathBuf>,
+    /// Each daemon's `--data-lanes` (ring threads of its TCP engine).
+    #[arg(long, default_value_t = kvd::daemon::DEFAULT_DATA_LANES)]
+    pub data_lanes: usize,
 }
 
 /// What one daemon count's runs do.
@@ -131,6 +134,8 @@ struct Plan {
     /// Pages of each daemon's pool.
     pool_pages: usize,
     seconds: f64,
+    /// Each daemon's ring threads.
+    lanes: usize,
 }
 
 impl Plan {
@@ -160,6 +165,7 @@ impl Plan {
             round,
             pool_pages: 2 * peers * round + batch,
             seconds: args.seconds,
+            lanes: args.data_lanes,
         })
     }
 }
@@ -452,6 +458,8 @@ fn start_daemons(
             bound.clone(),
             "--max-incoming-transfers".into(),
             bound.clone(),
+            "--data-lanes".into(),
+            plan.lanes.to_string(),
         ];
         for j in (0..n).filter(|&j| j != i) {
             extra.push("--peer".into());
@@ -765,6 +773,7 @@ mod tests {
             pool_gib: 8.0,
             kvd: None,
             plot: None,
+            data_lanes: 1,
         }
     }
 

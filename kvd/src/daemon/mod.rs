@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 pub use config::{DaemonConfig, ServeArgs};
 /// Blocks between daemons live in their own crate (`kvd-remote`); the daemon wires them up.
-pub use kvd_remote::{port as data_port, transfer};
+pub use kvd_remote::{DEFAULT_DATA_LANES, port as data_port, transfer};
 
 use crate::clock::MonotonicClock;
 use crate::pool::PoolConfig;

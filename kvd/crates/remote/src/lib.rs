@@ -71,6 +71,14 @@ pub enum TransportChoice {
 /// How the RDMA device is chosen (the transport's backend registry reads it).
 pub use transport::registry::RdmaSettings;
 
+/// Ring threads of the data port's TCP engine unless configured otherwise: one. Two lanes
+/// lift the engine's own 256 KiB reads from 0.38-0.50 to 0.84-0.95 of two plain streams
+/// (`kvd-bench transfer --lanes`), but between daemons on a 2-core machine the gain did not show
+/// beside the run-to-run spread, and with 16 daemons pushing all to all (240 pushes at once on
+/// 2 cores) a connection then went past the 5 s stall timeout where one lane held; so two are
+/// opt-in (`--data-lanes 2`) until that is understood.
+pub const DEFAULT_DATA_LANES: usize = 1;
+
 /// The data port's settings (present only with a cluster secret).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DataPortConfig {
