@@ -288,7 +288,19 @@ impl Target {
 }
 
 fn local_engine(secret: &Path, mib: u64, seed: u8) -> (TcpTransport, Arc<HeapMemory>) {
-    let e = TcpTransport::start(config(1, "127.0.0.1:0", secret, 2000)).unwrap();
+    local_engine_with(secret, mib, seed, |_| {})
+}
+
+/// As [`local_engine`], its config changed by `tune` first.
+fn local_engine_with(
+    secret: &Path,
+    mib: u64,
+    seed: u8,
+    tune: impl FnOnce(&mut TcpConfig),
+) -> (TcpTransport, Arc<HeapMemory>) {
+    let mut c = config(1, "127.0.0.1:0", secret, 2000);
+    tune(&mut c);
+    let e = TcpTransport::start(c).unwrap();
     let mem = Arc::new(HeapMemory::zeroed((mib * MIB) as usize));
     fill(&mem, seed);
     e.register(SEG, mem.clone() as Arc<dyn Memory>, 0, mib * MIB)
@@ -423,17 +435,11 @@ fn a_peer_killed_mid_batch_fails_that_endpoints_ops_within_the_timeout_while_ano
     victim.grant(1, "w", 0, 256 * MIB);
     survivor.grant(1, "w", 0, 256 * MIB);
     // a small window, so the batches take long enough to be killed in the middle of
-    let e = {
-        let mut c = config(1, "127.0.0.1:0", &secret, 2000);
+    let (e, mem) = local_engine_with(&secret, 256, 10, |c| {
         c.connections = 1;
         c.window = 1;
         c.chunk_bytes = 64 << 10;
-        TcpTransport::start(c).unwrap()
-    };
-    let mem = Arc::new(HeapMemory::zeroed((256 * MIB) as usize));
-    fill(&mem, 10);
-    e.register(SEG, mem.clone() as Arc<dyn Memory>, 0, 256 * MIB)
-        .unwrap();
+    });
     let to_victim = e.open(&victim.peer()).unwrap();
     let to_survivor = e.open(&survivor.peer()).unwrap();
     let w = |t: &Target| ops(OpKind::Write, t.desc, 1, 0, 256, MIB);
@@ -613,19 +619,13 @@ fn an_endpoint_spread_over_three_ring_threads_moves_bytes_exactly_and_fails_as_o
     let mut t = start_target(dir.path(), &[], 2, "127.0.0.1:0", &secret, 256, 20);
     t.grant(1, "w", 0, 128 * MIB);
     t.grant(2, "r", 128 * MIB, 128 * MIB);
-    let e = {
-        let mut c = config(1, "127.0.0.1:0", &secret, 2000);
+    let (e, mem) = local_engine_with(&secret, 256, 10, |c| {
         // four streams dealt to three lanes: one lane holds two
         c.connections = 4;
         c.lanes = 3;
         c.window = 2;
         c.chunk_bytes = 64 << 10;
-        TcpTransport::start(c).unwrap()
-    };
-    let mem = Arc::new(HeapMemory::zeroed((256 * MIB) as usize));
-    fill(&mem, 10);
-    e.register(SEG, mem.clone() as Arc<dyn Memory>, 0, 256 * MIB)
-        .unwrap();
+    });
     let ep = e.open(&t.peer()).unwrap();
     // ops of several chunks each, so one op's chunks travel on several lanes
     let (s, _) = run(&e, ep, &ops(OpKind::Write, t.desc, 1, 0, 24, 1 << 20));

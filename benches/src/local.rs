@@ -658,6 +658,19 @@ pub(crate) fn human(page: usize) -> String {
     }
 }
 
+/// A child's stdout, line by line, read on a thread of its own (it ends with the child's
+/// stdout), so that a wait for one line can be bounded in time.
+pub(crate) fn stdout_lines(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
+    let out = child.stdout.take().expect("the child's stdout is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    rx
+}
+
 /// A `kvd serve` started for one page size, stopped (SIGTERM, bounded wait, then kill) on drop.
 pub(crate) struct ChildDaemon {
     child: Option<Child>,
@@ -704,13 +717,7 @@ impl ChildDaemon {
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(|e| format!("starting {}: {e}", kvd.display()))?;
-        let out = child.stdout.take().expect("piped");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
+        let rx = stdout_lines(&mut child);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {

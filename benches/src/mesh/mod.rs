@@ -37,7 +37,7 @@
 //! with the CPU, not with kvd's design: the ratio to raw TCP on the same cores is the figure
 //! to read. Every loop is bounded in count and time.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};

@@ -176,13 +176,7 @@ impl NsDaemon {
         let mut child = cmd
             .spawn()
             .map_err(|e| format!("starting {} in {ns}: {e}", kvd.display()))?;
-        let out = child.stdout.take().expect("piped");
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
+        let lines = crate::local::stdout_lines(&mut child);
         Ok(NsDaemon {
             child: Some(child),
             socket,
