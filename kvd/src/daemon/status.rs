@@ -50,6 +50,11 @@ pub fn drain(args: DrainArgs) -> std::process::ExitCode {
     match http(args.admin, "POST", "/drain") {
         Ok((202, _)) => eprintln!("kvd drain: {} accepted the drain", args.admin),
         Ok((code, body)) => return fail(format!("/drain answered {code}: {}", body.trim())),
+        // a daemon that is exiting (drained already) can take the connection and close it
+        // unanswered: with a wait, whether it goes is what the wait finds out
+        Err(Error::Disconnected(why)) if args.wait_secs > 0 => {
+            eprintln!("kvd drain: {why}; it may be exiting already: waiting for it to");
+        }
         Err(e) => return fail(e.to_string()),
     }
     if args.wait_secs == 0 {
@@ -97,6 +102,15 @@ pub fn http_with_body(
                 "connecting to {addr}: {e}; is `kvd serve` running there? (pass its admin address with --admin)"
             ))
         })?;
+    // connected, then closed or reset before any answer: the peer went away mid-request
+    let closed = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::BrokenPipe
+        | std::io::ErrorKind::UnexpectedEof => Error::Disconnected(format!(
+            "{addr}{path}: the connection closed before an answer ({e})"
+        )),
+        _ => Error::from(e),
+    };
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     write!(
@@ -104,10 +118,18 @@ pub fn http_with_body(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
-    )?;
-    s.write_all(body)?;
+    )
+    .map_err(closed)?;
+    s.write_all(body).map_err(closed)?;
     let mut raw = Vec::new();
-    s.take(MAX_HTTP_BODY_BYTES as u64).read_to_end(&mut raw)?;
+    s.take(MAX_HTTP_BODY_BYTES as u64)
+        .read_to_end(&mut raw)
+        .map_err(closed)?;
+    if raw.is_empty() {
+        return Err(Error::Disconnected(format!(
+            "{addr}{path}: the connection closed before an answer"
+        )));
+    }
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text
         .split_once("\r\n\r\n")
@@ -400,5 +422,26 @@ fn write_sessions(o: &mut String, sessions: &[crate::store::SessionSummary]) {
             v.len() - STATUS_SESSIONS_SHOWN,
             super::admin::STATUS_MAX_SESSIONS
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_that_takes_the_connection_and_closes_it_unanswered_is_a_disconnect_not_garbage() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut c, _) = l.accept().unwrap();
+            let mut buf = [0u8; 256];
+            let _ = c.read(&mut buf);
+            // an exiting daemon: gone without a byte of answer
+        });
+        let e = http(addr, "POST", "/drain").unwrap_err();
+        t.join().unwrap();
+        assert!(matches!(e, Error::Disconnected(_)), "{e}");
+        assert!(e.to_string().contains("closed before an answer"), "{e}");
     }
 }
