@@ -133,6 +133,16 @@ pub struct ServeArgs {
     /// it slowed one-block puts between copies (see docs/PERFORMANCE.md), so it is opt-in.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
     pub spin_us: u32,
+    /// While clients call, ask the kernel to keep every CPU's wake-up within this many µs
+    /// (PM QoS, /dev/cpu_dma_latency; 0 keeps idle CPUs polling), dropped once no call came
+    /// for --cpu-wake-hold-ms. Brings a quiet machine's metadata round trip to its figure
+    /// under load, at the cost of CPUs that poll rather than sleep while calls come. Needs
+    /// write access to the device (root, or a udev rule); off when unset.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub cpu_wake_latency_us: Option<u32>,
+    /// How long the wake-latency request outlives the last call, ms.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    pub cpu_wake_hold_ms: u64,
     /// Items in one batched request at most (a batch's reply must fit one frame).
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_batch: u32,
@@ -226,6 +236,15 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 5_000,
           value_parser = clap::value_parser!(u64).range(1_000..=600_000))]
     pub etcd_lease_ttl_ms: u64,
+}
+
+/// `--cpu-wake-latency-us`: what is requested while clients call, and for how long after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CpuWakeConfig {
+    /// The wake-up latency requested, µs.
+    pub latency_us: u32,
+    /// How long the request outlives the last call, ms.
+    pub hold_ms: u64,
 }
 
 /// `kvd serve`'s command, as [`ServeArgs::from_cli`] parses it (the arguments after `serve`).
@@ -371,6 +390,8 @@ pub struct DaemonConfig {
     pub max_inflight: u32,
     /// How long a session polls for the next request after an answer, µs.
     pub spin_us: u32,
+    /// The wake-latency request held while clients call (`None`: off).
+    pub cpu_wake: Option<CpuWakeConfig>,
     /// Items per batch.
     pub max_batch: u32,
     /// Body bytes per frame.
@@ -486,6 +507,10 @@ impl DaemonConfig {
             peers,
             max_inflight: s.max_inflight,
             spin_us: s.spin_us,
+            cpu_wake: s.cpu_wake_latency_us.map(|latency_us| CpuWakeConfig {
+                latency_us,
+                hold_ms: s.cpu_wake_hold_ms,
+            }),
             max_batch: s.max_batch,
             max_frame_bytes: crate::protocol::MAX_FRAME_BYTES,
             frame_timeout_ms: 10_000,
@@ -685,6 +710,8 @@ mod tests {
             ("transfer_deadline_ms", "999".to_string()),
             ("data_lanes", "0".to_string()),
             ("data_lanes", "17".to_string()),
+            ("cpu_wake_latency_us", "1000001".to_string()),
+            ("cpu_wake_hold_ms", "0".to_string()),
             ("huge_pages", "\"sometimes\"".to_string()),
         ] {
             let long = format!("--{}", flag.replace('_', "-"));
@@ -697,6 +724,26 @@ mod tests {
                 "{from_file}"
             );
         }
+    }
+
+    #[test]
+    fn the_wake_latency_request_is_off_unless_set_and_takes_its_hold_time() {
+        assert_eq!(resolve(&[]).unwrap().cpu_wake, None);
+        let (_d, f) = file("cpu_wake_latency_us = 0\ncpu_wake_hold_ms = 250\n");
+        assert_eq!(
+            resolve(&["--config", &f]).unwrap().cpu_wake,
+            Some(CpuWakeConfig {
+                latency_us: 0,
+                hold_ms: 250
+            })
+        );
+        assert_eq!(
+            resolve(&["--cpu-wake-latency-us", "20"]).unwrap().cpu_wake,
+            Some(CpuWakeConfig {
+                latency_us: 20,
+                hold_ms: 100
+            })
+        );
     }
 
     #[test]

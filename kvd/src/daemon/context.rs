@@ -41,4 +41,6 @@ pub struct Daemon {
     pub data_port: Option<Arc<super::data_port::DataPort>>,
     /// Cluster membership (embedded: this node alone).
     pub cluster: Arc<super::cluster::Membership>,
+    /// The CPU wake-latency request held while clients call (`--cpu-wake-latency-us`).
+    pub wake: Option<Arc<super::wake::WakeHold>>,
 }

@@ -108,6 +108,8 @@ pub struct Metrics {
     cluster_mode: Gauge,
     lease_held: Gauge,
     uptime_s: Gauge<f64, AtomicU64>,
+    /// The CPU wake-latency request's figures (`--cpu-wake-latency-us`; 0 while it is off).
+    pub cpu_wake: super::wake::WakeMetrics,
 }
 
 /// The daemon's state at a scrape, beside its counters.
@@ -190,6 +192,7 @@ impl Metrics {
             cluster_mode: Gauge::default(),
             lease_held: Gauge::default(),
             uptime_s: Gauge::default(),
+            cpu_wake: super::wake::WakeMetrics::default(),
             registry: Registry::default(),
         };
         m.accounting_balanced.set(1);
@@ -315,6 +318,21 @@ impl Metrics {
             "kvd_uptime_seconds",
             "Seconds since start",
             m.uptime_s.clone(),
+        );
+        r.register(
+            "kvd_cpu_wake_held",
+            "1 while the CPU wake-latency request is held (clients calling; --cpu-wake-latency-us)",
+            m.cpu_wake.held.clone(),
+        );
+        r.register(
+            "kvd_cpu_wake_holds",
+            "Times the CPU wake-latency request was set after a quiet spell",
+            m.cpu_wake.holds.clone(),
+        );
+        r.register(
+            "kvd_cpu_wake_held_seconds",
+            "Seconds the CPU wake-latency request has been held, in all",
+            m.cpu_wake.held_seconds.clone(),
         );
         r.register_collector(Box::new(StoreCollector {
             store,

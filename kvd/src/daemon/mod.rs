@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod probes;
 pub mod server;
 pub mod status;
+pub mod wake;
 
 use std::io::Write as _;
 use std::sync::Arc;
@@ -117,10 +118,21 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         Some(dp) => Some(data_port::DataPort::start(dp, config.node_id, &store)?),
         None => None,
     };
+    // Before the socket too: a device kvd may not write is a start-up error.
+    let daemon_metrics = metrics::Metrics::new(store.clone());
+    let wake = match config.cpu_wake {
+        Some(w) => Some(Arc::new(wake::WakeHold::open(
+            std::path::Path::new(wake::DEVICE),
+            w.latency_us,
+            Duration::from_millis(w.hold_ms),
+            daemon_metrics.cpu_wake.clone(),
+        )?)),
+        None => None,
+    };
     let listeners = Listeners::bind(&config).await?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
     let config_peers = config.peers;
-    let mut daemon_metrics = metrics::Metrics::new(store.clone());
+    let mut daemon_metrics = daemon_metrics;
     if let Some(dp) = &data_port {
         daemon_metrics = daemon_metrics.with_data_port(dp.clone());
     }
@@ -148,7 +160,11 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         started: Instant::now(),
         admin_addr: listeners.admin_addr,
         clients: clients::Clients::new(config_peers),
+        wake,
     });
+    if let Some(w) = &d.wake {
+        tokio::spawn(wake::release_when_quiet(w.clone(), d.shutdown.subscribe()));
+    }
     tokio::spawn(server::accept_loop(d.clone(), listeners.socket));
     tokio::spawn(server::reaper(d.clone()));
     tokio::spawn(admin::serve(d.clone(), listeners.admin, budget));

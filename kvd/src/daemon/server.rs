@@ -383,6 +383,9 @@ async fn session(d: Arc<Daemon>, stream: UnixStream, sid: SessionId, lease_ttl_m
         }
         let (resp, last) = match next {
             Ok(req) => {
+                if let Some(w) = &d.wake {
+                    w.note_call();
+                }
                 let queued = complete_frames(rd.buffer());
                 let goodbye = matches!(req.op, Op::Goodbye);
                 let resp = if queued >= max_inflight {
