@@ -277,3 +277,67 @@ fn the_admin_endpoints_report_health_readiness_metrics_and_status() {
     assert_eq!(d.get("/drain").0, 405);
     assert_eq!(d.get("/readyz").0, 200);
 }
+
+/// One sample's value from `/metrics` (the first line that names it exactly).
+fn metric(d: &Daemon, name: &str) -> f64 {
+    let (code, body) = d.get("/metrics");
+    assert_eq!(code, 200, "{body}");
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /metrics:\n{body}"))
+}
+
+/// What the kernel's PM QoS device says the CPUs' wake-up latency target is now, µs (reading
+/// it opens a request of "no constraint", which changes nothing).
+fn cpu_wake_target() -> i32 {
+    let mut b = [0u8; 4];
+    std::io::Read::read_exact(
+        &mut std::fs::File::open(kvd::daemon::wake::DEVICE).unwrap(),
+        &mut b,
+    )
+    .unwrap();
+    i32::from_ne_bytes(b)
+}
+
+/// `--cpu-wake-latency-us`: the first call sets the kernel's request (the device itself reads
+/// it back), a quiet spell of the hold time drops it, the next call sets it again, and the
+/// metrics say so. Where the device cannot be written (no root), the daemon refuses to start
+/// and says what to do.
+#[test]
+fn the_cpu_wake_latency_request_is_held_while_clients_call_and_dropped_once_they_stop() {
+    let flags = ["--cpu-wake-latency-us", "0", "--cpu-wake-hold-ms", "300"];
+    let writable = std::fs::OpenOptions::new()
+        .write(true)
+        .open(kvd::daemon::wake::DEVICE)
+        .is_ok();
+    if !writable {
+        let dir = tempfile::tempdir().unwrap();
+        let out = command(dir.path(), &flags).output().unwrap();
+        assert!(!out.status.success(), "started without the device");
+        let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
+        assert!(log.contains("cpu_dma_latency") && log.contains("udev"), "{log}");
+        return;
+    }
+    let before = cpu_wake_target();
+    let d = Daemon::start(&flags);
+    assert_eq!(metric(&d, "kvd_cpu_wake_held"), 0.0, "nothing held before a call");
+    assert_eq!(cpu_wake_target(), before);
+    let mut c = d.client("caller", 30_000);
+    for _ in 0..20 {
+        c.heartbeat().unwrap();
+    }
+    assert_eq!(metric(&d, "kvd_cpu_wake_held"), 1.0);
+    assert_eq!(metric(&d, "kvd_cpu_wake_holds_total"), 1.0, "one hold for the burst");
+    assert_eq!(cpu_wake_target(), 0, "the kernel holds the request");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(&d, "kvd_cpu_wake_held") != 0.0 {
+        assert!(Instant::now() < deadline, "still held 10 s after the last call");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(cpu_wake_target(), before, "dropped in the kernel too");
+    assert!(metric(&d, "kvd_cpu_wake_held_seconds_total") >= 0.3);
+    c.heartbeat().unwrap();
+    assert_eq!(metric(&d, "kvd_cpu_wake_holds_total"), 2.0);
+    assert_eq!(cpu_wake_target(), 0);
+    drop(c);
+}
