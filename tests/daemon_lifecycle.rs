@@ -315,23 +315,37 @@ fn the_cpu_wake_latency_request_is_held_while_clients_call_and_dropped_once_they
         let out = command(dir.path(), &flags).output().unwrap();
         assert!(!out.status.success(), "started without the device");
         let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
-        assert!(log.contains("cpu_dma_latency") && log.contains("udev"), "{log}");
+        assert!(
+            log.contains("cpu_dma_latency") && log.contains("udev"),
+            "{log}"
+        );
         return;
     }
     let before = cpu_wake_target();
     let d = Daemon::start(&flags);
-    assert_eq!(metric(&d, "kvd_cpu_wake_held"), 0.0, "nothing held before a call");
+    assert_eq!(
+        metric(&d, "kvd_cpu_wake_held"),
+        0.0,
+        "nothing held before a call"
+    );
     assert_eq!(cpu_wake_target(), before);
     let mut c = d.client("caller", 30_000);
     for _ in 0..20 {
         c.heartbeat().unwrap();
     }
     assert_eq!(metric(&d, "kvd_cpu_wake_held"), 1.0);
-    assert_eq!(metric(&d, "kvd_cpu_wake_holds_total"), 1.0, "one hold for the burst");
+    assert_eq!(
+        metric(&d, "kvd_cpu_wake_holds_total"),
+        1.0,
+        "one hold for the burst"
+    );
     assert_eq!(cpu_wake_target(), 0, "the kernel holds the request");
     let deadline = Instant::now() + Duration::from_secs(10);
     while metric(&d, "kvd_cpu_wake_held") != 0.0 {
-        assert!(Instant::now() < deadline, "still held 10 s after the last call");
+        assert!(
+            Instant::now() < deadline,
+            "still held 10 s after the last call"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(cpu_wake_target(), before, "dropped in the kernel too");

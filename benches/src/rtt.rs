@@ -74,6 +74,9 @@ struct Run {
     poll_ms_idle: f64,
 }
 
+/// One figure of a run.
+type Field = fn(&Run) -> f64;
+
 /// A case: the client's spin, the daemon's spin and the daemon's wake-latency request.
 #[derive(Debug, Clone, Copy)]
 struct Case {
@@ -99,9 +102,10 @@ pub fn run(args: &RttArgs) -> Result<(), String> {
     for w in &args.cpu_wake_us {
         wakes.push(match w.as_str() {
             "off" => None,
-            n => Some(n.parse::<u32>().map_err(|_| {
-                format!("--cpu-wake-us takes \"off\" or whole µs, not {n:?}")
-            })?),
+            n => Some(
+                n.parse::<u32>()
+                    .map_err(|_| format!("--cpu-wake-us takes \"off\" or whole µs, not {n:?}"))?,
+            ),
         });
     }
     let cases: Vec<Case> = wakes
@@ -183,7 +187,7 @@ fn print_table(args: &RttArgs, cases: &[Case], quiet: &[Vec<Run>], busy: &[Vec<R
             let v: Vec<f64> = runs.iter().map(f).collect();
             Point::of_runs(0.0, &v).y
         };
-        let calls: [(&str, fn(&Run) -> f64); 3] = [
+        let calls: [(&str, Field); 3] = [
             ("heartbeat", |r| r.heartbeat.0),
             ("exists 1", |r| r.exists1.0),
             ("exists 128", |r| r.exists128.0),
@@ -228,7 +232,12 @@ fn one_run(kvd: &std::path::Path, case: &Case, iters: usize, busy: bool) -> Resu
     let one: Vec<BlockKey> = keys.take(1);
     let many: Vec<BlockKey> = keys.take(128);
     let burners = busy.then(Burners::start);
-    let (d0, c0, p0, t0) = (daemon_cpu_ns(pid), thread_cpu_ns(), poll_us(), Instant::now());
+    let (d0, c0, p0, t0) = (
+        daemon_cpu_ns(pid),
+        thread_cpu_ns(),
+        poll_us(),
+        Instant::now(),
+    );
     let mut calls = 0usize;
     let mut counted = |f: &mut dyn FnMut() -> Result<(), String>| {
         calls += 1;
@@ -243,7 +252,12 @@ fn one_run(kvd: &std::path::Path, case: &Case, iters: usize, busy: bool) -> Resu
     let exists128 = latency(iters, || {
         counted(&mut || c.exists(&many).map(|_| ()).map_err(|e| e.to_string()))
     })?;
-    let (d1, c1, p1, t1) = (daemon_cpu_ns(pid), thread_cpu_ns(), poll_us(), Instant::now());
+    let (d1, c1, p1, t1) = (
+        daemon_cpu_ns(pid),
+        thread_cpu_ns(),
+        poll_us(),
+        Instant::now(),
+    );
     drop(burners);
     // one idle second: what the daemon, and the CPUs' idle polling, spend while nobody calls
     std::thread::sleep(Duration::from_millis(1000));

@@ -226,9 +226,15 @@ mod tests {
         let m = WakeMetrics::default();
         let w = WakeHold::open(&path, 0, Duration::from_millis(40), m.clone()).unwrap();
         assert!(!w.held());
-        assert!(written(&path).is_empty(), "nothing is requested before a call");
+        assert!(
+            written(&path).is_empty(),
+            "nothing is requested before a call"
+        );
         w.tick();
-        assert!(written(&path).is_empty(), "a tick while not held writes nothing");
+        assert!(
+            written(&path).is_empty(),
+            "a tick while not held writes nothing"
+        );
         // calls within the hold time: one write
         for _ in 0..5 {
             w.note_call();
@@ -261,7 +267,10 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(e.contains("--cpu-wake-latency-us") && e.contains("udev"), "{e}");
+        assert!(
+            e.contains("--cpu-wake-latency-us") && e.contains("udev"),
+            "{e}"
+        );
     }
 
     #[test]
