@@ -174,7 +174,8 @@ fn transfer_target_helper() {
 /// to `KVD_TEST_PEER` (node `KVD_TEST_PEER_NODE`, segment `KVD_TEST_DESC`).
 /// `write T OFF N SIZE` submits N writes and answers `@submitted`; `progress` answers
 /// `@progress DONE`; `wait` answers `@batch done=D failed=F first=WHY ms=ELAPSED` once the
-/// batch settles (at most 60 s); `crc OFF LEN` answers `@crc X`.
+/// batch settles (at most 60 s); `crc OFF LEN` answers `@crc X`; `stats` answers
+/// `@stats slow_progress=N`.
 #[test]
 #[ignore = "a helper process of the tests in this file"]
 fn transfer_initiator_helper() {
@@ -223,6 +224,7 @@ fn transfer_initiator_helper() {
                 );
             }
             "crc" => println!("@crc {:08x}", crc_of(&mem, n(1), n(2))),
+            "stats" => println!("@stats slow_progress={}", e.stats().slow_progress),
             other => panic!("unknown command {other}"),
         }
     }
@@ -608,6 +610,72 @@ fn across_a_veth_link_a_batch_arrives_and_cutting_the_link_fails_the_batch_withi
     assert!(
         detected < Duration::from_millis(1500 + 5000),
         "failed within the stall timeout plus a margin: {detected:?}"
+    );
+}
+
+/// A link slower than one chunk per stall timeout is slow, not stalled: across a veth shaped
+/// to 4 Mbit/s, chunks of 512 KiB take about 2 s each against a stall timeout of 500 ms, and
+/// the batch still arrives byte-exact, kept alive by the bytes moving under its sockets
+/// (`slow_progress` counts the checks that kept it). The stopped peer and the cut link of the
+/// tests above move nothing and still fail within the timeout.
+#[test]
+fn a_link_slower_than_a_chunk_per_stall_timeout_delivers_its_batch_instead_of_timing_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path(), "secret", 1);
+    let hosts = TwoHosts::new();
+    let exec_b = ["ip", "netns", "exec", hosts.b.as_str()];
+    let exec_a = ["ip", "netns", "exec", hosts.a.as_str()];
+    let mut t = start_target(dir.path(), &exec_b, 2, "10.77.0.2:0", &secret, 16, 20);
+    t.grant(1, "w", 0, 16 * MIB);
+    let peer = format!("10.77.0.2:{}", t.addr.port());
+    let desc = hex(&t.desc);
+    let mut a = Helper::spawn(
+        &exec_a,
+        "transfer_initiator_helper",
+        &[
+            ("KVD_TEST_SECRET", secret.to_str().unwrap()),
+            ("KVD_TEST_PEER", &peer),
+            ("KVD_TEST_PEER_NODE", "2"),
+            ("KVD_TEST_DESC", &desc),
+            ("KVD_TEST_SEGMENT_MIB", "16"),
+            ("KVD_TEST_SEED", "12"),
+            ("KVD_TEST_STALL_MS", "500"),
+        ],
+        dir.path().join("initiator.log"),
+    );
+    a.wait_for("@ready", ANSWER);
+    let dev = hosts.dev_a();
+    let tc = std::process::Command::new("ip")
+        .args([
+            "netns", "exec", &hosts.a, "tc", "qdisc", "add", "dev", &dev, "root",
+        ])
+        .args(["tbf", "rate", "4mbit", "burst", "16kb", "latency", "100ms"])
+        .status()
+        .unwrap();
+    assert!(tc.success(), "tc tbf on the veth");
+    a.ask("write 1 0 4 524288", "@submitted", ANSWER);
+    let done = a.ask("wait", "@batch", Duration::from_secs(60));
+    println!("4 x 512 KiB over 4 Mbit/s, stall timeout 500 ms: {done}");
+    assert!(done.contains("done=4 failed=0"), "{done}");
+    let ms: u64 = done
+        .rsplit("ms=")
+        .next()
+        .and_then(|m| m.trim().parse().ok())
+        .unwrap();
+    assert!(
+        ms >= 2_000,
+        "the batch took {ms} ms: the link was not slower than the stall timeout"
+    );
+    assert_eq!(t.crc(0, 2 * MIB), a.ask("crc 0 2097152", "@crc", ANSWER));
+    let stats = a.ask("stats", "@stats", ANSWER);
+    let kept: u64 = stats
+        .trim_start_matches("@stats slow_progress=")
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        kept > 0,
+        "no stall check had to look under the sockets: {stats}"
     );
 }
 

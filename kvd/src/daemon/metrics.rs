@@ -524,6 +524,12 @@ impl Collector for DataPortCollector {
                 c.handshakes_refused,
             ),
             (
+                "kvd_transfer_slow_progress",
+                "Stall checks that kept a data connection: no operation completed for the stall \
+                 timeout, but bytes still moved under its socket",
+                c.slow_progress,
+            ),
+            (
                 "kvd_transfer_integrity_failures",
                 "Frames between daemons that failed their integrity tag (changed in flight, \
                  replayed, forged); each closed its connection",

@@ -219,6 +219,10 @@ pub struct TcpStats {
     /// Frames (chunk headers, binds, control messages) whose integrity tag was wrong: changed
     /// in flight, replayed, or not from the authenticated peer. Each closed its connection.
     pub integrity_failures: u64,
+    /// Stall checks that found a connection without a completion for the stall timeout but
+    /// with bytes still moving under its socket (a slow link, kept; a stopped peer or a cut
+    /// link moves none and fails).
+    pub slow_progress: u64,
 }
 
 #[derive(Debug, Default)]
@@ -232,6 +236,7 @@ struct Counters {
     copied_sends: AtomicU64,
     connections_failed: AtomicU64,
     handshakes_refused: AtomicU64,
+    slow_progress: AtomicU64,
     /// Shared with every [`Channel`] this engine hands out (control messages count too).
     integrity_failures: Arc<AtomicU64>,
     /// Test hook: the Nth payload this engine sends from now (1-based) carries a wrong CRC.
@@ -517,6 +522,7 @@ impl TcpTransport {
             connections_failed: r(&c.connections_failed),
             handshakes_refused: r(&c.handshakes_refused),
             integrity_failures: r(&c.integrity_failures),
+            slow_progress: r(&c.slow_progress),
         }
     }
 

@@ -105,6 +105,9 @@ pub struct EngineCounters {
     /// Frames that failed their integrity tag (changed in flight, replayed, forged); each
     /// closed its connection.
     pub integrity_failures: u64,
+    /// Stall checks that kept a connection without a completion for the stall timeout
+    /// because bytes were still moving under it (a slow link, not a stalled one).
+    pub slow_progress: u64,
 }
 
 impl From<TcpStats> for EngineCounters {
@@ -118,6 +121,7 @@ impl From<TcpStats> for EngineCounters {
             connections_failed: s.connections_failed,
             handshakes_refused: s.handshakes_refused,
             integrity_failures: s.integrity_failures,
+            slow_progress: s.slow_progress,
         }
     }
 }

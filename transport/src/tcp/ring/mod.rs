@@ -208,6 +208,9 @@ struct Conn {
     outstanding: u32,
     closing: Option<OpFailure>,
     last_progress: Instant,
+    /// The socket's byte counts when the connection had gone half the stall timeout without
+    /// a completion (see [`Ring::check_stalls`]).
+    tcp_seen: Option<TcpBytes>,
     next_seq: u64,
     /// Initiator: chunks sent (or being sent) and not yet answered, in order.
     inflight: VecDeque<Chunk>,
@@ -477,6 +480,7 @@ impl Ring {
             outstanding: 0,
             closing: None,
             last_progress: Instant::now(),
+            tcp_seen: None,
             next_seq: 1,
             inflight: VecDeque::new(),
             serving: None,
@@ -688,18 +692,49 @@ impl Ring {
         }
     }
 
+    /// Fail the connections that made no progress for the stall timeout. Progress is a
+    /// completion, or failing that bytes moving under the socket: a slow but healthy link (many
+    /// peers sharing few cores, a shaped link) may take longer than the timeout to complete
+    /// one large send or receive, while a stopped peer or a cut link moves nothing. So at half
+    /// the timeout without a completion the socket's byte counts (TCP_INFO: bytes acked by the
+    /// peer, bytes received from it) are noted, and at the timeout a connection whose counts
+    /// rose at [`MIN_BYTES_MOVING_PER_S`] or more since is given another period instead of
+    /// failed.
+    /// A connection that moves nothing fails at the timeout, as before; one that stops moving
+    /// after its counts were noted fails at most one period later.
     fn check_stalls(&mut self) {
         let timeout = self.shared.config.stall_timeout;
+        let moving = (MIN_BYTES_MOVING_PER_S * (timeout / 2).as_secs_f64()).max(1.0) as u64;
         let now = Instant::now();
         let mut stalled = Vec::new();
-        for (slot, c) in self.conns.iter().enumerate() {
+        for (slot, c) in self.conns.iter_mut().enumerate() {
             let Some(c) = c else { continue };
             let waiting = c.send.busy
                 || !c.inflight.is_empty()
                 || c.serving.is_some()
                 || !c.replies.is_empty();
-            if c.closing.is_none() && waiting && now - c.last_progress > timeout {
-                stalled.push(slot);
+            let quiet = now - c.last_progress;
+            if c.closing.is_some() || !waiting || quiet <= timeout / 2 {
+                c.tcp_seen = None;
+                continue;
+            }
+            let Some(seen) = c.tcp_seen else {
+                c.tcp_seen = tcp_bytes(c.fd);
+                continue;
+            };
+            if quiet <= timeout {
+                continue;
+            }
+            match tcp_bytes(c.fd) {
+                Some(b) if b.moved_since(&seen) >= moving => {
+                    c.last_progress = now;
+                    c.tcp_seen = None;
+                    self.shared
+                        .counters
+                        .slow_progress
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                _ => stalled.push(slot),
             }
         }
         for slot in stalled {
@@ -765,4 +800,59 @@ impl Ring {
             .and_then(Option::as_mut)
             .map(|b| &mut **b)
     }
+}
+
+/// The rate at which bytes must move under a connection's socket, over the second half of a
+/// stall timeout, for it to count as slow rather than stalled: 32 KiB/s (80 KiB per half of
+/// the 5 s default), far below any link kvd serves over and far above a peer that trickles
+/// bytes to hold its connection.
+const MIN_BYTES_MOVING_PER_S: f64 = 32.0 * 1024.0;
+
+/// A socket's byte counts, from TCP_INFO.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TcpBytes {
+    /// Bytes this end sent that the peer acknowledged.
+    acked: u64,
+    /// Bytes this end received.
+    received: u64,
+}
+
+impl TcpBytes {
+    fn moved_since(&self, before: &TcpBytes) -> u64 {
+        self.acked.saturating_sub(before.acked) + self.received.saturating_sub(before.received)
+    }
+}
+
+/// `struct tcp_info` up to `tcpi_bytes_received` (Linux ≥ 4.2; the `libc` crate's copy ends
+/// before the byte counts): 8 one-byte fields, 24 `u32`, then `u64`s of which the third and
+/// fourth are the byte counts.
+#[repr(C)]
+#[derive(Default)]
+struct TcpInfoBytes {
+    _flags: [u8; 8],
+    _u32s: [u32; 24],
+    _pacing: [u64; 2],
+    bytes_acked: u64,
+    bytes_received: u64,
+}
+
+/// The socket's byte counts, or `None` where the kernel gives fewer fields (or none).
+fn tcp_bytes(fd: RawFd) -> Option<TcpBytes> {
+    let mut info = TcpInfoBytes::default();
+    let mut len = std::mem::size_of::<TcpInfoBytes>() as libc::socklen_t;
+    // SAFETY: `info` is a plain repr(C) struct of `len` bytes that outlives the call; the
+    // kernel writes at most `len` bytes into it and says how many in `len`.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0 && len as usize >= std::mem::size_of::<TcpInfoBytes>()).then_some(TcpBytes {
+        acked: info.bytes_acked,
+        received: info.bytes_received,
+    })
 }
