@@ -243,7 +243,8 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
                 o,
                 "data port {} (node {}): {} ops / {} bytes in flight, {} grants live, peers [{}]; \
                  chunks {} done / {} served, {} refused, {} checksum failures, {} connections \
-                 failed, {} handshakes refused, {} frames failed integrity",
+                 failed, {} handshakes refused, {} frames failed integrity, {} stall checks \
+                 kept a slow link",
                 dp.listen,
                 dp.node_id,
                 dp.ops_in_flight,
@@ -256,7 +257,8 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
                 e.checksum_failures,
                 e.connections_failed,
                 e.handshakes_refused,
-                e.integrity_failures
+                e.integrity_failures,
+                e.slow_progress
             );
             let t = &dp.transport;
             let per_peer: Vec<String> = t
