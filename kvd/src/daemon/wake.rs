@@ -278,26 +278,50 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("dev");
         std::fs::write(&path, b"").unwrap();
+        let hold_ms = 5;
         let w = std::sync::Arc::new(
-            WakeHold::open(&path, 3, Duration::from_millis(1), WakeMetrics::default()).unwrap(),
+            WakeHold::open(
+                &path,
+                3,
+                Duration::from_millis(hold_ms),
+                WakeMetrics::default(),
+            )
+            .unwrap(),
         );
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
         let t = {
-            let w = w.clone();
+            let (w, stop) = (w.clone(), stop.clone());
             std::thread::spawn(move || {
-                for _ in 0..20_000 {
+                // bounded: the caller stops it within a second or so
+                for _ in 0..100_000_000u64 {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
                     w.tick();
                 }
             })
         };
-        for _ in 0..20_000 {
+        for i in 0..20_000 {
             w.note_call();
             let at = w.last_call_ms.load(Ordering::SeqCst);
-            // just after a call the request is held, unless a quiet ms has passed since
-            assert!(w.held() || w.now_ms() > at);
+            // Just after a call the request is held, unless the hold time has passed since
+            // (less a millisecond: the two threads' clocks may sit either side of a tick).
+            assert!(w.held() || w.now_ms() + 1 >= at + hold_ms, "released early");
+            if i % 2_000 == 0 {
+                // quiet spells, each until the request is dropped, so that releases race the
+                // calls that follow them
+                let until = Instant::now() + Duration::from_secs(5);
+                while w.held() && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                assert!(!w.held(), "not dropped within 5 s of quiet");
+            }
         }
+        stop.store(true, Ordering::Relaxed);
         t.join().unwrap();
-        // writes alternate set, drop, set...
+        // writes alternate set, drop, set..., and the quiet spells did release it
         let s = written(&path);
+        assert!(s.len() >= 20, "{} writes", s.len());
         for (i, v) in s.iter().enumerate() {
             assert_eq!(*v, if i % 2 == 0 { 3 } else { NO_CONSTRAINT_US });
         }
