@@ -718,15 +718,16 @@ impl Ring {
                 c.tcp_seen = None;
                 continue;
             }
-            let Some(seen) = c.tcp_seen else {
-                c.tcp_seen = tcp_bytes(c.fd);
-                continue;
-            };
             if quiet <= timeout {
+                if c.tcp_seen.is_none() {
+                    c.tcp_seen = tcp_bytes(c.fd);
+                }
                 continue;
             }
-            match tcp_bytes(c.fd) {
-                Some(b) if b.moved_since(&seen) >= moving => {
+            // no counts noted (none to be had, or the loop did not run in the second half):
+            // a stall, as by completions alone
+            match (c.tcp_seen, tcp_bytes(c.fd)) {
+                (Some(seen), Some(b)) if b.moved_since(&seen) >= moving => {
                     c.last_progress = now;
                     c.tcp_seen = None;
                     self.shared
