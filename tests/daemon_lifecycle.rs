@@ -305,7 +305,8 @@ fn cpu_wake_target() -> i32 {
 /// and says what to do.
 #[test]
 fn the_cpu_wake_latency_request_is_held_while_clients_call_and_dropped_once_they_stop() {
-    let flags = ["--cpu-wake-latency-us", "0", "--cpu-wake-hold-ms", "300"];
+    // a hold long enough that the checks after the burst land inside it on a loaded machine
+    let flags = ["--cpu-wake-latency-us", "0", "--cpu-wake-hold-ms", "1000"];
     let writable = std::fs::OpenOptions::new()
         .write(true)
         .open(kvd::daemon::wake::DEVICE)
@@ -349,7 +350,7 @@ fn the_cpu_wake_latency_request_is_held_while_clients_call_and_dropped_once_they
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(cpu_wake_target(), before, "dropped in the kernel too");
-    assert!(metric(&d, "kvd_cpu_wake_held_seconds_total") >= 0.3);
+    assert!(metric(&d, "kvd_cpu_wake_held_seconds_total") >= 1.0);
     c.heartbeat().unwrap();
     assert_eq!(metric(&d, "kvd_cpu_wake_holds_total"), 2.0);
     assert_eq!(cpu_wake_target(), 0);
