@@ -456,15 +456,8 @@ fn a_push_whose_link_is_cut_publishes_nothing_frees_the_destinations_pages_and_u
     assert_eq!(cb.exists(&keys).unwrap(), vec![true; 8]);
 
     // then slow the link so that the next push is surely in the middle, and cut it
+    hosts.shape_a("40mbit", "32kb", "100ms");
     let dev = hosts.dev_a();
-    let tc = std::process::Command::new("ip")
-        .args([
-            "netns", "exec", &hosts.a, "tc", "qdisc", "add", "dev", &dev, "root",
-        ])
-        .args(["tbf", "rate", "40mbit", "burst", "32kb", "latency", "100ms"])
-        .status()
-        .unwrap();
-    assert!(tc.success(), "tc tbf on the veth");
     let keys = support::keys(ns, 12, 40);
     for (i, k) in keys.iter().enumerate() {
         support::put_one(&mut ca, *k, &support::pattern(BLOCK, i as u8));

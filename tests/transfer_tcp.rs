@@ -537,18 +537,24 @@ fn a_stalled_peer_fails_the_batch_with_a_timeout_within_the_stall_timeout() {
     assert_eq!(e.in_flight(), (0, 0), "nothing left in flight");
 }
 
-#[test]
-fn across_a_veth_link_a_batch_arrives_and_cutting_the_link_fails_the_batch_within_the_timeout() {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path(), "secret", 1);
-    let hosts = TwoHosts::new();
+/// A target helper in `hosts.b` with a segment of `mib` MiB, all of it granted for writes to
+/// node 1, and an initiator helper in `hosts.a` (segment seeded with `seed`, stall timeout
+/// `stall_ms`) with an endpoint to it across the veth, ready.
+fn across_the_veth(
+    hosts: &TwoHosts,
+    dir: &Path,
+    secret: &Path,
+    mib: u64,
+    seed: u64,
+    stall_ms: u64,
+) -> (Target, Helper) {
     let exec_b = ["ip", "netns", "exec", hosts.b.as_str()];
     let exec_a = ["ip", "netns", "exec", hosts.a.as_str()];
-    let mut t = start_target(dir.path(), &exec_b, 2, "10.77.0.2:0", &secret, 128, 20);
-    t.grant(1, "w", 0, 128 * MIB);
-    let port = t.addr.port().to_string();
-    let peer = format!("10.77.0.2:{port}");
+    let mut t = start_target(dir, &exec_b, 2, "10.77.0.2:0", secret, mib, 20);
+    t.grant(1, "w", 0, mib * MIB);
+    let peer = format!("10.77.0.2:{}", t.addr.port());
     let desc = hex(&t.desc);
+    let (mib, seed, stall_ms) = (mib.to_string(), seed.to_string(), stall_ms.to_string());
     let mut a = Helper::spawn(
         &exec_a,
         "transfer_initiator_helper",
@@ -557,13 +563,22 @@ fn across_a_veth_link_a_batch_arrives_and_cutting_the_link_fails_the_batch_withi
             ("KVD_TEST_PEER", &peer),
             ("KVD_TEST_PEER_NODE", "2"),
             ("KVD_TEST_DESC", &desc),
-            ("KVD_TEST_SEGMENT_MIB", "128"),
-            ("KVD_TEST_SEED", "10"),
-            ("KVD_TEST_STALL_MS", "1500"),
+            ("KVD_TEST_SEGMENT_MIB", &mib),
+            ("KVD_TEST_SEED", &seed),
+            ("KVD_TEST_STALL_MS", &stall_ms),
         ],
-        dir.path().join("initiator.log"),
+        dir.join("initiator.log"),
     );
     a.wait_for("@ready", ANSWER);
+    (t, a)
+}
+
+#[test]
+fn across_a_veth_link_a_batch_arrives_and_cutting_the_link_fails_the_batch_within_the_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path(), "secret", 1);
+    let hosts = TwoHosts::new();
+    let (mut t, mut a) = across_the_veth(&hosts, dir.path(), &secret, 128, 10, 1500);
 
     // a batch across the link, byte-exact
     a.ask("write 1 0 64 1048576", "@submitted", ANSWER);
@@ -572,17 +587,8 @@ fn across_a_veth_link_a_batch_arrives_and_cutting_the_link_fails_the_batch_withi
     assert_eq!(t.crc(0, 64 * MIB), a.ask("crc 0 67108864", "@crc", ANSWER));
 
     // slow the link (so the next batch is surely in the middle when it is cut), then cut it
+    hosts.shape_a("200mbit", "64kb", "100ms");
     let dev = hosts.dev_a();
-    let tc = std::process::Command::new("ip")
-        .args([
-            "netns", "exec", &hosts.a, "tc", "qdisc", "add", "dev", &dev, "root",
-        ])
-        .args([
-            "tbf", "rate", "200mbit", "burst", "64kb", "latency", "100ms",
-        ])
-        .status()
-        .unwrap();
-    assert!(tc.success(), "tc tbf on the veth");
     a.ask("write 1 64 64 1048576", "@submitted", ANSWER);
     support::wait_until(
         Duration::from_secs(30),
@@ -623,36 +629,8 @@ fn a_link_slower_than_a_chunk_per_stall_timeout_delivers_its_batch_instead_of_ti
     let dir = tempfile::tempdir().unwrap();
     let secret = secret_file(dir.path(), "secret", 1);
     let hosts = TwoHosts::new();
-    let exec_b = ["ip", "netns", "exec", hosts.b.as_str()];
-    let exec_a = ["ip", "netns", "exec", hosts.a.as_str()];
-    let mut t = start_target(dir.path(), &exec_b, 2, "10.77.0.2:0", &secret, 16, 20);
-    t.grant(1, "w", 0, 16 * MIB);
-    let peer = format!("10.77.0.2:{}", t.addr.port());
-    let desc = hex(&t.desc);
-    let mut a = Helper::spawn(
-        &exec_a,
-        "transfer_initiator_helper",
-        &[
-            ("KVD_TEST_SECRET", secret.to_str().unwrap()),
-            ("KVD_TEST_PEER", &peer),
-            ("KVD_TEST_PEER_NODE", "2"),
-            ("KVD_TEST_DESC", &desc),
-            ("KVD_TEST_SEGMENT_MIB", "16"),
-            ("KVD_TEST_SEED", "12"),
-            ("KVD_TEST_STALL_MS", "500"),
-        ],
-        dir.path().join("initiator.log"),
-    );
-    a.wait_for("@ready", ANSWER);
-    let dev = hosts.dev_a();
-    let tc = std::process::Command::new("ip")
-        .args([
-            "netns", "exec", &hosts.a, "tc", "qdisc", "add", "dev", &dev, "root",
-        ])
-        .args(["tbf", "rate", "4mbit", "burst", "16kb", "latency", "100ms"])
-        .status()
-        .unwrap();
-    assert!(tc.success(), "tc tbf on the veth");
+    let (mut t, mut a) = across_the_veth(&hosts, dir.path(), &secret, 16, 12, 500);
+    hosts.shape_a("4mbit", "16kb", "100ms");
     a.ask("write 1 0 4 524288", "@submitted", ANSWER);
     let done = a.ask("wait", "@batch", Duration::from_secs(60));
     println!("4 x 512 KiB over 4 Mbit/s, stall timeout 500 ms: {done}");

@@ -657,6 +657,19 @@ impl TwoHosts {
         format!("kv{}b", self.tag)
     }
 
+    /// Shape what `a` sends over the veth with a token bucket (`tc qdisc add ... tbf`).
+    pub fn shape_a(&self, rate: &str, burst: &str, latency: &str) {
+        let dev = self.dev_a();
+        let tc = std::process::Command::new("ip")
+            .args([
+                "netns", "exec", &self.a, "tc", "qdisc", "add", "dev", &dev, "root",
+            ])
+            .args(["tbf", "rate", rate, "burst", burst, "latency", latency])
+            .status()
+            .unwrap();
+        assert!(tc.success(), "tc tbf on the veth");
+    }
+
     /// Shape `ns`'s egress on `dev` to `rate` (tc tbf), so that a transfer surely is in the
     /// middle when the link is cut.
     pub fn slow(&self, ns: &str, dev: &str, rate: &str) {

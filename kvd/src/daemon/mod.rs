@@ -119,7 +119,7 @@ async fn serve(config: DaemonConfig) -> Result<()> {
         None => None,
     };
     // Before the socket too: a device kvd may not write is a start-up error.
-    let daemon_metrics = metrics::Metrics::new(store.clone());
+    let mut daemon_metrics = metrics::Metrics::new(store.clone());
     let wake = match config.cpu_wake {
         Some(w) => Some(Arc::new(wake::WakeHold::open(
             std::path::Path::new(wake::DEVICE),
@@ -132,7 +132,6 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     let listeners = Listeners::bind(&config).await?;
     let (shutdown, _) = tokio::sync::watch::channel(false);
     let config_peers = config.peers;
-    let mut daemon_metrics = daemon_metrics;
     if let Some(dp) = &data_port {
         daemon_metrics = daemon_metrics.with_data_port(dp.clone());
     }
