@@ -173,6 +173,7 @@ class Front:
         self.proc = subprocess.Popen(
             [binary, "control", "--listen", "127.0.0.1:0", "--etcd", etcd.url, *engines,
              "--kv-bytes-per-token", "2048",  # a 64 KiB page per 32-token block
+             "--kv-tokens-per-block", "32",   # vllm_server.py's --block-size
              "--reconnect-grace-ms", str(GRACE_MS),
              "--engine-timeout-ms", "60000"],
             stdout=subprocess.PIPE, stderr=self.log, env={**os.environ, "RUST_LOG": os.environ.get("KVD_CONTROL_LOG", "info")})

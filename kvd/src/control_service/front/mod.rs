@@ -81,9 +81,14 @@ pub struct FrontArgs {
     #[arg(long = "engine", value_name = "ID=URL")]
     pub engines: Vec<String>,
     /// KV bytes per token of the served model (layers × 2 × KV heads × head dim × dtype
-    /// bytes): a request's checkpoint reservation is (prompt + max_tokens) × this.
+    /// bytes): a request's checkpoint reservation is (prompt + max_tokens), rounded up to whole
+    /// blocks of --kv-tokens-per-block, × this.
     #[arg(long, default_value_t = 131072)]
     pub kv_bytes_per_token: u64,
+    /// Tokens per KV block of the engines (vLLM's --block-size; its default is 16): holders
+    /// store whole blocks, so a checkpoint's last, partly filled block takes a whole page.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub kv_tokens_per_block: u64,
     /// How long a request whose client disconnected waits for it to reconnect
     /// (Last-Event-ID) before it is cancelled, ms.
     #[arg(long, default_value_t = 10_000)]
@@ -495,8 +500,10 @@ impl Front {
         }
         let id = new_request_id();
         let reserve = if checkpoint {
-            (prompt.len() as u64 + u64::from(max_tokens))
-                .saturating_mul(self.args.kv_bytes_per_token)
+            reservation_bytes(
+                prompt.len() as u64 + u64::from(max_tokens),
+                &self.args,
+            )
         } else {
             0
         };
@@ -600,6 +607,16 @@ impl Front {
             .get(&id)
             .cloned()
     }
+}
+
+/// The pool bytes a request of `tokens` tokens reserves for its checkpoint: whole blocks, since a
+/// holder stores a partly filled last block in a whole page.
+fn reservation_bytes(tokens: u64, args: &FrontArgs) -> u64 {
+    let tpb = args.kv_tokens_per_block.max(1);
+    tokens
+        .div_ceil(tpb)
+        .saturating_mul(tpb)
+        .saturating_mul(args.kv_bytes_per_token)
 }
 
 /// Token ids in a JSON value: a list of integers (or a list holding one such list).
@@ -802,11 +819,25 @@ mod tests {
         assert_eq!(token_ids(&json!("x")), None);
     }
 
+    #[test]
+    fn a_reservation_covers_whole_blocks() {
+        let mut args = front(1, 1000).args.clone();
+        args.kv_bytes_per_token = 2048;
+        args.kv_tokens_per_block = 32;
+        // 1,300 tokens take 41 blocks of 32: the last one, 20 tokens, in a whole 64 KiB page
+        assert_eq!(reservation_bytes(1300, &args), 41 * 65_536);
+        assert_eq!(reservation_bytes(1280, &args), 40 * 65_536);
+        assert_eq!(reservation_bytes(1, &args), 65_536);
+        args.kv_bytes_per_token = u64::MAX;
+        assert_eq!(reservation_bytes(1300, &args), u64::MAX);
+    }
+
     fn front(max_streams: usize, retain_ms: u64) -> Arc<Front> {
         let c = crate::control::Controller::new(crate::control::ControlConfig::default()).unwrap();
         let args = FrontArgs {
             engines: vec![],
             kv_bytes_per_token: 1024,
+            kv_tokens_per_block: 16,
             reconnect_grace_ms: 1000,
             retain_ms,
             engine_timeout_ms: 1000,

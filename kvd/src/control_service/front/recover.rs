@@ -307,9 +307,10 @@ pub(super) fn report_held(
         .committed_tokens
         .min(history as u64)
         .min(u64::from(u32::MAX)) as u32;
-    // The reservation was sized from --kv-bytes-per-token; a holder that needs more pool for
-    // the same tokens means that figure is too small. The tokens are what a plan needs: say
-    // so loudly and report the bytes at the reservation rather than lose the checkpoint.
+    // The reservation was sized from --kv-bytes-per-token in whole --kv-tokens-per-block
+    // blocks; a holder that needs more pool for the same tokens means those figures are too
+    // small. The tokens are what a plan needs: say so loudly and report the bytes at the
+    // reservation rather than lose the checkpoint.
     let reserved = shared.request(id).map_or(u64::MAX, |r| r.reserved_bytes);
     let bytes = if held.bytes > reserved {
         shared.count_front(|s| s.checkpoint_reports_clamped += 1);
@@ -318,7 +319,7 @@ pub(super) fn report_held(
             held = held.bytes,
             reserved,
             tokens,
-            "front: the holder holds more bytes than the request reserved: --kv-bytes-per-token is below the pool's footprint per token (page size / tokens per block)"
+            "front: the holder holds more bytes than the request reserved: --kv-bytes-per-token × --kv-tokens-per-block is below the pool's page size, or the engines' blocks hold more tokens than --kv-tokens-per-block"
         );
         reserved
     } else {
