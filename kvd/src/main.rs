@@ -36,7 +36,7 @@ See docs/DAEMON.md."
     /// Drain a running daemon (finish in-flight work, then exit 0), and optionally wait for it.
     Drain(kvd::daemon::status::DrainArgs),
     /// Run the control shim (checkpoint placement, recovery planning) as an HTTP/JSON service.
-    Control(kvd::control_service::ControlArgs),
+    Control(Box<kvd::control_service::ControlArgs>),
     /// Simulate a serving cluster with failing workers and compare recovery policies.
     #[cfg(feature = "sim")]
     Sim(kvd::sim::cli::SimArgs),
@@ -48,7 +48,7 @@ fn main() -> std::process::ExitCode {
         Command::Serve(args) => kvd::daemon::run(*args),
         Command::Status(args) => kvd::daemon::status::run(args),
         Command::Drain(args) => kvd::daemon::status::drain(args),
-        Command::Control(args) => kvd::control_service::run(args),
+        Command::Control(args) => kvd::control_service::run(*args),
         #[cfg(feature = "sim")]
         Command::Sim(args) => kvd::sim::cli::run(args),
     }

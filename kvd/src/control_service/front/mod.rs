@@ -500,10 +500,7 @@ impl Front {
         }
         let id = new_request_id();
         let reserve = if checkpoint {
-            reservation_bytes(
-                prompt.len() as u64 + u64::from(max_tokens),
-                &self.args,
-            )
+            reservation_bytes(prompt.len() as u64 + u64::from(max_tokens), &self.args)
         } else {
             0
         };
