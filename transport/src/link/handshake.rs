@@ -71,6 +71,16 @@ const REFUSAL_MAGIC: &[u8; 16] = b"kvd-refused\0\0\0\0\0";
 /// How long a refused initiator should wait before it tries again, ms.
 const REFUSAL_RETRY_MS: u64 = 200;
 
+/// The kernel's own give-up time (`TCP_USER_TIMEOUT`), in stall timeouts. The ring's stall
+/// check is the authority on a stalled connection; the kernel's is a backstop and must not be
+/// the tighter of the two: on a starved receiver (many peers on few cores) the receive queue
+/// fills, the segment at its head is dropped on every retransmission until the queue is read,
+/// and the retransmit backoff (0.2, 0.4, 0.8, 1.6, 3.2 s) passes 5 s while the connection
+/// still completes work. At one stall timeout the kernel aborted such connections in a
+/// 16-daemon mesh on 2 cores (`TCPAbortOnTimeout`) where plain TCP sockets, without a user
+/// timeout, carried the same load to the end.
+const KERNEL_TIMEOUT_FACTOR: u32 = 4;
+
 /// A refusal in the challenge's place: the magic, the retry hint (u64 LE), the bound (ASCII).
 fn refusal_frame(bound: &str) -> [u8; Challenge::WIRE_BYTES] {
     let mut b = [0u8; Challenge::WIRE_BYTES];
@@ -130,7 +140,9 @@ fn tune(s: &TcpStream, config: &Handshake<'_>) -> std::io::Result<()> {
     sockopt::set_tcp_keepidle(s, Duration::from_secs(5))?;
     sockopt::set_tcp_keepintvl(s, Duration::from_secs(1))?;
     sockopt::set_tcp_keepcnt(s, 3)?;
-    let user_timeout_ms = config.stall_timeout.as_millis().min(u128::from(u32::MAX)) as u32;
+    let user_timeout_ms = (config.stall_timeout * KERNEL_TIMEOUT_FACTOR)
+        .as_millis()
+        .min(u128::from(u32::MAX)) as u32;
     sockopt::set_tcp_user_timeout(s, user_timeout_ms)?;
     s.set_read_timeout(Some(config.connect_timeout))?;
     s.set_write_timeout(Some(config.connect_timeout))?;

@@ -202,6 +202,7 @@ impl Ring {
                 return;
             }
             self.finish_send(slot);
+            self.errno = Some(errno);
             self.fail_conn(slot, failure_of(errno));
             return;
         }
@@ -271,6 +272,7 @@ impl Ring {
             let why = if res == 0 {
                 OpFailure::PeerClosed
             } else {
+                self.errno = Some(-res);
                 failure_of(-res)
             };
             self.fail_conn(slot, why);

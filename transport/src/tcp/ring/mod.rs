@@ -253,6 +253,12 @@ pub(super) struct Ring {
     /// Completions taken from the ring, reused every turn.
     cq_buf: Vec<(u64, i32, u32)>,
     last_expire: Instant,
+    /// When [`Ring::check_stalls`] last ran, and the time between its last two runs (for a
+    /// failing connection's warning: a long gap means this thread was starved).
+    last_check: Instant,
+    last_gap: Duration,
+    /// The error of the completion that is failing a connection, for its warning.
+    errno: Option<i32>,
 }
 
 impl std::fmt::Debug for Ring {
@@ -306,6 +312,9 @@ impl Ring {
             notify: false,
             cq_buf: Vec::with_capacity(1024),
             last_expire: Instant::now(),
+            last_check: Instant::now(),
+            last_gap: Duration::ZERO,
+            errno: None,
         })
     }
 
@@ -668,6 +677,19 @@ impl Ring {
     }
 
     fn fail_conn(&mut self, slot: usize, why: OpFailure) {
+        let errno = self.errno.take();
+        if let Some(c) = self.conns.get(slot).and_then(Option::as_deref) {
+            if c.closing.is_none() && why != OpFailure::Closed {
+                tracing::warn!(
+                    lane = self.lane,
+                    why = %why,
+                    errno = errno.map(|e| std::io::Error::from_raw_os_error(e).to_string()),
+                    loop_gap_ms = self.last_gap.as_millis() as u64,
+                    state = %stall_report(c, Instant::now()),
+                    "tcp: failing a connection"
+                );
+            }
+        }
         let endpoint = match self.conns.get(slot).and_then(Option::as_ref).map(|b| &**b) {
             Some(Conn {
                 role: Role::Initiator { endpoint },
@@ -706,6 +728,7 @@ impl Ring {
         let timeout = self.shared.config.stall_timeout;
         let moving = (MIN_BYTES_MOVING_PER_S * (timeout / 2).as_secs_f64()).max(1.0) as u64;
         let now = Instant::now();
+        let gap = now - std::mem::replace(&mut self.last_check, now);
         let mut stalled = Vec::new();
         for (slot, c) in self.conns.iter_mut().enumerate() {
             let Some(c) = c else { continue };
@@ -738,6 +761,7 @@ impl Ring {
                 _ => stalled.push(slot),
             }
         }
+        self.last_gap = gap;
         for slot in stalled {
             self.fail_conn(slot, OpFailure::Timeout);
         }
@@ -801,6 +825,56 @@ impl Ring {
             .and_then(Option::as_mut)
             .map(|b| &mut **b)
     }
+}
+
+/// What a stalled connection was doing, for its warning: which side, what it had under way,
+/// and the bytes queued in its socket each way (a full send queue and an empty receive queue
+/// point at the peer; bytes waiting to be received with no receive posted point here).
+fn stall_report(c: &Conn, now: Instant) -> String {
+    let mut inq: libc::c_int = 0;
+    let mut outq: libc::c_int = 0;
+    // SAFETY: FIONREAD and TIOCOUTQ write one int through a valid pointer; the fd is the
+    // connection's open socket.
+    let (rin, rout) = unsafe {
+        (
+            libc::ioctl(c.fd, libc::FIONREAD, &raw mut inq),
+            libc::ioctl(c.fd, libc::TIOCOUTQ, &raw mut outq),
+        )
+    };
+    let peer = c
+        .stream
+        .peer_addr()
+        .map_or_else(|_| "?".to_string(), |a| a.to_string());
+    let local = c
+        .stream
+        .local_addr()
+        .map_or_else(|_| "?".to_string(), |a| a.to_string());
+    format!(
+        "{role} {local}->{peer} quiet={quiet}ms send(busy={sb} {sd}/{st} parts={sp} zc={zc}) \
+         recv(busy={rb} {stage:?} {rf}/{rw}) inflight={inf} serving={srv} replies={rep} \
+         sockq(in={i} out={o}) tcp_seen={seen:?} tcp_now={tnow:?}",
+        role = match c.role {
+            Role::Initiator { .. } => "initiator",
+            Role::Target { .. } => "target",
+        },
+        quiet = (now - c.last_progress).as_millis(),
+        sb = c.send.busy,
+        sd = c.send.done,
+        st = c.send.total,
+        sp = c.send.parts,
+        zc = c.send.zero_copy,
+        rb = c.recv.busy,
+        stage = c.recv.stage,
+        rf = c.recv.filled,
+        rw = c.recv.want,
+        inf = c.inflight.len(),
+        srv = c.serving.as_ref().map_or(0, |s| s.request.len),
+        rep = c.replies.len(),
+        i = if rin == 0 { inq } else { -1 },
+        o = if rout == 0 { outq } else { -1 },
+        seen = c.tcp_seen,
+        tnow = tcp_bytes(c.fd),
+    )
 }
 
 /// The rate at which bytes must move under a connection's socket, over the second half of a
