@@ -73,10 +73,13 @@ pub use transport::registry::RdmaSettings;
 
 /// Ring threads of the data port's TCP engine unless configured otherwise: one. Two lanes
 /// lift the engine's own 256 KiB reads from 0.38-0.50 to 0.84-0.95 of two plain streams
-/// (`kvd-bench transfer --lanes`), but between daemons on a 2-core machine the gain did not show
-/// beside the run-to-run spread, and with 16 daemons pushing all to all (240 pushes at once on
-/// 2 cores) a connection then went past the 5 s stall timeout where one lane held; so two are
-/// opt-in (`--data-lanes 2`) until that is understood.
+/// (`kvd-bench transfer --lanes`), but between two daemons on a 2-core machine (two daemons and
+/// their clients on two cores) they do not: 256 KiB fetch 2.25 GB/s with two against 2.16 with
+/// one, push 2.32 against 2.59; and with 16 daemons pushing all to all, 2.01 GB/s (median of 3)
+/// against 2.22. (Two lanes once failed that mesh: the kernel's user timeout, then equal to the
+/// stall timeout, aborted connections of starved peers; it is now 4 × the stall timeout and
+/// the mesh holds with either.) So two are opt-in (`--data-lanes 2`), for nodes with the cores
+/// to run them.
 pub const DEFAULT_DATA_LANES: usize = 1;
 
 /// The data port's settings (present only with a cluster secret).
