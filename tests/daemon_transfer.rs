@@ -485,7 +485,8 @@ fn a_push_whose_link_is_cut_publishes_nothing_frees_the_destinations_pages_and_u
     assert!(matches!(t.state, TransferState::Failed(_)), "{t:?}");
     assert!(
         failed_after < Duration::from_secs(5 + 10),
-        "within the stall timeout + margin"
+        "within the stall timeout + margin; a's log:\n{}",
+        a.log()
     );
     assert_eq!(
         ca.stats().unwrap().pins,
@@ -507,6 +508,12 @@ fn a_push_whose_link_is_cut_publishes_nothing_frees_the_destinations_pages_and_u
     println!(
         "link cut mid-push: the destination freed its pages {:?} after the cut",
         cut.elapsed()
+    );
+    assert!(
+        cut.elapsed() < Duration::from_secs(5 + 10),
+        "the destination learns of the cut within the stall timeout + margin (its control \
+         connection's kernel timeout), not at the data connections' wider backstop; b's log:\n{}",
+        b.log()
     );
     assert_eq!(
         cb.exists(&keys).unwrap(),

@@ -71,14 +71,20 @@ const REFUSAL_MAGIC: &[u8; 16] = b"kvd-refused\0\0\0\0\0";
 /// How long a refused initiator should wait before it tries again, ms.
 const REFUSAL_RETRY_MS: u64 = 200;
 
-/// The kernel's own give-up time (`TCP_USER_TIMEOUT`), in stall timeouts. The ring's stall
-/// check is the authority on a stalled connection; the kernel's is a backstop and must not be
-/// the tighter of the two: on a starved receiver (many peers on few cores) the receive queue
+/// The kernel's own give-up time (`TCP_USER_TIMEOUT`) on a data connection, in stall
+/// timeouts. The ring's stall check is the authority on a stalled data connection (and
+/// aborts it, see the ring's `begin_close`); the kernel's is a backstop and must not be the
+/// tighter of the two: on a starved receiver (many peers on few cores) the receive queue
 /// fills, the segment at its head is dropped on every retransmission until the queue is read,
 /// and the retransmit backoff (0.2, 0.4, 0.8, 1.6, 3.2 s) passes 5 s while the connection
 /// still completes work. At one stall timeout the kernel aborted such connections in a
 /// 16-daemon mesh on 2 cores (`TCPAbortOnTimeout`) where plain TCP sockets, without a user
 /// timeout, carried the same load to the end.
+///
+/// Control (and RDMA side-channel) connections keep one stall timeout: they carry small
+/// messages, so a starved receiver does not drop their segments, and nothing but the kernel
+/// watches them: a destination learns that a push's source is cut off when its control
+/// connection dies, and frees the push's pages then.
 const KERNEL_TIMEOUT_FACTOR: u32 = 4;
 
 /// A refusal in the challenge's place: the magic, the retry hint (u64 LE), the bound (ASCII).
@@ -130,9 +136,10 @@ fn read_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Res
     Ok(())
 }
 
-/// Options every data connection gets: no Nagle (headers go at once), keep-alive probes and a
+/// Options every connection gets: no Nagle (headers go at once), keep-alive probes and a
 /// user timeout at the stall timeout (so the kernel itself gives up on a peer that stopped
-/// acknowledging), and a bounded wait for the handshake.
+/// acknowledging; a data connection's is widened once its purpose is known, see
+/// [`set_user_timeout`]), and a bounded wait for the handshake.
 fn tune(s: &TcpStream, config: &Handshake<'_>) -> std::io::Result<()> {
     use rustix::net::sockopt;
     s.set_nodelay(true)?;
@@ -140,12 +147,27 @@ fn tune(s: &TcpStream, config: &Handshake<'_>) -> std::io::Result<()> {
     sockopt::set_tcp_keepidle(s, Duration::from_secs(5))?;
     sockopt::set_tcp_keepintvl(s, Duration::from_secs(1))?;
     sockopt::set_tcp_keepcnt(s, 3)?;
-    let user_timeout_ms = (config.stall_timeout * KERNEL_TIMEOUT_FACTOR)
-        .as_millis()
-        .min(u128::from(u32::MAX)) as u32;
-    sockopt::set_tcp_user_timeout(s, user_timeout_ms)?;
+    set_user_timeout(s, config, Purpose::Control)?;
     s.set_read_timeout(Some(config.connect_timeout))?;
     s.set_write_timeout(Some(config.connect_timeout))?;
+    Ok(())
+}
+
+/// The kernel's give-up time for a connection of `purpose`: [`KERNEL_TIMEOUT_FACTOR`] stall
+/// timeouts for data, one for the rest.
+fn set_user_timeout(
+    s: &TcpStream,
+    config: &Handshake<'_>,
+    purpose: Purpose,
+) -> std::io::Result<()> {
+    let factor = match purpose {
+        Purpose::Data => KERNEL_TIMEOUT_FACTOR,
+        Purpose::Control | Purpose::Rdma => 1,
+    };
+    let ms = (config.stall_timeout * factor)
+        .as_millis()
+        .min(u128::from(u32::MAX)) as u32;
+    rustix::net::sockopt::set_tcp_user_timeout(s, ms)?;
     Ok(())
 }
 
@@ -225,6 +247,7 @@ pub fn connect(
             "{shown} took the connection for another purpose"
         )));
     }
+    set_user_timeout(&s, config, purpose).map_err(|e| io("socket options", e))?;
     let channel = Channel::new(s, seal, unseal, None).counting(failures.clone());
     Ok((channel, theirs))
 }
@@ -276,6 +299,7 @@ pub fn accept_one(
         what: format!("a peer's connections: {bound}"),
         retry_after_ms: REFUSAL_RETRY_MS,
     })?;
+    set_user_timeout(&s, config, theirs.purpose).map_err(|e| io("socket options", e))?;
     let channel = Channel::new(s, seal, unseal, Some(place)).counting(failures.clone());
     Ok((channel, theirs))
 }

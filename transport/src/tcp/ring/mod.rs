@@ -614,7 +614,16 @@ impl Ring {
                 .fetch_add(1, Ordering::Relaxed);
         }
         let _ = rustix::net::sockopt::set_socket_linger(&conn.stream, Some(Duration::ZERO));
-        let _ = conn.stream.shutdown(std::net::Shutdown::Both);
+        // A failed connection is aborted now (connect(AF_UNSPEC): a reset, and the kernel
+        // drops its send and retransmit queues), not merely shut down: with the link cut, the
+        // queued segments, and with them the zero-copy sends' notifications that free the
+        // source's pages, would otherwise be held until the kernel's own user timeout
+        // (several stall timeouts) gave up on the socket. An orderly close keeps the
+        // shutdown, so that the peer sees an end rather than a reset.
+        let aborted = why != OpFailure::Closed && rustix::net::connect_unspec(&conn.stream).is_ok();
+        if !aborted {
+            let _ = conn.stream.shutdown(std::net::Shutdown::Both);
+        }
         let inflight: Vec<Chunk> = conn.inflight.drain(..).collect();
         let replies: Vec<Reply> = conn.replies.drain(..).collect();
         let serving_idle = !conn.recv.busy;
