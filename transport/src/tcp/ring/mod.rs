@@ -222,6 +222,17 @@ struct Conn {
     scratch: Vec<u8>,
 }
 
+impl Conn {
+    /// Whether the connection has work under way: a send, chunks awaiting answers, a write
+    /// arriving, or replies to send.
+    fn has_work_out(&self) -> bool {
+        self.send.busy
+            || !self.inflight.is_empty()
+            || self.serving.is_some()
+            || !self.replies.is_empty()
+    }
+}
+
 // SAFETY: a connection's raw pointers (its msghdr's iovecs, a payload, a window) point into
 // its own boxed buffers or into memory kept alive by the batch table or a grant's window; the
 // connection moves with the ring thread as a whole and is only ever touched there.
@@ -689,14 +700,27 @@ impl Ring {
         let errno = self.errno.take();
         if let Some(c) = self.conns.get(slot).and_then(Option::as_deref) {
             if c.closing.is_none() && why != OpFailure::Closed {
-                tracing::warn!(
-                    lane = self.lane,
-                    why = %why,
-                    errno = errno.map(|e| std::io::Error::from_raw_os_error(e).to_string()),
-                    loop_gap_ms = self.last_gap.as_millis() as u64,
-                    state = %stall_report(c, Instant::now()),
-                    "tcp: failing a connection"
-                );
+                // an idle connection its peer closed (an endpoint closed, a daemon stopped)
+                // is the ordinary end of one: a debug line, not a warning
+                let busy = c.has_work_out();
+                let errno = errno.map(|e| std::io::Error::from_raw_os_error(e).to_string());
+                let gap = self.last_gap.as_millis() as u64;
+                if busy || why != OpFailure::PeerClosed || errno.is_some() {
+                    tracing::warn!(
+                        lane = self.lane,
+                        why = %why,
+                        errno,
+                        loop_gap_ms = gap,
+                        state = %stall_report(c, Instant::now()),
+                        "tcp: failing a connection"
+                    );
+                } else {
+                    tracing::debug!(
+                        lane = self.lane,
+                        state = %stall_report(c, Instant::now()),
+                        "tcp: an idle connection closed by its peer"
+                    );
+                }
             }
         }
         let endpoint = match self.conns.get(slot).and_then(Option::as_ref).map(|b| &**b) {
@@ -741,10 +765,7 @@ impl Ring {
         let mut stalled = Vec::new();
         for (slot, c) in self.conns.iter_mut().enumerate() {
             let Some(c) = c else { continue };
-            let waiting = c.send.busy
-                || !c.inflight.is_empty()
-                || c.serving.is_some()
-                || !c.replies.is_empty();
+            let waiting = c.has_work_out();
             let quiet = now - c.last_progress;
             if c.closing.is_some() || !waiting || quiet <= timeout / 2 {
                 c.tcp_seen = None;
