@@ -40,9 +40,13 @@ pub struct RemoteArgs {
     /// Block sizes in KiB, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = vec![256u64, 2048, 2560])]
     pub block_kib: Vec<u64>,
-    /// Blocks per push or fetch (two are kept in flight).
+    /// Blocks per push or fetch.
     #[arg(long, default_value_t = 64)]
     pub batch: usize,
+    /// Pushes or fetches kept in flight (each is polled; a finished one is replaced at once);
+    /// at most the daemon's `--max-transfers-per-peer` (8).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=8))]
+    pub in_flight: u32,
     /// GiB moved per run and direction (at least).
     #[arg(long, default_value_t = 1.0)]
     pub gib_per_case: f64,
@@ -141,7 +145,7 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
             ]
         };
         // room for one set plus the batches in flight
-        let pages = n + 4 * args.batch;
+        let pages = n + 2 * (args.in_flight as usize + 1) * args.batch;
         let a = ChildDaemon::start_with(&kvd, block, pages, &node(1, port1, 2, port2))?;
         let b = ChildDaemon::start_with(&kvd, block, pages, &node(2, port2, 1, port1))?;
         let mut ca = connect(&a.socket)?;
@@ -169,15 +173,12 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
             );
             let set = write_set(&mut ca, &mut keys, n, args.batch, &src, &crcs)?;
             eprintln!("kvd-bench remote:   pushing them to node 2");
-            s.push.push(moved(&mut ca, &set, args.batch, block, |c, k| {
-                c.push(2, k)
-            })?);
+            s.push
+                .push(moved(&mut ca, &set, args, block, |c, k| c.push(2, k))?);
             let set = write_set(&mut ca, &mut keys, n, args.batch, &src, &crcs)?;
             eprintln!("kvd-bench remote:   node 2 fetching another {n} from node 1");
             s.fetch
-                .push(moved(&mut cb, &set, args.batch, block, |c, k| {
-                    c.fetch(1, k)
-                })?);
+                .push(moved(&mut cb, &set, args, block, |c, k| c.fetch(1, k))?);
         }
         drop((ca, cb));
         a.stop();
@@ -260,42 +261,51 @@ fn write_set(
     Ok(out)
 }
 
-/// Move `set` in batches with `start` (push or fetch), two in flight; GB/s of block bytes.
+/// Move `set` in batches of `--batch` with `start` (push or fetch), `--in-flight` of them
+/// under way: all pending transfers are polled together every millisecond and each finished
+/// one is replaced at once, so no transfer waits behind an older one. GB/s of block bytes.
 fn moved(
     c: &mut Client,
     set: &[BlockKey],
-    batch: usize,
+    args: &RemoteArgs,
     block: usize,
     start: impl Fn(&mut Client, &[BlockKey]) -> kvd::Result<u64>,
 ) -> Result<f64, String> {
     let t = Instant::now();
-    let mut pending = std::collections::VecDeque::new();
-    let mut batches = set.chunks(batch);
+    let mut pending: Vec<(u64, Instant)> = Vec::new();
+    let mut batches = set.chunks(args.batch);
     let mut blocks = 0u64;
     loop {
-        while pending.len() < 2 {
+        while pending.len() < args.in_flight as usize {
             let Some(k) = batches.next() else { break };
-            pending.push_back(start(c, k).map_err(|e| e.to_string())?);
+            pending.push((start(c, k).map_err(|e| e.to_string())?, Instant::now()));
         }
-        let Some(id) = pending.pop_front() else { break };
-        let began = Instant::now();
-        loop {
-            let info = c
-                .transfers(&[id])
-                .map_err(|e| e.to_string())?
-                .pop()
-                .ok_or("the transfer was forgotten")?;
+        if pending.is_empty() {
+            break;
+        }
+        let ids: Vec<u64> = pending.iter().map(|p| p.0).collect();
+        let infos = c.transfers(&ids).map_err(|e| e.to_string())?;
+        if infos.len() != ids.len() {
+            return Err("the daemon forgot a transfer in flight".into());
+        }
+        let mut finished = 0;
+        for info in infos {
+            let Some(at) = pending.iter().position(|p| p.0 == info.id) else {
+                continue;
+            };
             match info.state {
-                TransferState::InFlight if began.elapsed() < TRANSFER_CAP => {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
+                TransferState::InFlight if pending[at].1.elapsed() < TRANSFER_CAP => {}
                 TransferState::InFlight => return Err("a transfer took over 120 s".into()),
                 TransferState::Done => {
                     blocks += u64::from(info.blocks);
-                    break;
+                    pending.swap_remove(at);
+                    finished += 1;
                 }
                 TransferState::Failed(e) => return Err(format!("a transfer failed: {e:?}")),
             }
+        }
+        if finished == 0 {
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
     if blocks != set.len() as u64 {
