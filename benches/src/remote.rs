@@ -5,11 +5,11 @@
 //! ports on loopback, each the other's peer) and, per run:
 //!
 //! - **push**: an engine on node 1 writes a fresh set of blocks (at least `--gib-per-case`
-//!   GiB, untimed) into node 1's pool, then pushes them to node 2 in batches, two pushes in
-//!   flight; timed from the first push request to the last push's end (every block verified
+//!   GiB, untimed) into node 1's pool, then pushes them to node 2 in batches, `--in-flight`
+//!   pushes (2) under way; timed from the first push request to the last push's end (every block verified
 //!   and published on node 2).
 //! - **fetch**: the engine writes another fresh set into node 1 (untimed); an engine on node 2
-//!   fetches it from node 1 in batches, two in flight; timed likewise (every block verified
+//!   fetches it from node 1 in batches, as many under way; timed likewise (every block verified
 //!   and published on node 2).
 //!
 //! Bounds in the same run: raw loopback TCP over as many streams as a daemon's data
@@ -193,7 +193,7 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
 fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
     println!();
     println!(
-        "{:<12} {:>9} {:>13} {:>6} {:>9} {:>9} {:>13} {:>6} {:>9} {:>9}",
+        "{:<12} {:>9} {:>13} {:>6} {:>9} {:>9} {:>13} {:>6} {:>9} {:>9} {:>8} {:>8}",
         "block",
         "push GB/s",
         "spread",
@@ -203,7 +203,9 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
         "spread",
         "xTCP",
         "blocks/s",
-        "raw TCP"
+        "raw TCP",
+        "raw hot",
+        "raw mem"
     );
     let mut bound_names = Vec::new();
     for (kib, s) in rows {
@@ -214,7 +216,7 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
         let (flo, fhi) = spread(&s.fetch);
         let per_s = |gbps: f64| gbps * 1e9 / (*kib as f64 * 1024.0);
         println!(
-            "{:<12} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2}",
+            "{:<12} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>8.2} {:>8.2}",
             format!("{kib} KiB"),
             p,
             plo,
@@ -226,18 +228,21 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
             fhi,
             f / r,
             per_s(f),
-            r
+            r,
+            median(&s.raw_hot),
+            median(&s.raw_mem)
         );
     }
     println!(
         "\nmemcpy (1 GiB, best of 3): {memcpy:.2} GB/s. {} runs per size, >= {:.2} GiB per run and \
-         direction, batches of {}, two in flight, {} ring threads per daemon; raw TCP: {DATA_CONNECTIONS} streams (a daemon's \
+         direction, batches of {}, {} in flight, {} ring threads per daemon; raw TCP: {DATA_CONNECTIONS} streams (a daemon's \
          data connections to a peer), cache-hot and memory to memory, the median of the samples of \
-         each taken before every run (1 GiB each); the column and the ratios are the better of the \
-         two ({}).",
+         each taken before every run (1 GiB each); `raw TCP` and the ratios are the better of \
+         the two ({}), `raw hot` and `raw mem` each.",
         args.repeat,
         args.gib_per_case,
         args.batch,
+        args.in_flight,
         args.data_lanes,
         bound_names.join(", ")
     );

@@ -223,8 +223,9 @@ pub struct ServeArgs {
     pub transfer_deadline_ms: u64,
     /// Ring threads of the data port's TCP engine (each its own io_uring): the connections to
     /// a peer, and peers' connections here, are spread over them so that their copies run on
-    /// several cores. Two lift the engine's 256 KiB reads to about twice one's; opt-in for now
-    /// (docs/PERFORMANCE.md, "Ring threads").
+    /// several cores. Two (the default) lift the engine's 256 KiB reads to about twice one's and a
+    /// daemon's 256 KiB fetches by a quarter; one for a node short of cores (docs/PERFORMANCE.md,
+    /// "Ring threads").
     #[arg(long, default_value_t = kvd_remote::DEFAULT_DATA_LANES as u32,
           value_parser = clap::value_parser!(u32).range(1..=transport::tcp::MAX_LANES as i64))]
     pub data_lanes: u32,

@@ -71,16 +71,17 @@ pub enum TransportChoice {
 /// How the RDMA device is chosen (the transport's backend registry reads it).
 pub use transport::registry::RdmaSettings;
 
-/// Ring threads of the data port's TCP engine unless configured otherwise: one. Two lanes
-/// lift the engine's own 256 KiB reads from 0.38-0.50 to 0.84-0.95 of two plain streams
-/// (`kvd-bench transfer --lanes`), but between two daemons on a 2-core machine (two daemons and
-/// their clients on two cores) they do not: 256 KiB fetch 2.25 GB/s with two against 2.16 with
-/// one, push 2.32 against 2.59; and with 16 daemons pushing all to all, 2.01 GB/s (median of 3)
-/// against 2.22. (Two lanes once failed that mesh: the kernel's user timeout, then equal to the
-/// stall timeout, aborted connections of starved peers; it is now 4 × the stall timeout and
-/// the mesh holds with either.) So two are opt-in (`--data-lanes 2`), for nodes with the cores
-/// to run them.
-pub const DEFAULT_DATA_LANES: usize = 1;
+/// Ring threads of the data port's TCP engine unless configured otherwise: two, the TCP
+/// engine's own default. One ring thread per daemon does every send copy or every receive copy
+/// and CRC of the node's data connections (73 % of a 256 KiB fetch's CPU samples were the two
+/// daemons' ring threads, `perf`); with two, a pair of daemons on this 2-core machine fetched
+/// 256 KiB blocks at 1.91 / 1.91 GB/s against 1.51 / 1.53 with one (`kvd-bench remote
+/// --repeat 3 --data-lanes L`, L = 1, 2, 1, 2 in one sitting, 2026-12-04), 2 MiB at 2.10 /
+/// 2.02 against 1.80 / 1.88, pushes 1.85 / 1.86 against 1.69 / 1.70. An earlier sitting (one
+/// run each) had them level. Where one lane is better: 16 daemons on the same 2 cores, all to
+/// all (32 ring threads), 2.22 GB/s with one against 2.01 with two, a shape no deployment has
+/// (one daemon per GPU node, which has the cores). `--data-lanes 1` for a node short of cores.
+pub const DEFAULT_DATA_LANES: usize = 2;
 
 /// The data port's settings (present only with a cluster secret).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
