@@ -12,7 +12,8 @@
 //!
 //! Each count runs `--client-runs` times (the bound re-measured before each run); the table
 //! gives medians, and `--plot DIR` draws the curve (`clients.svg`, `clients.md`): the bound,
-//! the crc-off puts' copies into the pool alone, and put+get with checksums off and on.
+//! the crc-off puts' copies into the pool and the gets' copies out of it (each timed alone
+//! inside the workers), and put+get with checksums off and on.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -57,6 +58,9 @@ struct Row {
     gbps: Vec<f64>,
     ops: Vec<f64>,
     copy_in: Vec<f64>,
+    copy_out: Vec<f64>,
+    /// Share of the crc-off workers' time spent outside their copies (the calls, the loop).
+    calls: Vec<f64>,
     crc_gbps: Vec<f64>,
     crc_ops: Vec<f64>,
 }
@@ -71,6 +75,11 @@ struct Totals {
     /// workers).
     put_bytes: u64,
     put_copy_secs: f64,
+    /// The same for the gets' copies out of the pool.
+    get_bytes: u64,
+    get_copy_secs: f64,
+    /// Every worker's whole time, summed (`secs` is the longest one's).
+    worker_secs: f64,
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -127,6 +136,10 @@ pub fn run(args: &LocalArgs, kvd: &Path, counts: &[usize]) -> Result<(), String>
                     // into the pool is n times one worker's average
                     row.copy_in
                         .push(t.put_bytes as f64 / (t.put_copy_secs / n as f64) / 1e9);
+                    row.copy_out
+                        .push(t.get_bytes as f64 / (t.get_copy_secs / n as f64) / 1e9);
+                    row.calls
+                        .push(1.0 - (t.put_copy_secs + t.get_copy_secs) / t.worker_secs);
                 }
             }
         }
@@ -153,6 +166,7 @@ pub fn run(args: &LocalArgs, kvd: &Path, counts: &[usize]) -> Result<(), String>
         series: vec![
             series("bound (N parallel copies)", &|r| &r.bound),
             series("copies into the pool (crc off)", &|r| &r.copy_in),
+            series("copies out of the pool (crc off)", &|r| &r.copy_out),
             series("put+get, crc off", &|r| &r.gbps),
             series("put+get, crc on", &|r| &r.crc_gbps),
         ],
@@ -167,30 +181,37 @@ fn print_table(page: usize, runs: usize, rows: &[Row]) {
         crate::local::human(page)
     );
     println!(
-        "{:>7} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>8} {:>6} {:>8}",
+        "{:>7} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>6} {:>6} {:>8} {:>8} {:>6} {:>8}",
         "clients",
         "bound",
         "crc off",
         "ratio",
         "copy in",
         "ratio",
+        "copy out",
+        "ratio",
+        "calls",
         "ops/s",
         "crc on",
         "ratio",
         "ops/s"
     );
-    println!("{}", "-".repeat(84));
+    println!("{}", "-".repeat(107));
     for r in rows {
         let b = median(&r.bound);
         let (off, cin, on) = (median(&r.gbps), median(&r.copy_in), median(&r.crc_gbps));
+        let cout = median(&r.copy_out);
         println!(
-            "{:>7} {:>8.2} {:>8.2} {:>6.2} {:>8.2} {:>6.2} {:>8.0} {:>8.2} {:>6.2} {:>8.0}",
+            "{:>7} {:>8.2} {:>8.2} {:>6.2} {:>8.2} {:>6.2} {:>8.2} {:>6.2} {:>5.1}% {:>8.0} {:>8.2} {:>6.2} {:>8.0}",
             r.n,
             b,
             off,
             off / b,
             cin,
             cin / b,
+            cout,
+            cout / b,
+            median(&r.calls) * 100.0,
             median(&r.ops),
             on,
             on / b,
@@ -200,9 +221,10 @@ fn print_table(page: usize, runs: usize, rows: &[Row]) {
     println!("GB/s. bound: N threads of the same non-temporal copy, each on its own buffers,");
     println!("timed together (best of 3), before each run. crc off: plain copies (the seal");
     println!("carries a CRC computed before timing); crc on: CRC-32C fused with the copy in,");
-    println!("verified in the copy out. copy in: the crc-off puts' copies into the pool alone");
-    println!("(what the calls around them cost is the gap to crc off). ops/s: metadata round");
-    println!("trips (alloc, seal, publish, acquire, release) per second.");
+    println!("verified in the copy out. copy in / copy out: the crc-off puts' copies into the");
+    println!("pool and the gets' copies out of it, each timed alone; calls: the share of the");
+    println!("crc-off workers' time outside those copies (round trips, the loop). ops/s:");
+    println!("metadata round trips (alloc, seal, publish, acquire, release) per second.");
 }
 
 /// How long one trial of the bound copies, so that it sees the same background load as the
@@ -306,6 +328,9 @@ fn run_workers(socket: &Path, n: usize, seconds: f64, checksums: bool) -> Result
         total.secs = total.secs.max(field("secs=")?);
         total.put_bytes += field("put_bytes=")? as u64;
         total.put_copy_secs += field("put_copy_secs=")?;
+        total.get_bytes += field("get_bytes=")? as u64;
+        total.get_copy_secs += field("get_copy_secs=")?;
+        total.worker_secs += field("secs=")?;
     }
     Ok(total)
 }
@@ -352,8 +377,12 @@ pub fn worker(args: &WorkerArgs) -> Result<(), String> {
         t.round_trips += 3;
         if !previous.is_empty() {
             let mut at = rot;
-            t.bytes += get_batch(&mut c, &previous, &mut dst, &mut at, args.checksums, true)
-                .map_err(|e| e.to_string())?;
+            let (bytes, copying) =
+                get_batch(&mut c, &previous, &mut dst, &mut at, args.checksums, true)
+                    .map_err(|e| e.to_string())?;
+            t.bytes += bytes;
+            t.get_bytes += bytes;
+            t.get_copy_secs += copying.as_secs_f64();
             t.round_trips += 2;
         }
         previous = k;
@@ -362,8 +391,9 @@ pub fn worker(args: &WorkerArgs) -> Result<(), String> {
     t.secs = t0.elapsed().as_secs_f64();
     c.close().map_err(|e| e.to_string())?;
     println!(
-        "RESULT bytes={} round_trips={} secs={:.6} put_bytes={} put_copy_secs={:.6}",
-        t.bytes, t.round_trips, t.secs, t.put_bytes, t.put_copy_secs
+        "RESULT bytes={} round_trips={} secs={:.6} put_bytes={} put_copy_secs={:.6} \
+         get_bytes={} get_copy_secs={:.6}",
+        t.bytes, t.round_trips, t.secs, t.put_bytes, t.put_copy_secs, t.get_bytes, t.get_copy_secs
     );
     Ok(())
 }

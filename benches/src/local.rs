@@ -480,7 +480,7 @@ fn get_case(
     let mut one = |c: &mut Client, pos: &mut usize, rot: &mut usize| -> kvd::Result<u64> {
         let k: Vec<BlockKey> = (0..batch).map(|i| set[(*pos + i) % set.len()]).collect();
         *pos = (*pos + batch) % set.len();
-        get_batch(c, &k, dst, rot, verify, false)
+        get_batch(c, &k, dst, rot, verify, false).map(|(bytes, _)| bytes)
     };
     one(c, &mut pos, &mut rot).map_err(|e| e.to_string())?;
     let t0 = Instant::now();
@@ -497,7 +497,7 @@ fn get_case(
 }
 
 /// Acquire `k`, copy each block out into the next buffer of `dst` (CRC verified in the copy or
-/// not), release; returns the bytes read. A key no longer published (evicted since it was
+/// not), release; returns the bytes read and the time the copies out took alone. A key no longer published (evicted since it was
 /// written) is skipped with `skip_missing`, an error without.
 pub(crate) fn get_batch(
     c: &mut Client,
@@ -506,10 +506,11 @@ pub(crate) fn get_batch(
     rot: &mut usize,
     verify: bool,
     skip_missing: bool,
-) -> kvd::Result<u64> {
+) -> kvd::Result<(u64, Duration)> {
     let got = c.acquire(k, Some(60_000))?;
     let mut handles = Vec::with_capacity(k.len());
     let mut bytes = 0;
+    let t_copy = Instant::now();
     for b in got {
         let b = match b {
             Ok(b) => b,
@@ -527,10 +528,11 @@ pub(crate) fn get_batch(
         }
         handles.push(b.handle);
     }
+    let copying = t_copy.elapsed();
     for r in c.release(&handles)? {
         r?;
     }
-    Ok(bytes)
+    Ok((bytes, copying))
 }
 
 pub(crate) fn latency(
