@@ -225,6 +225,12 @@ fn print_table(page: usize, runs: usize, rows: &[Row]) {
     println!("pool and the gets' copies out of it, each timed alone; calls: the share of the");
     println!("crc-off workers' time outside those copies (round trips, the loop). ops/s:");
     println!("metadata round trips (alloc, seal, publish, acquire, release) per second.");
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if rows.iter().any(|r| r.n > cpus) {
+        println!("With more workers than this machine's {cpus} CPUs, a worker's copies are timed");
+        println!("while others wait for a CPU, so copy in / copy out (per-worker rates summed)");
+        println!("overstate those rows; read put+get there.");
+    }
 }
 
 /// How long one trial of the bound copies, so that it sees the same background load as the
