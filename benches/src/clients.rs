@@ -98,7 +98,7 @@ pub fn run(args: &LocalArgs, kvd: &Path, counts: &[usize]) -> Result<(), String>
     let max_n = counts.iter().copied().max().unwrap_or(1);
     // Two batches in flight per worker, plus room for eviction to work.
     let pages = (max_n * BATCH * 4).max(crate::local::pool_pages(page));
-    let d = ChildDaemon::start(kvd, page, pages)?;
+    let d = ChildDaemon::start_with(kvd, page, pages, &args.daemon_flags())?;
     let budget = args.seconds_per_case.max(1.0);
     let runs = args.client_runs.clamp(1, 20);
     let mut rows = Vec::new();

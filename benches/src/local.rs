@@ -66,6 +66,11 @@ pub struct LocalArgs {
     /// The client's `spin_us` (how long a call polls for its answer before it blocks).
     #[arg(long, default_value_t = kvd::client::DEFAULT_SPIN_US)]
     pub client_spin_us: u32,
+    /// Start the daemon with `--cpu-wake-latency-us N` (holds the CPUs' wake latency while
+    /// clients call, so a round trip does not wait for an idle CPU to wake; needs root for
+    /// /dev/cpu_dma_latency). Ignored with --socket.
+    #[arg(long)]
+    pub daemon_cpu_wake_us: Option<u32>,
     /// With --clients: runs per count and mode, alternating the bound and both modes (median
     /// and spread reported).
     #[arg(long, default_value_t = 3)]
@@ -123,7 +128,8 @@ pub fn run(args: &LocalArgs) -> Result<(), String> {
             let kvd = kvd_binary(args)?;
             for &kib in &args.page_kib {
                 let page = (kib << 10) as usize;
-                let d = ChildDaemon::start(&kvd, page, pool_pages(page))?;
+                let d =
+                    ChildDaemon::start_with(&kvd, page, pool_pages(page), &args.daemon_flags())?;
                 run_page_size(args, &d.socket, page, &mut rows, &mut lat_rows)?;
                 d.stop();
             }
@@ -187,6 +193,16 @@ pub(crate) fn kvd_beside(given: Option<&Path>) -> Result<PathBuf, String> {
         ));
     }
     Ok(kvd)
+}
+
+impl LocalArgs {
+    /// The `kvd serve` flags these arguments ask for, beyond the pool's.
+    pub(crate) fn daemon_flags(&self) -> Vec<String> {
+        match self.daemon_cpu_wake_us {
+            Some(us) => vec!["--cpu-wake-latency-us".into(), us.to_string()],
+            None => Vec::new(),
+        }
+    }
 }
 
 pub(crate) fn pool_pages(page: usize) -> usize {
@@ -686,11 +702,7 @@ impl ChildDaemon {
         self.child.as_ref().map(Child::id)
     }
 
-    pub(crate) fn start(kvd: &Path, page: usize, pages: usize) -> Result<ChildDaemon, String> {
-        ChildDaemon::start_with(kvd, page, pages, &[])
-    }
-
-    /// As [`ChildDaemon::start`], with more flags for `kvd serve`.
+    /// Start `kvd serve` with a pool of `pages` pages of `page` bytes and `extra` flags.
     pub(crate) fn start_with(
         kvd: &Path,
         page: usize,
