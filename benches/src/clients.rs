@@ -68,7 +68,6 @@ struct Row {
 /// One worker's totals.
 #[derive(Debug, Default, Clone, Copy)]
 struct Totals {
-    bytes: u64,
     round_trips: u64,
     secs: f64,
     /// Bytes the puts copied into the pool, and the time those copies took (summed over the
@@ -80,6 +79,13 @@ struct Totals {
     get_copy_secs: f64,
     /// Every worker's whole time, summed (`secs` is the longest one's).
     worker_secs: f64,
+}
+
+impl Totals {
+    /// Bytes moved, in and out.
+    fn bytes(&self) -> u64 {
+        self.put_bytes + self.get_bytes
+    }
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -120,7 +126,7 @@ pub fn run(args: &LocalArgs, kvd: &Path, counts: &[usize]) -> Result<(), String>
                     if checksums { "on" } else { "off" }
                 );
                 let t = run_workers(&d.socket, n, budget, checksums)?;
-                let gbps = t.bytes as f64 / t.secs / 1e9;
+                let gbps = t.bytes() as f64 / t.secs / 1e9;
                 let ops = t.round_trips as f64 / t.secs;
                 eprintln!(
                     "  {gbps:.2} GB/s ({:.2} of the bound), {ops:.0} round trips/s",
@@ -329,14 +335,14 @@ fn run_workers(socket: &Path, n: usize, seconds: f64, checksums: bool) -> Result
                 .and_then(|v| v.parse().ok())
                 .ok_or_else(|| format!("no {k} in {line:?}"))
         };
-        total.bytes += field("bytes=")? as u64;
         total.round_trips += field("round_trips=")? as u64;
-        total.secs = total.secs.max(field("secs=")?);
+        let secs = field("secs=")?;
+        total.secs = total.secs.max(secs);
+        total.worker_secs += secs;
         total.put_bytes += field("put_bytes=")? as u64;
         total.put_copy_secs += field("put_copy_secs=")?;
         total.get_bytes += field("get_bytes=")? as u64;
         total.get_copy_secs += field("get_copy_secs=")?;
-        total.worker_secs += field("secs=")?;
     }
     Ok(total)
 }
@@ -379,14 +385,12 @@ pub fn worker(args: &WorkerArgs) -> Result<(), String> {
             put_batch(&mut c, &k, &src, &src_crc, rot, mode).map_err(|e| e.to_string())?;
         t.put_copy_secs += copying.as_secs_f64();
         t.put_bytes += (k.len() * page) as u64;
-        t.bytes += (k.len() * page) as u64;
         t.round_trips += 3;
         if !previous.is_empty() {
             let mut at = rot;
             let (bytes, copying) =
                 get_batch(&mut c, &previous, &mut dst, &mut at, args.checksums, true)
                     .map_err(|e| e.to_string())?;
-            t.bytes += bytes;
             t.get_bytes += bytes;
             t.get_copy_secs += copying.as_secs_f64();
             t.round_trips += 2;
@@ -397,9 +401,9 @@ pub fn worker(args: &WorkerArgs) -> Result<(), String> {
     t.secs = t0.elapsed().as_secs_f64();
     c.close().map_err(|e| e.to_string())?;
     println!(
-        "RESULT bytes={} round_trips={} secs={:.6} put_bytes={} put_copy_secs={:.6} \
-         get_bytes={} get_copy_secs={:.6}",
-        t.bytes, t.round_trips, t.secs, t.put_bytes, t.put_copy_secs, t.get_bytes, t.get_copy_secs
+        "RESULT round_trips={} secs={:.6} put_bytes={} put_copy_secs={:.6} get_bytes={} \
+         get_copy_secs={:.6}",
+        t.round_trips, t.secs, t.put_bytes, t.put_copy_secs, t.get_bytes, t.get_copy_secs
     );
     Ok(())
 }

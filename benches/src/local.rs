@@ -513,8 +513,9 @@ fn get_case(
 }
 
 /// Acquire `k`, copy each block out into the next buffer of `dst` (CRC verified in the copy or
-/// not), release; returns the bytes read and the time the copies out took alone. A key no longer published (evicted since it was
-/// written) is skipped with `skip_missing`, an error without.
+/// not), release; returns the bytes read and the time the copies out took alone. A key no
+/// longer published (evicted since it was written) is skipped with `skip_missing`, an error
+/// without.
 pub(crate) fn get_batch(
     c: &mut Client,
     k: &[BlockKey],
