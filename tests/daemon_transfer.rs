@@ -456,7 +456,7 @@ fn a_push_whose_link_is_cut_publishes_nothing_frees_the_destinations_pages_and_u
     assert_eq!(cb.exists(&keys).unwrap(), vec![true; 8]);
 
     // then slow the link so that the next push is surely in the middle, and cut it
-    hosts.shape_a("40mbit", "32kb", "100ms");
+    hosts.shape_a("40mbit", "32kb", "latency 100ms");
     let dev = hosts.dev_a();
     let keys = support::keys(ns, 12, 40);
     for (i, k) in keys.iter().enumerate() {

@@ -658,13 +658,16 @@ impl TwoHosts {
     }
 
     /// Shape what `a` sends over the veth with a token bucket (`tc qdisc add ... tbf`).
-    pub fn shape_a(&self, rate: &str, burst: &str, latency: &str) {
+    /// `queue` is the bucket's queue in tbf's words: `latency 100ms`, or `limit 8mb` for a
+    /// queue that holds a whole test's bytes, so that nothing is ever dropped at it.
+    pub fn shape_a(&self, rate: &str, burst: &str, queue: &str) {
         let dev = self.dev_a();
         let tc = std::process::Command::new("ip")
             .args([
                 "netns", "exec", &self.a, "tc", "qdisc", "add", "dev", &dev, "root",
             ])
-            .args(["tbf", "rate", rate, "burst", burst, "latency", latency])
+            .args(["tbf", "rate", rate, "burst", burst])
+            .args(queue.split_whitespace())
             .status()
             .unwrap();
         assert!(tc.success(), "tc tbf on the veth");
