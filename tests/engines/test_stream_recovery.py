@@ -365,7 +365,12 @@ def settled(nodes: dict[int, Node]) -> bool:
 
 
 PROMPTS = {k: words(s, 1000, 7) for k, s in
-           [("a", 11), ("leave", 21), ("resume", 31), ("sr", 41), ("holder", 51), ("node", 61)]}
+           [("a", 11), ("leave", 21), ("resume", 31), ("sr", 41), ("node", 61)]}
+# The holder case's request has to outlast the front's noticing a dead node (its lease, 2 s,
+# and the watch), so it asks for many more tokens after a shorter prompt (within the model's
+# 2,048): 1,500 tokens are 6-15 s of decoding at 100-250 tokens/s.
+PROMPTS["holder"] = words(51, 200, 7)
+HOLDER_TOKENS = 1500
 
 
 def test_an_uninterrupted_stream_is_numbered_once_each_and_matches_vllm_itself(cluster):
@@ -505,27 +510,36 @@ def test_the_same_kill_without_a_checkpoint_recomputes_stop_and_restart(cluster)
 
 def test_the_holder_killed_then_the_worker_the_request_completes_recomputed(cluster):
     tmp, nodes, front = cluster
-    # longer, so that the worker is still decoding when the front has seen the holder go
-    reference(front, PROMPTS["holder"], "holder", max_tokens=2 * MAX_TOKENS)
-    s = Stream(front.addr, body(PROMPTS["holder"], max_tokens=2 * MAX_TOKENS))
+    reference(front, PROMPTS["holder"], "holder", max_tokens=HOLDER_TOKENS)
+    s = Stream(front.addr, body(PROMPTS["holder"], max_tokens=HOLDER_TOKENS))
     s.read_until(KILL_AT // 2)
     rec = record(front, s.request)
     holder, worker = nodes[rec["holder"]], nodes[rec["serving"]]
     holder.kill_node()
-    wait_until("the front saw the holder go", lambda: rec["holder"] not in front.in_service(), timeout_s=30)
-    s.read_until(KILL_AT)
-    assert len(s.tokens()) < 2 * MAX_TOKENS - 100, "still decoding when its worker is killed"
-    worker.kill_vllm()
-    s.read_all()
-    check_sequence(s.events, s.request)
-    assert s.tokens() == REFS["holder"]
-    r = last_recovery(front, s.request)
-    assert r["kv_source"] is None and r["to"] not in (holder.i, worker.i), r
-    assert front.get("/status")["front"]["checkpoint_moves_unfollowed"] >= 1
-    # bring the worker's engine back (its daemon lives); the holder's node stays down
-    worker.start_vllm()
-    worker.vllm.wait_ready(START_TIMEOUT_S)
-    wait_until("the worker is back", lambda: worker.i in front.in_service(), timeout_s=60)
+    try:
+        wait_until("the front saw the holder go", lambda: rec["holder"] not in front.in_service(), timeout_s=30)
+        # Still decoding, by the front's own count: it reads the engine as fast as tokens come,
+        # while this client's count lags behind what sits in its socket (a check of that count
+        # once passed with the request already finished, and then nothing was recovered).
+        live = record(front, s.request)
+        assert live["state"] == "Decoding" and live["generated_tokens"] <= HOLDER_TOKENS - 200, \
+            f"the worker has to be still decoding when it is killed: {live}"
+        FIGURES["holder_case"] = {"generated_at_worker_kill": live["generated_tokens"],
+                                  "client_had_read": len(s.tokens()), "of": HOLDER_TOKENS}
+        worker.kill_vllm()
+        s.read_all()
+        check_sequence(s.events, s.request)
+        assert s.tokens() == REFS["holder"]
+        r = last_recovery(front, s.request)
+        assert r["kv_source"] is None and r["to"] not in (holder.i, worker.i), r
+        assert front.get("/status")["front"]["checkpoint_moves_unfollowed"] >= 1
+    finally:
+        # bring the worker's engine back whatever happened above (its daemon lives; the next
+        # case needs it); the holder's node stays down
+        if not worker.vllm.alive():
+            worker.start_vllm()
+            worker.vllm.wait_ready(START_TIMEOUT_S)
+        wait_until("the worker is back", lambda: worker.i in front.in_service(), timeout_s=60)
 
 
 def test_the_workers_whole_node_killed_its_holder_on_another_node_serves_the_restore(cluster):
