@@ -661,31 +661,28 @@ impl TwoHosts {
     /// `queue` is the bucket's queue in tbf's words: `latency 100ms`, or `limit 8mb` for a
     /// queue that holds a whole test's bytes, so that nothing is ever dropped at it.
     pub fn shape_a(&self, rate: &str, burst: &str, queue: &str) {
-        let dev = self.dev_a();
-        let tc = std::process::Command::new("ip")
-            .args([
-                "netns", "exec", &self.a, "tc", "qdisc", "add", "dev", &dev, "root",
-            ])
-            .args(["tbf", "rate", rate, "burst", burst])
-            .args(queue.split_whitespace())
-            .status()
-            .unwrap();
-        assert!(tc.success(), "tc tbf on the veth");
+        tbf(&self.a, &self.dev_a(), rate, burst, queue);
     }
 
     /// Shape `ns`'s egress on `dev` to `rate` (tc tbf), so that a transfer surely is in the
     /// middle when the link is cut.
     pub fn slow(&self, ns: &str, dev: &str, rate: &str) {
-        let ok = std::process::Command::new("ip")
-            .args([
-                "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
-            ])
-            .args(["tbf", "rate", rate, "burst", "32kb", "latency", "100ms"])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "tc tbf on {dev} in {ns}");
+        tbf(ns, dev, rate, "32kb", "latency 100ms");
     }
+}
+
+/// A token bucket on `ns`'s egress on `dev` (`tc qdisc add ... tbf`), its queue in tbf's words.
+fn tbf(ns: &str, dev: &str, rate: &str, burst: &str, queue: &str) {
+    let ok = std::process::Command::new("ip")
+        .args([
+            "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+        ])
+        .args(["tbf", "rate", rate, "burst", burst])
+        .args(queue.split_whitespace())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "tc tbf on {dev} in {ns}");
 }
 
 impl Drop for TwoHosts {
