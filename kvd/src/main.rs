@@ -42,8 +42,24 @@ See docs/DAEMON.md."
     Sim(kvd::sim::cli::SimArgs),
 }
 
+/// Log to stderr, filtered by `RUST_LOG` (default `info`): the two services, `kvd serve` and
+/// `kvd control`.
+fn init_logging() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Serve(_) | Command::Control(_)) {
+        init_logging();
+    }
     match cli.command {
         Command::Serve(args) => kvd::daemon::run(*args),
         Command::Status(args) => kvd::daemon::status::run(args),

@@ -19,21 +19,14 @@ use std::time::{Duration, Instant};
 
 use crate::control::{ControllerSnapshot, Event, WorkerId};
 use crate::control_service::Shared;
-use crate::daemon::cluster::{
-    NodeChange, Registration, connect_options, etcd_err, node_changes, read_and_watch,
-};
-
-/// etcd authentication and TLS, as [`crate::daemon::cluster::etcd_security`] reads them.
-pub type Security = Arc<crate::daemon::cluster::EtcdSecurity>;
-
-fn options(security: &Security) -> etcd_client::ConnectOptions {
-    connect_options(
-        security.0.as_ref(),
-        security.1.as_ref(),
-        Duration::from_secs(5),
-    )
-}
 use crate::{Error, Result};
+use kvd_cluster::{Etcd, NodeChange, Registration};
+
+/// etcd authentication and TLS, as [`kvd_cluster::EtcdArgs::security`] reads them.
+pub type Security = Arc<kvd_cluster::EtcdSecurity>;
+
+/// The bound on connecting to etcd and on each call.
+const ETCD_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn snapshot_key(prefix: &str) -> String {
     format!("{prefix}/control/snapshot")
@@ -49,16 +42,10 @@ pub async fn load_snapshot(
     prefix: &str,
     security: &Security,
 ) -> Result<Option<ControllerSnapshot>> {
-    let mut c = etcd_client::Client::connect(endpoints, Some(options(security)))
-        .await
-        .map_err(|e| etcd_err("connect", e))?;
-    let r = c
-        .get(snapshot_key(prefix), None)
-        .await
-        .map_err(|e| etcd_err("read the snapshot", e))?;
-    match r.kvs().first() {
+    let mut etcd = Etcd::connect(endpoints, security, ETCD_TIMEOUT).await?;
+    match etcd.get(&snapshot_key(prefix)).await? {
         None => Ok(None),
-        Some(kv) => serde_json::from_slice(kv.value())
+        Some(v) => serde_json::from_slice(&v)
             .map(Some)
             .map_err(|e| Error::Protocol(format!("the snapshot in etcd: {e}"))),
     }
@@ -160,12 +147,8 @@ async fn session(
     shared: &Arc<Shared>,
     seen: &mut Seen,
 ) -> Result<()> {
-    let mut client = etcd_client::Client::connect(endpoints, Some(options(security)))
-        .await
-        .map_err(|e| etcd_err("connect", e))?;
-    let nodes_prefix = format!("{prefix}/nodes/");
-    let (registered_now, _, _watcher, mut events) =
-        read_and_watch(&mut client, &nodes_prefix).await?;
+    let mut etcd = Etcd::connect(endpoints, security, ETCD_TIMEOUT).await?;
+    let (registered_now, mut watch) = etcd.watch_nodes(prefix).await?;
     // reconcile from the full read: what the controller holds as live but etcd does not fails
     let live: Vec<WorkerId> = registered_now
         .iter()
@@ -188,8 +171,8 @@ async fn session(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            event = events.message() => {
-                for c in node_changes(event)?.1 {
+            changes = watch.next() => {
+                for c in changes? {
                     match c {
                         NodeChange::Registered(r) => registered(shared, seen, &r),
                         NodeChange::Withdrawn(node) => gone(shared, seen, node),
@@ -201,10 +184,7 @@ async fn session(
                 let snap = serde_json::to_string(&shared.snapshot())
                     .map_err(|e| Error::Protocol(e.to_string()))?;
                 if snap != last_written {
-                    client
-                        .put(snapshot_key(prefix), snap.clone(), None)
-                        .await
-                        .map_err(|e| etcd_err("write the snapshot", e))?;
+                    etcd.put(&snapshot_key(prefix), snap.clone().into_bytes()).await?;
                     last_written = snap;
                 }
             }

@@ -83,7 +83,7 @@ pub struct ControlArgs {
     pub allow_remote: bool,
     /// How to reach etcd (cluster mode), as for `kvd serve`.
     #[command(flatten)]
-    pub etcd: crate::daemon::cluster::EtcdArgs,
+    pub etcd: kvd_cluster::EtcdArgs,
     /// The streaming front (`--engine` turns it on).
     #[command(flatten)]
     pub front: crate::control_service::front::FrontArgs,
@@ -633,7 +633,6 @@ pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u6
 
 /// Run `kvd control` until Ctrl-C. Prints `kvd control listening on ADDR` once bound.
 pub fn run(args: ControlArgs) -> std::process::ExitCode {
-    crate::daemon::init_logging();
     let (controller, offset) = match controller_from_args(&args) {
         Ok(c) => c,
         Err(e) => {

@@ -119,7 +119,7 @@ pub struct StatusReport {
     pub data_port: Option<super::data_port::DataPortReport>,
     /// Cluster membership (absent from the reports of older daemons).
     #[serde(default)]
-    pub cluster: Option<super::cluster::ClusterReport>,
+    pub cluster: Option<kvd_cluster::ClusterReport>,
     /// Engine instances (tensor/pipeline-parallel rank groups), failed ones with why (at most
     /// [`STATUS_MAX_SESSIONS`]).
     #[serde(default)]

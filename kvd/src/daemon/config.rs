@@ -231,7 +231,7 @@ pub struct ServeArgs {
     pub data_lanes: u32,
     /// How to reach etcd (cluster mode), as for `kvd control`.
     #[command(flatten)]
-    pub etcd: super::cluster::EtcdArgs,
+    pub etcd: kvd_cluster::EtcdArgs,
     /// The registration lease's TTL, ms (etcd leases count whole seconds): a node that dies
     /// is gone from every view this long after (plus the watch's delivery).
     #[arg(long, default_value_t = 5_000,
@@ -418,7 +418,7 @@ pub struct DaemonConfig {
     /// The data port, when a cluster secret is configured.
     pub data_port: Option<DataPortConfig>,
     /// Cluster mode, when etcd endpoints are configured.
-    pub cluster: Option<super::cluster::ClusterConfig>,
+    pub cluster: Option<kvd_cluster::ClusterConfig>,
 }
 
 /// Parse `--peer NODE_ID=ADDR` entries into a table; `me` may not appear in it.
@@ -577,7 +577,7 @@ impl DaemonConfig {
     }
 
     /// Cluster mode's settings, when etcd endpoints are given.
-    fn cluster(s: &ServeArgs, data_port: bool) -> Result<Option<super::cluster::ClusterConfig>> {
+    fn cluster(s: &ServeArgs, data_port: bool) -> Result<Option<kvd_cluster::ClusterConfig>> {
         if !s.etcd.is_on() {
             return Ok(None);
         }
@@ -588,14 +588,10 @@ impl DaemonConfig {
                     .into(),
             ));
         }
-        let (auth, tls) = s.etcd.security()?;
-        Ok(Some(super::cluster::ClusterConfig {
-            prefix: s.etcd.prefix(),
-            etcd: s.etcd.etcd.clone(),
-            tls,
-            lease_ttl_ms: s.etcd_lease_ttl_ms,
-            auth,
-        }))
+        Ok(Some(kvd_cluster::ClusterConfig::from_args(
+            &s.etcd,
+            s.etcd_lease_ttl_ms,
+        )?))
     }
 
     /// What single settings' bounds cannot say.

@@ -40,7 +40,7 @@ pub struct Daemon {
     /// The data port (the transfer engine), when a cluster secret is configured.
     pub data_port: Option<Arc<super::data_port::DataPort>>,
     /// Cluster membership (embedded: this node alone).
-    pub cluster: Arc<super::cluster::Membership>,
+    pub cluster: Arc<kvd_cluster::Membership>,
     /// The CPU wake-latency request held while clients call (`--cpu-wake-latency-us`).
     pub wake: Option<Arc<super::wake::WakeHold>>,
 }

@@ -11,7 +11,6 @@
 
 pub mod admin;
 pub mod clients;
-pub mod cluster;
 pub mod config;
 pub mod context;
 pub mod datadir;
@@ -36,21 +35,8 @@ use crate::pool::PoolConfig;
 use crate::store::{Store, StoreConfig};
 use crate::{Error, Result};
 
-/// Log to stderr, filtered by `RUST_LOG` (default `info`): `kvd serve` and `kvd control`.
-pub fn init_logging() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
-}
-
 /// Run `kvd serve` to its end.
 pub fn run(args: ServeArgs) -> std::process::ExitCode {
-    init_logging();
     // with a config file, the settings are the file's keys under the command line's flags
     let settings = match &args.config {
         None => Ok(args),
@@ -138,10 +124,10 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     let registry = config
         .cluster
         .clone()
-        .map(|c| Arc::new(cluster::EtcdRegistry::new(c, config.node_id)));
+        .map(|c| Arc::new(kvd_cluster::EtcdRegistry::new(c, config.node_id)));
     let membership = match &registry {
         Some(r) => r.membership(),
-        None => Arc::new(cluster::Membership::embedded(config.node_id)),
+        None => Arc::new(kvd_cluster::Membership::embedded(config.node_id)),
     };
     if let Some(dp) = &data_port {
         let m: Arc<dyn kvd_remote::Membership> = membership.clone();
@@ -253,7 +239,7 @@ impl Listeners {
 /// re-registration); the stop switch and the task.
 fn register(
     d: &Arc<context::Daemon>,
-    r: Arc<cluster::EtcdRegistry>,
+    r: Arc<kvd_cluster::EtcdRegistry>,
     datadir: Arc<std::sync::Mutex<datadir::DataDir>>,
 ) -> (
     tokio::sync::watch::Sender<bool>,
@@ -262,7 +248,7 @@ fn register(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let dd = d.clone();
     let data_addr = d.data_port.as_ref().map(|dp| dp.local_addr());
-    let registration = move || cluster::Registration {
+    let registration = move || kvd_cluster::Registration {
         node_id: dd.config.node_id,
         generation: dd
             .data_port
