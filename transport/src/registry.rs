@@ -72,15 +72,53 @@ pub struct RdmaSettings {
     pub gid_index: u32,
 }
 
-/// Which backends to try.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Wanted {
+/// What a node's blocks may move over: the one name for the transport choice, from the
+/// daemon's `--transport` flag (and config key) to [`Backends::start`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportChoice {
+    /// RDMA where it can be used (built in, a device here, a peer that serves it), TCP
+    /// otherwise.
+    #[default]
+    Auto,
     /// TCP only.
     Tcp,
-    /// RDMA where it can be used (a device here, a peer that serves it), TCP otherwise.
-    RdmaIfUsable(RdmaSettings),
     /// RDMA, or no start at all without a usable device here.
-    Rdma(RdmaSettings),
+    Rdma,
+}
+
+impl TransportChoice {
+    /// The names, as flags and config files spell them.
+    pub const NAMES: [&'static str; 3] = ["auto", "tcp", "rdma"];
+
+    /// This choice's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Rdma => "rdma",
+        }
+    }
+}
+
+impl std::fmt::Display for TransportChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<TransportChoice> {
+        match s {
+            "auto" => Ok(TransportChoice::Auto),
+            "tcp" => Ok(TransportChoice::Tcp),
+            "rdma" => Ok(TransportChoice::Rdma),
+            _ => Err(Error::InvalidArgument(format!(
+                "transport {s:?}: expected one of auto, tcp, rdma"
+            ))),
+        }
+    }
 }
 
 /// The backend every node has: it carries control channels and holds the grant table.
@@ -132,36 +170,38 @@ enum Attempt {
 const REPROBE: Duration = Duration::from_secs(60);
 
 impl Backends {
-    /// Add the RDMA engine to `tcp` as `wanted` says; `chunk_bytes` is the RDMA engine's chunk
-    /// (the TCP engine's, so that a block travels as one chunk on either).
+    /// Add the RDMA engine to `tcp` as `choice` says, its device chosen by `rdma`;
+    /// `chunk_bytes` is the RDMA engine's chunk (the TCP engine's, so that a block travels as
+    /// one chunk on either).
     ///
     /// # Errors
-    /// [`Error::Unsupported`] for [`Wanted::Rdma`] where RDMA cannot be used (the message
-    /// says why).
-    pub fn start(tcp: TcpTransport, wanted: &Wanted, chunk_bytes: u32) -> Result<Backends> {
+    /// [`Error::Unsupported`] for [`TransportChoice::Rdma`] where RDMA cannot be used (the
+    /// message says why).
+    pub fn start(
+        tcp: TcpTransport,
+        choice: TransportChoice,
+        rdma: &RdmaSettings,
+        chunk_bytes: u32,
+    ) -> Result<Backends> {
         let mut e = Backends {
             base: Base::Tcp(tcp),
             #[cfg(feature = "rdma")]
             rdma: None,
-            requested: match wanted {
-                Wanted::Tcp => "tcp",
-                Wanted::RdmaIfUsable(_) => "auto",
-                Wanted::Rdma(_) => "rdma",
-            },
+            requested: choice.as_str(),
             reason: String::new(),
             endpoints: Mutex::new(HashMap::new()),
             used: Mutex::new(BTreeMap::new()),
             no_rdma: Mutex::new(HashMap::new()),
         };
-        let (settings, required) = match wanted {
-            Wanted::Tcp => {
+        let required = match choice {
+            TransportChoice::Tcp => {
                 e.reason = "TCP only, as asked".into();
                 return Ok(e);
             }
-            Wanted::RdmaIfUsable(s) => (s, false),
-            Wanted::Rdma(s) => (s, true),
+            TransportChoice::Auto => false,
+            TransportChoice::Rdma => true,
         };
-        match e.start_rdma(settings, chunk_bytes) {
+        match e.start_rdma(rdma, chunk_bytes) {
             Ok(device) => e.reason = format!("RDMA device {device}"),
             Err(why) if required => return Err(Error::Unsupported(why)),
             Err(why) => e.reason = why,

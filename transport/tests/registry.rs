@@ -10,7 +10,7 @@ use transport::auth::ClusterSecret;
 use transport::engine::{HeapMemory, Memory, Op, OpKind};
 use transport::grant::{Direction, Grant, SegmentId, TransferId};
 use transport::link::PeerAddr;
-use transport::registry::{Backend, Backends, RdmaSettings, Wanted};
+use transport::registry::{Backend, Backends, RdmaSettings, TransportChoice};
 use transport::segment::SegmentDescriptor;
 use transport::tcp::{TcpConfig, TcpTransport};
 
@@ -18,13 +18,16 @@ const SEG: SegmentId = SegmentId(1);
 const LEN: u64 = 8 << 20;
 const BLOCK: u64 = 256 << 10;
 
-fn node(id: u64, wanted: &Wanted) -> (Backends, Arc<HeapMemory>, SegmentDescriptor, PeerAddr) {
+fn node(
+    id: u64,
+    choice: TransportChoice,
+) -> (Backends, Arc<HeapMemory>, SegmentDescriptor, PeerAddr) {
     let secret = ClusterSecret::from_bytes(&[7; 32]).unwrap();
     let mut c = TcpConfig::new(id, 1, "127.0.0.1:0".parse().unwrap(), secret);
     c.stall_timeout = Duration::from_secs(2);
     let tcp = TcpTransport::start(c).unwrap();
     let addr = tcp.local_addr();
-    let b = Backends::start(tcp, wanted, 4 << 20).unwrap();
+    let b = Backends::start(tcp, choice, &RdmaSettings::default(), 4 << 20).unwrap();
     let mem = Arc::new(HeapMemory::zeroed(LEN as usize));
     let d = b
         .register(SEG, mem.clone() as Arc<dyn Memory>, LEN)
@@ -65,9 +68,9 @@ fn grant_all(b: &Backends) {
 #[test]
 fn a_peers_batches_go_over_the_backend_both_ends_have_and_the_report_says_which_and_why() {
     // RDMA where usable: no device on this host (or no rdma feature), so TCP, and the reason
-    let auto = Wanted::RdmaIfUsable(RdmaSettings::default());
-    let (a, ma, _, _) = node(1, &auto);
-    let (b, mb, remote, to_b) = node(2, &Wanted::Tcp);
+    let auto = TransportChoice::Auto;
+    let (a, ma, _, _) = node(1, auto);
+    let (b, mb, remote, to_b) = node(2, TransportChoice::Tcp);
     // SAFETY: nothing else touches the source yet.
     for (i, x) in unsafe { ma.bytes_mut() }.iter_mut().enumerate() {
         *x = (i as u8).wrapping_mul(13) ^ (i >> 10) as u8;
@@ -98,8 +101,8 @@ fn a_peers_batches_go_over_the_backend_both_ends_have_and_the_report_says_which_
 
 #[test]
 fn a_peer_that_is_not_the_node_named_gets_a_clear_error_and_no_byte() {
-    let (a, ma, _, _) = node(1, &Wanted::Tcp);
-    let (b, mb, remote, to_b) = node(2, &Wanted::Tcp);
+    let (a, ma, _, _) = node(1, TransportChoice::Tcp);
+    let (b, mb, remote, to_b) = node(2, TransportChoice::Tcp);
     // SAFETY: nothing else touches the source yet.
     unsafe { ma.bytes_mut() }.fill(0xab);
     grant_all(&b);

@@ -185,7 +185,7 @@ pub struct ServeArgs {
     /// (feature `rdma`), a device is usable and the peer serves RDMA too, and TCP otherwise;
     /// `rdma` refuses to start without a usable device; `tcp` never tries RDMA. Control
     /// messages always go over TCP.
-    #[arg(long, value_enum, default_value_t = TransportChoice::Auto)]
+    #[arg(long, default_value = "auto", value_parser = transport_choice())]
     pub transport: TransportChoice,
     /// The RDMA device (`ibv_devices` lists them) [default: the one nearest --rdma-near-gpu,
     /// else the first].
@@ -351,6 +351,13 @@ fn file_args(path: &Path, cli: &[OsString]) -> Result<Vec<OsString>> {
 }
 
 pub use kvd_remote::{DataPortConfig, RdmaSettings, TransportChoice};
+
+/// `--transport`'s parser: the names [`TransportChoice`] knows (listed in `--help`).
+fn transport_choice() -> impl clap::builder::TypedValueParser<Value = TransportChoice> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(TransportChoice::NAMES)
+        .try_map(|s| s.parse::<TransportChoice>())
+}
 
 /// The resolved configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -53,23 +53,9 @@ pub trait Membership: Send + Sync + std::fmt::Debug {
 /// Receives the peer table (node id → data address) from a [`Membership`].
 pub type PeerSink = Box<dyn Fn(BTreeMap<u64, SocketAddr>) + Send + Sync>;
 
-/// What the data port moves peers' blocks over.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize, clap::ValueEnum,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum TransportChoice {
-    /// RDMA where it can be used (built in, a device, a peer that serves it), TCP otherwise.
-    #[default]
-    Auto,
-    /// TCP only.
-    Tcp,
-    /// RDMA; refuse to start without a usable device.
-    Rdma,
-}
-
-/// How the RDMA device is chosen (the transport's backend registry reads it).
-pub use transport::registry::RdmaSettings;
+/// What the data port moves peers' blocks over, and how the RDMA device is chosen (the
+/// transport's backend registry reads both).
+pub use transport::registry::{RdmaSettings, TransportChoice};
 
 /// Ring threads of the data port's TCP engine unless configured otherwise: two, the TCP
 /// engine's own default. One ring thread per daemon does every send copy or every receive copy

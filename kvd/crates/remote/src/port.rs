@@ -23,9 +23,8 @@ use transport::segment::SegmentDescriptor;
 use transport::tcp::{TcpConfig, TcpStats, TcpTransport};
 
 use crate::DataPortConfig;
-use transport::registry::{Backends, BackendsReport, Wanted};
+use transport::registry::{Backends, BackendsReport};
 
-use crate::TransportChoice;
 use crate::keys::BlockKey;
 use crate::protocol::TransferInfo;
 use crate::store::Store;
@@ -150,12 +149,7 @@ impl DataPort {
         tcp.max_connections_per_peer = (2 * config.max_incoming_per_peer as usize).max(16);
         let tcp = TcpTransport::start(tcp)
             .map_err(|e| Error::Io(format!("the data port {}: {e}", config.listen)))?;
-        let wanted = match config.transport {
-            TransportChoice::Tcp => Wanted::Tcp,
-            TransportChoice::Auto => Wanted::RdmaIfUsable(config.rdma.clone()),
-            TransportChoice::Rdma => Wanted::Rdma(config.rdma.clone()),
-        };
-        let backends = Backends::start(tcp, &wanted, CHUNK_BYTES).map_err(|e| match e {
+        let backends = Backends::start(tcp, config.transport, &config.rdma, CHUNK_BYTES).map_err(|e| match e {
             transport::Error::Unsupported(why) => Error::InvalidArgument(format!(
                 "--transport rdma: {why}; use --transport auto (TCP where RDMA cannot be used) or tcp"
             )),
