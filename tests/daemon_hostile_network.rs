@@ -360,6 +360,53 @@ fn wait_settled(nodes: &[&Daemon]) {
     );
 }
 
+/// Every block anywhere is one that was sent, with the source's bytes: the pushed ones on B
+/// and the fetched ones on their source each absent or exact (and present where the transfer
+/// said done), and the counts of published blocks leave no room for one under a key nobody
+/// sent. `groups[i]` went between source `i % sources` and B; `on_b` and `own[s]` count the
+/// blocks each held before.
+fn every_block_was_sent_with_its_bytes(
+    (b, cb): (&Daemon, &mut kvd::client::Client),
+    (sources, clients): (&[Daemon], &mut [kvd::client::Client]),
+    (groups, done_at): (&[(bool, Vec<BlockKey>)], &[bool]),
+    (on_b, own): (u32, &[u32]),
+) {
+    let n = sources.len();
+    let mut pushed_there = 0u32;
+    let mut fetched_here = vec![0u32; n];
+    for (i, ((push, keys), done)) in groups.iter().zip(done_at).enumerate() {
+        let s = i % n;
+        for k in keys {
+            let there = if *push {
+                holds_exactly(cb, k)
+            } else {
+                holds_exactly(&mut clients[s], k)
+            };
+            assert!(
+                there || !done,
+                "{k:?}: its transfer was done, the block is missing"
+            );
+            if *push {
+                pushed_there += u32::from(there);
+            } else {
+                fetched_here[s] += u32::from(there);
+            }
+        }
+    }
+    assert_eq!(
+        published(b),
+        on_b + pushed_there,
+        "B holds only blocks sent to it"
+    );
+    for (s, d) in sources.iter().enumerate() {
+        assert_eq!(
+            published(d),
+            own[s] + fetched_here[s],
+            "source {s} holds only its own blocks and those it fetched"
+        );
+    }
+}
+
 #[test]
 fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_or_byte_published()
 {
@@ -423,43 +470,12 @@ fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_
     let failed = TRANSFERS - done;
     let everyone: Vec<&Daemon> = sources.iter().chain([&b]).collect();
     wait_settled(&everyone);
-    // Every block anywhere is one that was sent, with the source's bytes: the pushed ones on
-    // B and the fetched ones on their source each absent or exact (and present where the
-    // transfer said done), and the counts of published blocks leave no room for one under a
-    // key nobody sent.
-    let mut pushed_there = 0u32;
-    let mut fetched_here = [0u32; SOURCES];
-    for (i, ((push, keys), done)) in groups.iter().zip(&done_at).enumerate() {
-        let s = i % SOURCES;
-        for k in keys {
-            let there = if *push {
-                holds_exactly(&mut cb, k)
-            } else {
-                holds_exactly(&mut clients[s], k)
-            };
-            assert!(
-                there || !done,
-                "{k:?}: its transfer was done, the block is missing"
-            );
-            if *push {
-                pushed_there += u32::from(there);
-            } else {
-                fetched_here[s] += u32::from(there);
-            }
-        }
-    }
-    assert_eq!(
-        published(&b),
-        on_b + pushed_there,
-        "B holds only blocks sent to it"
+    every_block_was_sent_with_its_bytes(
+        (&b, &mut cb),
+        (&sources, &mut clients),
+        (&groups, &done_at),
+        (on_b, &own),
     );
-    for (s, d) in sources.iter().enumerate() {
-        assert_eq!(
-            published(d),
-            own[s] + fetched_here[s],
-            "source {s} holds only its own blocks and those it fetched"
-        );
-    }
     let engines: Vec<_> = everyone
         .iter()
         .map(|d| d.status().data_port.unwrap().engine)

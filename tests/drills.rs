@@ -931,10 +931,45 @@ fn events(ctl: &Control, body: &str) -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The engine's checkpoint step `step` (blocks 4·step .. 4·step + 4 of `keys`): written,
+/// sealed, added to its manifest and pushed to `holder`, which takes it whole.
+fn checkpoint_step(
+    e: &mut kvd::client::Client,
+    (holder, req, epoch): (u64, u64, u64),
+    keys: &[kvd::keys::BlockKey],
+    step: usize,
+    tokens_per_block: u32,
+) {
+    let ks = &keys[4 * step..4 * step + 4];
+    let class = BlockClass::Checkpoint {
+        request: req,
+        epoch,
+    };
+    let allocs: Vec<_> = e
+        .alloc(ks, class, None)
+        .unwrap()
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let seals = support::write_all(e, &allocs, |i| {
+        support::pattern(BLOCK, (4 * step + i) as u8)
+    });
+    assert!(e.seal(&seals).unwrap().iter().all(Result::is_ok));
+    let handles: Vec<kvd::store::Handle> = allocs.iter().map(|a| a.handle).collect();
+    let committed = ((4 * step + 4) as u32 * tokens_per_block) as u64;
+    e.manifest_extend(req, epoch, &handles, committed).unwrap();
+    let id = e
+        .push_checkpoint(holder, req, epoch, ks, committed, 120_000)
+        .unwrap();
+    assert_eq!(
+        support::wait_transfer(e, id, Duration::from_secs(30)).state,
+        TransferState::Done
+    );
+}
+
 #[test]
 fn drill_10_a_cancel_ends_the_checkpoint_frees_its_pages_and_a_late_completion_revives_nothing() {
     use kvd::keys::BlockKey;
-    use kvd::store::Handle;
     let c = Cluster::start(3);
     let ctl = Control::start(&c.etcd);
     support::wait_until(
@@ -954,31 +989,13 @@ fn drill_10_a_cancel_ends_the_checkpoint_frees_its_pages_and_a_late_completion_r
     e1.manifest_begin(req, epoch, &ns, 0, 120_000).unwrap();
     let mut eh = c.n(holder).client("holder-view", 60_000);
     let published_before = eh.stats().unwrap().accounting.published;
-    for s in 0..2 {
-        let ks = &keys[4 * s..4 * s + 4];
-        let class = BlockClass::Checkpoint {
-            request: req,
-            epoch,
-        };
-        let allocs: Vec<_> = e1
-            .alloc(ks, class, None)
-            .unwrap()
-            .into_iter()
-            .map(Result::unwrap)
-            .collect();
-        let seals = support::write_all(&mut e1, &allocs, |i| {
-            support::pattern(BLOCK, (4 * s + i) as u8)
-        });
-        assert!(e1.seal(&seals).unwrap().iter().all(Result::is_ok));
-        let handles: Vec<Handle> = allocs.iter().map(|a| a.handle).collect();
-        let committed = ((4 * s + 4) as u32 * desc.tokens_per_block) as u64;
-        e1.manifest_extend(req, epoch, &handles, committed).unwrap();
-        let id = e1
-            .push_checkpoint(holder, req, epoch, ks, committed, 120_000)
-            .unwrap();
-        assert_eq!(
-            support::wait_transfer(&mut e1, id, Duration::from_secs(30)).state,
-            TransferState::Done
+    for step in 0..2 {
+        checkpoint_step(
+            &mut e1,
+            (holder, req, epoch),
+            &keys,
+            step,
+            desc.tokens_per_block,
         );
     }
     assert_eq!(eh.manifest(req).unwrap().tags.len(), 8);
