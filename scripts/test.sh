@@ -98,7 +98,7 @@ fi
 
 # The library crates build and test on their own (their own features, not the workspace's);
 # the rest of the workspace is tested together.
-LIB_CRATES=(kvd-core kvd-client kvd-store kvd-control kvd-sim kvd-remote)
+LIB_CRATES=(kvd-core kvd-client kvd-store kvd-control kvd-sim kvd-remote kvd-front)
 exclude=()
 for p in "${LIB_CRATES[@]}"; do exclude+=(--exclude "$p"); done
 
