@@ -9,7 +9,7 @@ use kvd_control::{ControlConfig, Decision, RequestState, RestorePlan};
 use kvd_front::machine::{Action, Admitted, Input, Request, State};
 use scripted::{Cluster, Fault, args, eventually, greedy, prompt, resume};
 
-const PROMPT: u32 = 40;
+const PROMPT: u32 = scripted::PROMPT_TOKENS;
 
 #[tokio::test(start_paused = true)]
 async fn an_uninterrupted_stream_relays_the_greedy_run_numbered_from_zero_and_ends_with_done() {
@@ -58,11 +58,8 @@ async fn an_uninterrupted_stream_relays_the_greedy_run_numbered_from_zero_and_en
 #[tokio::test(start_paused = true)]
 async fn a_kill_during_prefill_resumes_on_a_survivor_from_the_prompt() {
     let c = Cluster::new(3);
-    c.engines.script_any(&[Fault::KillAt(0)]);
-    let (id, mut client) = c.start(&prompt(PROMPT), 12).await;
-    client.read_to_end().await;
-    assert_eq!(client.tokens(), greedy(&prompt(PROMPT), 12));
-    assert!(client.error().is_none());
+    let (id, client) = c.run(&[Fault::KillAt(0)], 12).await;
+    client.assert_greedy(12);
     let rec = &c.front.status()["recoveries"][0];
     assert_eq!(rec["committed_tokens"], 0);
     assert_eq!(rec["from"], 1);
@@ -74,15 +71,18 @@ async fn a_kill_during_prefill_resumes_on_a_survivor_from_the_prompt() {
         calls[1].body["prompt"], calls[0].body["prompt"],
         "nothing committed: the prompt alone"
     );
-    assert_eq!(c.front.stats().recoveries, 1);
-    assert_eq!(c.front.stats().workers_failed, 1);
+    let s = c.front.stats();
+    assert_eq!(
+        (s.recoveries, s.workers_failed),
+        (1, 1),
+        "one worker failed, one recovery"
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_kill_at_token_k_resumes_on_the_holder_with_the_committed_prefix() {
     let c = Cluster::new(3);
-    c.engines.script_any(&[Fault::KillAt(7)]);
-    let (id, mut client) = c.start(&prompt(PROMPT), 20).await;
+    let (id, mut client) = c.start_with(&[Fault::KillAt(7)], 20).await;
     let holder = c.holder(id).unwrap();
     client.read_to_end().await;
     assert_eq!(
@@ -127,18 +127,18 @@ async fn a_kill_at_token_k_resumes_on_the_holder_with_the_committed_prefix() {
         client.got[10].data["kvd"]["epoch"], 2,
         "events after the break name the new epoch"
     );
-    let s = c.front.stats();
-    assert_eq!((s.recoveries, s.recoveries_from_checkpoint), (1, 1));
+    assert_eq!(
+        c.front.stats().recoveries_from_checkpoint,
+        1,
+        "the one recovery loaded a checkpoint"
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_second_failure_during_the_recovery_moves_the_request_again() {
     let c = Cluster::new(3);
-    c.engines.script_any(&[Fault::KillAt(5), Fault::KillAt(0)]);
-    let (id, mut client) = c.start(&prompt(PROMPT), 15).await;
-    client.read_to_end().await;
-    assert_eq!(client.tokens(), greedy(&prompt(PROMPT), 15));
-    assert!(client.error().is_none());
+    let (id, client) = c.run(&[Fault::KillAt(5), Fault::KillAt(0)], 15).await;
+    client.assert_greedy(15);
     assert_eq!(c.hub().request(id).unwrap().epoch, 3);
     let workers: Vec<u32> = c.engines.calls().iter().map(|c| c.worker).collect();
     assert_eq!(workers.len(), 3);
@@ -151,16 +151,15 @@ async fn a_second_failure_during_the_recovery_moves_the_request_again() {
         "each attempt on another worker: {workers:?}"
     );
     // a recovery is counted when a survivor streams its first token: the first one never did
-    assert_eq!(c.front.stats().recoveries, 1);
-    assert_eq!(c.front.stats().workers_failed, 2);
+    let s = c.front.stats();
+    assert_eq!((s.recoveries, s.workers_failed), (1, 2));
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_hung_engine_is_detected_by_silence_and_the_request_resumes_elsewhere() {
     let c = Cluster::new(3);
-    c.engines.script_any(&[Fault::StallAt(4)]);
     let t0 = tokio::time::Instant::now();
-    let (_, mut client) = c.start(&prompt(PROMPT), 10).await;
+    let (_, mut client) = c.start_with(&[Fault::StallAt(4)], 10).await;
     client.read_to_end().await;
     assert_eq!(client.tokens(), greedy(&prompt(PROMPT), 10));
     let rec = &c.front.status()["recoveries"][0];
@@ -398,9 +397,7 @@ async fn an_exhausted_migration_budget_ends_the_stream_with_an_error_event() {
         ..ControlConfig::default()
     };
     let c = Cluster::with(3, config, args());
-    c.engines.script_any(&[Fault::KillAt(3), Fault::KillAt(2)]);
-    let (id, mut client) = c.start(&prompt(PROMPT), 20).await;
-    client.read_to_end().await;
+    let (id, client) = c.run(&[Fault::KillAt(3), Fault::KillAt(2)], 20).await;
     let err = client.error().expect("an error event");
     assert!(err.contains("recovery is impossible"), "{err}");
     assert!(client.done());
@@ -418,9 +415,7 @@ async fn a_break_past_the_deadline_ends_the_stream_with_an_error_event() {
     let mut a = args();
     a.request_deadline_ms = 100;
     let c = Cluster::with(3, ControlConfig::default(), a);
-    c.engines.script_any(&[Fault::KillAt(15)]);
-    let (_, mut client) = c.start(&prompt(PROMPT), 30).await;
-    client.read_to_end().await;
+    let (_, client) = c.run(&[Fault::KillAt(15)], 30).await;
     let err = client.error().expect("an error event");
     assert!(err.contains("deadline"), "{err}");
     assert_eq!(client.tokens().len(), 15);
@@ -432,9 +427,7 @@ async fn a_failure_with_no_survivor_ends_the_stream_with_an_error_event() {
     let c = Cluster::new(2);
     c.hub().fail(&[2]).unwrap();
     c.engines.kill(2);
-    c.engines.script_any(&[Fault::KillAt(3)]);
-    let (id, mut client) = c.start(&prompt(PROMPT), 20).await;
-    client.read_to_end().await;
+    let (id, client) = c.run(&[Fault::KillAt(3)], 20).await;
     let err = client.error().expect("an error event");
     assert!(err.contains("recovery is impossible"), "{err}");
     assert_eq!(c.hub().request(id).unwrap().state, RequestState::Failed);
@@ -444,9 +437,7 @@ async fn a_failure_with_no_survivor_ends_the_stream_with_an_error_event() {
 #[tokio::test(start_paused = true)]
 async fn a_broken_stream_from_an_engine_that_still_answers_is_not_a_worker_failure() {
     let c = Cluster::new(3);
-    c.engines.script_any(&[Fault::DropAt(4)]);
-    let (_, mut client) = c.start(&prompt(PROMPT), 20).await;
-    client.read_to_end().await;
+    let (_, client) = c.run(&[Fault::DropAt(4)], 20).await;
     let err = client.error().expect("an error event");
     assert!(err.contains("still answers"), "{err}");
     assert_eq!(c.front.stats().workers_failed, 0);
@@ -455,9 +446,7 @@ async fn a_broken_stream_from_an_engine_that_still_answers_is_not_a_worker_failu
 #[tokio::test(start_paused = true)]
 async fn an_engine_that_refuses_the_request_fails_it_without_recovery() {
     let c = Cluster::new(3);
-    c.engines.script_any(&[Fault::Refuse]);
-    let (id, mut client) = c.start(&prompt(PROMPT), 20).await;
-    client.read_to_end().await;
+    let (id, client) = c.run(&[Fault::Refuse], 20).await;
     let err = client.error().expect("an error event");
     assert!(err.contains("refused the request (400)"), "{err}");
     assert_eq!(c.hub().request(id).unwrap().state, RequestState::Failed);
@@ -467,8 +456,7 @@ async fn an_engine_that_refuses_the_request_fails_it_without_recovery() {
 #[tokio::test(start_paused = true)]
 async fn a_holder_that_does_not_answer_is_failed_with_the_worker_and_the_request_is_recomputed() {
     let c = Cluster::new(3);
-    c.engines.script_any(&[Fault::KillAt(6)]);
-    let (id, mut client) = c.start(&prompt(PROMPT), 12).await;
+    let (id, mut client) = c.start_with(&[Fault::KillAt(6)], 12).await;
     let holder = c.holder(id).unwrap();
     c.engines.holder_down(holder);
     c.engines.kill(holder);

@@ -33,36 +33,12 @@ use crate::stats::RecoveryRecord;
 use body::{AttemptSpec, RestoreFrom, attempt_body};
 use relay::{RelayContext, rewrite, stamp};
 
-/// A request's state (DESIGN §7b).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum State {
-    /// Admitted; no attempt yet.
-    Admitted,
-    /// An attempt runs; no token yet.
-    Prefilling,
-    /// An attempt streams tokens.
-    Decoding,
-    /// The attempt broke; waiting for the engine's health, then a plan.
-    Migrating,
-    /// The client left; the cancel is being confirmed.
-    Cancelling,
-    /// The last token was relayed.
-    Completed,
-    /// The client left and the request was cancelled.
-    Cancelled,
-    /// The stream ended with an error event.
-    Failed,
-}
+/// A request's state: the controller's own ([`RequestState`], DESIGN §7b).
+pub use kvd_control::RequestState as State;
 
-impl State {
-    /// Whether nothing more happens to the request.
-    pub fn is_terminal(self) -> bool {
-        matches!(self, State::Completed | State::Cancelled | State::Failed)
-    }
-
-    fn attempt_runs(self) -> bool {
-        matches!(self, State::Prefilling | State::Decoding)
-    }
+/// Whether an attempt runs (its engine's events count).
+fn attempt_runs(s: State) -> bool {
+    matches!(s, State::Prefilling | State::Decoding)
 }
 
 /// What happens to a request.
@@ -354,7 +330,7 @@ impl Request {
 
     /// When, on the front's clock, it wants a [`Input::Tick`] (the end of a client's grace).
     pub fn wake_at_ms(&self) -> Option<u64> {
-        if !self.state.attempt_runs() {
+        if !attempt_runs(self.state) {
             return None;
         }
         self.alone_since_ms.map(|t| t + self.a.grace_ms)
@@ -366,7 +342,7 @@ impl Request {
         if self.state.is_terminal() {
             return out;
         }
-        let runs = |e: Epoch, s: &Self| e == s.epoch && s.state.attempt_runs();
+        let runs = |e: Epoch, s: &Self| e == s.epoch && attempt_runs(s.state);
         match input {
             Input::Start if self.state == State::Admitted => self.start_attempt(false, &mut out),
             Input::EngineEvent { epoch, data } if runs(epoch, self) => {
@@ -520,14 +496,7 @@ impl Request {
                 record.recovery_ms = now_ms.saturating_sub(p.at_ms);
                 out.push(Action::Recovered(record));
                 // the restore has read what it needed: the old checkpoint goes
-                if let Some(r) = self.restore.take() {
-                    out.push(Action::EndCheckpoint {
-                        holder: r.holder,
-                        epoch: r.epoch,
-                        measure: false,
-                        wait: false,
-                    });
-                }
+                self.end_restore(false, out);
             }
         }
         let generated_tokens = self.generated.len() as u32;
@@ -592,7 +561,7 @@ impl Request {
             Decision::RequestFailed {
                 request_id, reason, ..
             } if request_id == self.a.id && self.state != State::Cancelling => {
-                if self.state.attempt_runs() {
+                if attempt_runs(self.state) {
                     out.push(Action::Cancel { epoch: self.epoch });
                 }
                 self.fail(&format!("recovery is impossible: {reason}"), out);
@@ -603,7 +572,7 @@ impl Request {
 
     /// Resume on the plan's survivor under its epoch (ending the attempt that runs, if any).
     fn restore_on(&mut self, p: &RestorePlan, now_ms: u64, out: &mut Vec<Action>) {
-        if self.state.attempt_runs() {
+        if attempt_runs(self.state) {
             out.push(Action::Cancel { epoch: self.epoch });
         }
         if now_ms >= self.a.deadline_ms {
@@ -682,7 +651,7 @@ impl Request {
     }
 
     fn progress(&self, out: &mut Vec<Action>) {
-        if let (Some(holder), true) = (self.holder, self.state.attempt_runs()) {
+        if let (Some(holder), true) = (self.holder, attempt_runs(self.state)) {
             if !self.generated.is_empty() {
                 out.push(Action::ReportProgress {
                     holder,
@@ -741,12 +710,17 @@ impl Request {
                 wait: true,
             });
         }
+        self.end_restore(true, out);
+    }
+
+    /// End the checkpoint the attempt restored from, if not ended yet.
+    fn end_restore(&mut self, wait: bool, out: &mut Vec<Action>) {
         if let Some(r) = self.restore.take() {
             out.push(Action::EndCheckpoint {
                 holder: r.holder,
                 epoch: r.epoch,
                 measure: false,
-                wait: true,
+                wait,
             });
         }
     }

@@ -21,6 +21,8 @@ use kvd_front::log::{ClientGuard, Read, StreamLog, changed};
 use kvd_front::{Front, FrontArgs, Hub, TokioClock};
 use serde_json::{Value, json};
 
+/// The prompt's length in [`Cluster::run`].
+pub const PROMPT_TOKENS: u32 = 40;
 /// Time between two tokens of a scripted engine.
 pub const TOKEN_MS: u64 = 10;
 /// Pool bytes a checkpoint takes per token.
@@ -428,6 +430,21 @@ impl Cluster {
         (id, Client::new(log, guard, 0))
     }
 
+    /// Script the next completions and start a request of `max_tokens` after a prompt of
+    /// `PROMPT_TOKENS`.
+    pub async fn start_with(&self, faults: &[Fault], max_tokens: u32) -> (RequestId, Client) {
+        self.engines.script_any(faults);
+        self.start(&prompt(PROMPT_TOKENS), max_tokens).await
+    }
+
+    /// Script the next completions, start a request of `max_tokens` after a prompt of
+    /// `PROMPT_TOKENS`, and read it to its end.
+    pub async fn run(&self, faults: &[Fault], max_tokens: u32) -> (RequestId, Client) {
+        let (id, mut client) = self.start_with(faults, max_tokens).await;
+        client.read_to_end().await;
+        (id, client)
+    }
+
     /// The worker serving `id` now (its record in the controller).
     pub fn serving(&self, id: RequestId) -> WorkerId {
         self.hub().request(id).unwrap().serving
@@ -522,6 +539,17 @@ impl Client {
             })
             .map(|t| t.as_u64().unwrap() as u32)
             .collect()
+    }
+
+    /// It got the uninterrupted greedy run of `n` tokens after [`Cluster::run`]'s prompt, in
+    /// sequence order, and no error.
+    pub fn assert_greedy(&self, n: usize) {
+        assert_eq!(
+            self.tokens(),
+            greedy(&prompt(PROMPT_TOKENS), n),
+            "greedy continuation is exact"
+        );
+        assert_eq!(self.error(), None);
     }
 
     /// The error event it got, if any.
