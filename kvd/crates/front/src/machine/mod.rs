@@ -33,7 +33,7 @@ use crate::stats::RecoveryRecord;
 use body::{AttemptSpec, RestoreFrom, attempt_body};
 use relay::{RelayContext, rewrite, stamp};
 
-/// A request's state: the controller's own ([`RequestState`], DESIGN §7b).
+/// A request's state: the controller's own ([`kvd_control::RequestState`], DESIGN §7b).
 pub use kvd_control::RequestState as State;
 
 /// Whether an attempt runs (its engine's events count).
