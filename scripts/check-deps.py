@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fail when what engines link (libkvd, kvd-client) or what a router links (kvd-control) pulls in a
-daemon dependency.
+daemon dependency, or when the streaming front (kvd-front) pulls in more than its HTTP.
 
 The check reads the dependency graph cargo resolves for a whole-workspace build (`cargo metadata`,
 features unified across the workspace, as a real build sees them), not `cargo tree -p`, which
@@ -10,14 +10,18 @@ import json
 import subprocess
 import sys
 
-ROOTS = sys.argv[1:] or ["kvd-ffi", "kvd-client", "kvd-control"]
+ROOTS = sys.argv[1:] or ["kvd-ffi", "kvd-client", "kvd-control", "kvd-front"]
 FORBIDDEN = {
     "tokio", "axum", "hyper", "clap", "plotters", "rand", "prometheus-client",
     "tracing-subscriber", "etcd-client",
 }
 # What one root must not link beyond that: a router needs no byte movers (kvd-core knows nothing
 # of the transport; the error conversion lives in kvd-transport behind its `core-errors` feature).
-FORBIDDEN_FOR = {"kvd-control": {"kvd-transport", "io-uring"}}
+FORBIDDEN_FOR = {"kvd-control": {"kvd-transport", "io-uring"},
+                 "kvd-front": {"kvd-transport", "io-uring"}}
+# What one root may link although the others must not: the front speaks HTTP to the engines and
+# the holders and takes its flags from clap; it needs no etcd client, server or metrics registry.
+ALLOWED_FOR = {"kvd-front": {"tokio", "hyper", "clap"}}
 
 host = next(line.split()[1] for line in subprocess.check_output(["rustc", "-vV"], text=True)
             .splitlines() if line.startswith("host:"))
@@ -48,7 +52,7 @@ for root in ROOTS:
         for d in normal_deps(nodes[i]):
             parent.setdefault(d, i)
             stack.append(d)
-    forbidden = FORBIDDEN | FORBIDDEN_FOR.get(root, set())
+    forbidden = (FORBIDDEN - ALLOWED_FOR.get(root, set())) | FORBIDDEN_FOR.get(root, set())
     bad = sorted(names[i] for i in seen if names[i] in forbidden)
     if bad:
         failed = True

@@ -107,15 +107,19 @@ if ! diff -r "$fresh_pb" third_party/etcd-client/src/rpc/pb; then
 fi
 rm -rf "$fresh_pb"
 
-echo "== what engines and routers link (libkvd, kvd-client, kvd-control) has none of the daemon's dependencies"
+echo "== what engines and routers link (libkvd, kvd-client, kvd-control) has none of the daemon's dependencies, the front (kvd-front) no more than its HTTP"
 python3 scripts/check-deps.py
 
 if [ "$fast" = 1 ]; then
     echo "== the quick tier: unit tests of every crate (no daemons, no engines, no etcd)"
+    # and the streaming front's in-process recovery tests (a scripted engine on a paused clock:
+    # every recovery path in about a second)
     if command -v cargo-nextest >/dev/null; then
         cargo nextest run --workspace --locked --lib --no-fail-fast
+        cargo nextest run --locked -p kvd-front --test in_process --no-fail-fast
     else
         cargo test --workspace --locked --lib --no-fail-fast
+        cargo test --locked -p kvd-front --test in_process --no-fail-fast
     fi
     echo "== the quick tier passed (lints and unit tests); the whole suite: scripts/test.sh"
     exit 0
@@ -123,7 +127,7 @@ fi
 
 # The library crates build and test on their own (their own features, not the workspace's);
 # the rest of the workspace is tested together.
-LIB_CRATES=(kvd-core kvd-client kvd-store kvd-control kvd-sim kvd-remote kvd-cluster)
+LIB_CRATES=(kvd-core kvd-client kvd-store kvd-control kvd-sim kvd-remote kvd-cluster kvd-front)
 exclude=()
 for p in "${LIB_CRATES[@]}"; do exclude+=(--exclude "$p"); done
 

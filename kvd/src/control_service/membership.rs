@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::control::{ControllerSnapshot, Event, WorkerId};
-use crate::control_service::Shared;
 use crate::{Error, Result};
 use kvd_cluster::{Etcd, NodeChange, Registration};
+use kvd_front::Hub;
 
 /// etcd authentication and TLS, as [`kvd_cluster::EtcdArgs::security`] reads them.
 pub type Security = Arc<kvd_cluster::EtcdSecurity>;
@@ -62,7 +62,7 @@ struct Seen {
 
 /// Feed `shared` from the membership in etcd and keep its snapshot there, until the process
 /// ends (reconnecting with a bounded backoff).
-pub async fn run(endpoints: Vec<String>, prefix: String, security: Security, shared: Arc<Shared>) {
+pub async fn run(endpoints: Vec<String>, prefix: String, security: Security, shared: Arc<Hub>) {
     let mut seen = Seen::default();
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -78,7 +78,7 @@ fn worker(node: u64) -> Option<WorkerId> {
     WorkerId::try_from(node).ok()
 }
 
-fn apply(shared: &Shared, e: &Event) {
+fn apply(shared: &Hub, e: &Event) {
     if let Err(err) = shared.apply(e) {
         tracing::warn!(event = ?e, error = %err, "control: a membership event was refused");
     } else {
@@ -87,7 +87,7 @@ fn apply(shared: &Shared, e: &Event) {
 }
 
 /// A registration was written: join, recover, or (same generation) nothing.
-fn registered(shared: &Shared, seen: &mut Seen, r: &Registration) {
+fn registered(shared: &Hub, seen: &mut Seen, r: &Registration) {
     let Some(w) = worker(r.node_id) else { return };
     shared.node_registered(r.node_id, &r.admin_addr);
     match seen.nodes.get(&r.node_id).copied() {
@@ -124,7 +124,7 @@ fn registered(shared: &Shared, seen: &mut Seen, r: &Registration) {
 }
 
 /// A registration disappeared: the node failed.
-fn gone(shared: &Shared, seen: &mut Seen, node: u64) {
+fn gone(shared: &Hub, seen: &mut Seen, node: u64) {
     let Some(w) = worker(node) else { return };
     shared.node_gone(node);
     let silent = seen.nodes.get(&node).map(|(_, at)| at.elapsed());
@@ -144,7 +144,7 @@ async fn session(
     endpoints: &[String],
     prefix: &str,
     security: &Security,
-    shared: &Arc<Shared>,
+    shared: &Arc<Hub>,
     seen: &mut Seen,
 ) -> Result<()> {
     let mut etcd = Etcd::connect(endpoints, security, ETCD_TIMEOUT).await?;

@@ -17,7 +17,8 @@
 //! | GET    | `/metrics`           | → the counters and load in OpenMetrics text (Prometheus)   |
 //! | GET    | `/snapshot`          | → the whole state ([`crate::control::ControllerSnapshot`])          |
 //!
-//! With `--engine ID=URL` it also serves the streaming front ([`crate::control_service::front`]):
+//! With `--engine ID=URL` it also serves the streaming front ([`kvd_front`], its routes in
+//! [`crate::control_service::front`]):
 //! `POST /v1/completions` (OpenAI-compatible, streaming), `GET /v1/streams/{id}` (resume with
 //! `Last-Event-ID`) and `GET /status`.
 //!
@@ -29,10 +30,9 @@
 pub mod front;
 pub mod membership;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::Json;
 use axum::Router;
@@ -43,11 +43,12 @@ use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
-use crate::clock::{Clock, MonotonicClock};
+use crate::clock::MonotonicClock;
 use crate::control::{
     AdmitRequest, ControlConfig, Controller, ControllerSnapshot, Decision, Event, PolicyKind,
     RequestId, WorkerId,
 };
+use kvd_front::Hub;
 
 /// Largest request body accepted, bytes.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -86,173 +87,7 @@ pub struct ControlArgs {
     pub etcd: kvd_cluster::EtcdArgs,
     /// The streaming front (`--engine` turns it on).
     #[command(flatten)]
-    pub front: crate::control_service::front::FrontArgs,
-}
-
-/// The shared state of the service: one controller and the clock that stamps events, and
-/// what the streaming front needs beside it (the plans for its requests, the nodes' admin
-/// addresses, its counters).
-#[derive(Debug)]
-pub struct Shared {
-    controller: Mutex<Controller>,
-    clock: MonotonicClock,
-    /// Added to the clock so time continues past the restored snapshot's timestamps.
-    clock_offset_ms: u64,
-    plans: Mutex<Plans>,
-    plans_tx: tokio::sync::watch::Sender<u64>,
-    /// node → its admin address, from its registration in etcd.
-    nodes: Mutex<BTreeMap<u64, String>>,
-    front_stats: Mutex<crate::control_service::front::FrontStats>,
-}
-
-/// Decisions about the requests the front drives, until their task takes them.
-#[derive(Debug, Default)]
-struct Plans {
-    watched: HashSet<RequestId>,
-    plans: HashMap<RequestId, Decision>,
-}
-
-impl Shared {
-    /// Now, on the controller's clock, ms.
-    pub fn now_ms(&self) -> u64 {
-        self.clock_offset_ms + self.clock.now_ms()
-    }
-
-    /// Keep the decisions that name requests the front drives, and wake their tasks.
-    fn note(&self, decisions: &[Decision]) {
-        let mut woke = false;
-        {
-            let mut p = self.plans.lock().unwrap_or_else(|p| p.into_inner());
-            if p.watched.is_empty() {
-                return;
-            }
-            for d in decisions {
-                let id = match d {
-                    Decision::Restore(r) => r.request_id,
-                    Decision::RequestFailed { request_id, .. }
-                    | Decision::Checkpoint { request_id, .. } => *request_id,
-                    _ => continue,
-                };
-                if p.watched.contains(&id) {
-                    // a restore or a failure supersedes a checkpoint move
-                    let keep_old = matches!(d, Decision::Checkpoint { .. })
-                        && p.plans
-                            .get(&id)
-                            .is_some_and(|o| !matches!(o, Decision::Checkpoint { .. }));
-                    if !keep_old {
-                        p.plans.insert(id, d.clone());
-                        woke = true;
-                    }
-                }
-            }
-        }
-        if woke {
-            self.plans_tx.send_modify(|v| *v = v.wrapping_add(1));
-        }
-    }
-
-    /// The front drives `id`: keep the decisions about it.
-    pub fn watch_request(&self, id: RequestId) {
-        self.plans
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .watched
-            .insert(id);
-    }
-
-    /// The front is done with `id`.
-    pub fn unwatch_request(&self, id: RequestId) {
-        let mut p = self.plans.lock().unwrap_or_else(|p| p.into_inner());
-        p.watched.remove(&id);
-        p.plans.remove(&id);
-    }
-
-    /// The decision waiting for `id`, if any.
-    pub fn take_plan(&self, id: RequestId) -> Option<Decision> {
-        self.plans
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .plans
-            .remove(&id)
-    }
-
-    /// A receiver that changes whenever a decision for a watched request arrives.
-    pub fn plans_changed(&self) -> tokio::sync::watch::Receiver<u64> {
-        self.plans_tx.subscribe()
-    }
-
-    /// A node registered (or re-registered) with this admin address.
-    pub fn node_registered(&self, node: u64, admin_addr: &str) {
-        self.nodes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(node, admin_addr.to_string());
-    }
-
-    /// A node's registration is gone.
-    pub fn node_gone(&self, node: u64) {
-        self.nodes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&node);
-    }
-
-    /// A registered node's admin address.
-    pub fn node_admin(&self, node: u64) -> Option<String> {
-        self.nodes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&node)
-            .cloned()
-    }
-
-    /// Admit a request now.
-    ///
-    /// # Errors
-    /// Those of [`Controller::admit`].
-    pub fn admit(&self, req: AdmitRequest) -> crate::Result<crate::control::Admission> {
-        let now = self.now_ms();
-        self.lock().admit(req, now)
-    }
-
-    /// Fail `workers` now; the plan (its decisions also reach the front's requests).
-    ///
-    /// # Errors
-    /// Those of [`Controller::fail_workers`].
-    pub fn fail(&self, workers: &[WorkerId]) -> crate::Result<crate::control::RecoveryPlan> {
-        let now = self.now_ms();
-        let plan = self.lock().fail_workers(workers, now)?;
-        self.note(&plan.clone().into_decisions());
-        Ok(plan)
-    }
-
-    /// A request's record (live or retained terminal).
-    pub fn request(&self, id: RequestId) -> Option<crate::control::RequestRecord> {
-        self.lock().request(id).cloned()
-    }
-
-    /// The controller's counters.
-    pub fn stats(&self) -> crate::control::Stats {
-        self.lock().stats().clone()
-    }
-
-    /// Update the front's counters.
-    pub fn count_front(&self, f: impl FnOnce(&mut crate::control_service::front::FrontStats)) {
-        f(&mut self.front_stats.lock().unwrap_or_else(|p| p.into_inner()));
-    }
-
-    /// The front's counters.
-    pub fn front_stats(&self) -> crate::control_service::front::FrontStats {
-        self.front_stats
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Controller> {
-        // A panic inside the controller is a bug; the state it left is still the best we have.
-        self.controller.lock().unwrap_or_else(|p| p.into_inner())
-    }
+    pub front: kvd_front::FrontArgs,
 }
 
 /// An error as the service answers it.
@@ -336,7 +171,7 @@ async fn healthz() -> &'static str {
     "ok"
 }
 
-async fn events(State(s): State<Arc<Shared>>, Json(batch): Json<EventBatch>) -> Api<BatchResults> {
+async fn events(State(s): State<Arc<Hub>>, Json(batch): Json<EventBatch>) -> Api<BatchResults> {
     if batch.events.len() > MAX_EVENTS_PER_BATCH {
         return Err(Error::InvalidArgument(format!(
             "{} events in one batch (at most {MAX_EVENTS_PER_BATCH})",
@@ -344,22 +179,16 @@ async fn events(State(s): State<Arc<Shared>>, Json(batch): Json<EventBatch>) -> 
         ))
         .into());
     }
-    let now = s.now_ms();
-    let mut noted = Vec::new();
-    let mut c = s.lock();
-    let results = batch
-        .events
-        .iter()
-        .map(|e| match c.apply(e, now) {
-            Ok(decisions) => {
-                noted.extend(decisions.iter().cloned());
-                EventResult {
-                    ok: true,
-                    decisions,
-                    code: None,
-                    error: None,
-                }
-            }
+    let results = s
+        .apply_all(&batch.events)
+        .into_iter()
+        .map(|r| match r {
+            Ok(decisions) => EventResult {
+                ok: true,
+                decisions,
+                code: None,
+                error: None,
+            },
             Err(e) => EventResult {
                 ok: false,
                 decisions: vec![],
@@ -368,47 +197,43 @@ async fn events(State(s): State<Arc<Shared>>, Json(batch): Json<EventBatch>) -> 
             },
         })
         .collect();
-    drop(c);
-    s.note(&noted);
     Ok(Json(BatchResults { results }))
 }
 
 async fn admit(
-    State(s): State<Arc<Shared>>,
+    State(s): State<Arc<Hub>>,
     Json(req): Json<AdmitRequest>,
 ) -> Api<crate::control::Admission> {
-    let now = s.now_ms();
-    Ok(Json(s.lock().admit(req, now)?))
+    Ok(Json(s.admit(req)?))
 }
 
 async fn workers_failed(
-    State(s): State<Arc<Shared>>,
+    State(s): State<Arc<Hub>>,
     Json(body): Json<FailedWorkers>,
 ) -> Api<crate::control::RecoveryPlan> {
     Ok(Json(s.fail(&body.workers)?))
 }
 
-async fn workers(State(s): State<Arc<Shared>>) -> Api<crate::control::LoadTable> {
-    Ok(Json(s.lock().load().clone()))
+async fn workers(State(s): State<Arc<Hub>>) -> Api<crate::control::LoadTable> {
+    Ok(Json(s.load()))
 }
 
 async fn request(
-    State(s): State<Arc<Shared>>,
+    State(s): State<Arc<Hub>>,
     Path(id): Path<RequestId>,
 ) -> Api<crate::control::RequestRecord> {
-    let c = s.lock();
-    let r = c
+    let r = s
         .request(id)
         .ok_or_else(|| Error::NotFound(format!("request {id}")))?;
-    Ok(Json(r.clone()))
+    Ok(Json(r))
 }
 
-async fn stats(State(s): State<Arc<Shared>>) -> Api<crate::control::Stats> {
-    Ok(Json(s.lock().stats().clone()))
+async fn stats(State(s): State<Arc<Hub>>) -> Api<crate::control::Stats> {
+    Ok(Json(s.stats()))
 }
 
-async fn metrics(State(s): State<Arc<Shared>>) -> Response {
-    let mut m = ControllerMetrics::read(&s.lock());
+async fn metrics(State(s): State<Arc<Hub>>) -> Response {
+    let mut m = s.with(|c| ControllerMetrics::read(c));
     if let Ok(serde_json::Value::Object(map)) = serde_json::to_value(s.front_stats()) {
         m.stats.extend(
             map.into_iter()
@@ -526,29 +351,23 @@ impl prometheus_client::collector::Collector for ControllerMetrics {
     }
 }
 
-async fn snapshot(State(s): State<Arc<Shared>>) -> Api<ControllerSnapshot> {
-    Ok(Json(s.lock().snapshot()))
+async fn snapshot(State(s): State<Arc<Hub>>) -> Api<ControllerSnapshot> {
+    Ok(Json(s.snapshot()))
 }
 
 /// The service's routes over `controller` (exposed for embedding the service in another axum
 /// application).
 pub fn router(controller: Controller, clock_offset_ms: u64) -> Router {
-    routes(shared(controller, clock_offset_ms))
+    routes(hub(controller, clock_offset_ms))
 }
 
-pub(crate) fn shared(controller: Controller, clock_offset_ms: u64) -> Arc<Shared> {
-    Arc::new(Shared {
-        controller: Mutex::new(controller),
-        clock: MonotonicClock::new(),
-        clock_offset_ms,
-        plans: Mutex::default(),
-        plans_tx: tokio::sync::watch::channel(0).0,
-        nodes: Mutex::default(),
-        front_stats: Mutex::default(),
-    })
+/// The service's shared state over `controller`: the controller under its lock, the clock that
+/// stamps its events, and what the streaming front keeps beside it.
+pub(crate) fn hub(controller: Controller, clock_offset_ms: u64) -> Arc<Hub> {
+    Hub::new(controller, Arc::new(MonotonicClock::new()), clock_offset_ms)
 }
 
-fn routes(shared: Arc<Shared>) -> Router {
+fn routes(shared: Arc<Hub>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/events", post(events))
@@ -573,26 +392,6 @@ fn snapshot_offset(snap: &ControllerSnapshot) -> u64 {
         .unwrap_or(0)
 }
 
-impl Shared {
-    /// Apply `event` now; its decisions (those about the front's requests reach them too).
-    pub fn apply(&self, event: &Event) -> crate::Result<Vec<Decision>> {
-        let now = self.now_ms();
-        let d = self.lock().apply(event, now)?;
-        self.note(&d);
-        Ok(d)
-    }
-
-    /// The controller's snapshot.
-    pub fn snapshot(&self) -> ControllerSnapshot {
-        self.lock().snapshot()
-    }
-
-    /// The worker table.
-    pub fn load(&self) -> crate::control::LoadTable {
-        self.lock().load().clone()
-    }
-}
-
 /// Build the controller `args` describe (fresh, or from the snapshot file).
 ///
 /// # Errors
@@ -603,7 +402,7 @@ pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u6
             "--engine needs --etcd: the front learns the workers, their capacities and the holders' admin addresses from the nodes' registrations".into(),
         ));
     }
-    crate::control_service::front::parse_engines(&args.front.engines)?;
+    kvd_front::http::parse_engines(&args.front.engines)?;
     if !args.listen.ip().is_loopback() && !args.allow_remote {
         return Err(Error::InvalidArgument(format!(
             "{} is not a loopback address; pass --allow-remote to listen there",
@@ -687,18 +486,20 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
                 }
             }
         };
-        let shared = shared(controller, offset);
+        let shared = hub(controller, offset);
         let mut app = routes(Arc::clone(&shared));
         if !args.front.engines.is_empty() {
-            let front = match crate::control_service::front::Front::new(Arc::clone(&shared), args.front.clone()) {
-                Ok(f) => f,
+            let engines = match kvd_front::http::HttpEngines::new(&args.front.engines, args.front.engine_timeout()) {
+                Ok(e) => Arc::new(e),
                 Err(e) => {
                     eprintln!("kvd control: {e}");
                     return Err(std::io::Error::other(e.to_string()));
                 }
             };
+            let holders = Arc::new(kvd_front::http::HttpHolders::new(Arc::clone(&shared)));
+            let front = kvd_front::Front::new(Arc::clone(&shared), args.front.clone(), engines, holders);
             front.spawn_health_watch();
-            app = app.merge(front.routes());
+            app = app.merge(crate::control_service::front::routes(front));
             println!("kvd control: the streaming front serves POST /v1/completions for {} engines", args.front.engines.len());
         }
         if args.etcd.is_on() {

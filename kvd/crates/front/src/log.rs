@@ -135,6 +135,13 @@ impl Drop for ClientGuard {
     }
 }
 
+/// Wait for `rx` to change (forever once its sender is gone).
+pub async fn changed(rx: &mut watch::Receiver<u64>) {
+    if rx.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

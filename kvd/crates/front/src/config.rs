@@ -1,0 +1,102 @@
+//! The front's settings (`kvd control`'s flags) and its fixed bounds.
+
+use std::time::Duration;
+
+/// The streaming front's arguments (part of `kvd control`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct FrontArgs {
+    /// A worker's engine, as ID=URL: the OpenAI-compatible server (vLLM's) of the node whose
+    /// kvd daemon has node id ID, e.g. 1=http://10.0.0.1:8000. Repeat per worker. With at
+    /// least one, `kvd control` serves the streaming front (`POST /v1/completions`); it needs
+    /// --etcd (the holders' admin addresses and the workers' capacities come from the nodes'
+    /// registrations).
+    #[arg(long = "engine", value_name = "ID=URL")]
+    pub engines: Vec<String>,
+    /// KV bytes per token of the served model (layers × 2 × KV heads × head dim × dtype
+    /// bytes): a request's checkpoint reservation is (prompt + max_tokens), rounded up to whole
+    /// blocks of --kv-tokens-per-block, × this.
+    #[arg(long, default_value_t = 131072)]
+    pub kv_bytes_per_token: u64,
+    /// Tokens per KV block of the engines (vLLM's --block-size; its default is 16): holders
+    /// store whole blocks, so a checkpoint's last, partly filled block takes a whole page.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub kv_tokens_per_block: u64,
+    /// How long a request whose client disconnected waits for it to reconnect
+    /// (Last-Event-ID) before it is cancelled, ms.
+    #[arg(long, default_value_t = 10_000)]
+    pub reconnect_grace_ms: u64,
+    /// How long a finished stream stays readable for a client that reconnects late, ms.
+    #[arg(long, default_value_t = 60_000)]
+    pub retain_ms: u64,
+    /// Longest wait for an engine: to connect and answer, and between two events of its
+    /// stream (a silent stream is a broken one), ms.
+    #[arg(long, default_value_t = 30_000)]
+    pub engine_timeout_ms: u64,
+    /// A request's deadline from its arrival, ms; recovery never runs past it.
+    #[arg(long, default_value_t = 600_000)]
+    pub request_deadline_ms: u64,
+    /// Requests streaming at once; past it new requests get 429. As many finished streams
+    /// are kept for clients that reconnect late (each at most --retain-ms; past that bound the
+    /// oldest goes first).
+    #[arg(long, default_value_t = 256)]
+    pub max_streams: usize,
+    /// Bytes of events kept per stream for clients that reconnect; past it the oldest go.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_stream_bytes: usize,
+}
+
+impl FrontArgs {
+    /// The longest wait for an engine.
+    pub fn engine_timeout(&self) -> Duration {
+        Duration::from_millis(self.engine_timeout_ms)
+    }
+
+    /// The pool bytes a request of `tokens` tokens reserves for its checkpoint: whole blocks,
+    /// since a holder stores a partly filled last block in a whole page.
+    pub fn reservation_bytes(&self, tokens: u64) -> u64 {
+        let tpb = self.kv_tokens_per_block.max(1);
+        tokens
+            .div_ceil(tpb)
+            .saturating_mul(tpb)
+            .saturating_mul(self.kv_bytes_per_token)
+    }
+}
+
+/// Most recoveries `/status` lists.
+pub const RECOVERIES_KEPT: usize = 64;
+/// How often the health watch asks each engine.
+pub const HEALTH_EVERY: Duration = Duration::from_secs(1);
+/// Longest wait for one health check or holder call.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Misses in a row after which an in-service worker's engine counts as gone.
+pub const HEALTH_MISSES: u32 = 2;
+/// How often a running request's checkpoint progress is read from its holder.
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(2);
+/// A keep-alive comment to clients this often while nothing else is sent (so a client that
+/// left is noticed even while its request waits for a survivor).
+pub const KEEPALIVE: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        front: FrontArgs,
+    }
+
+    #[test]
+    fn a_reservation_covers_whole_blocks() {
+        let mut args = Cli::parse_from(["x"]).front;
+        args.kv_bytes_per_token = 2048;
+        args.kv_tokens_per_block = 32;
+        // 1,300 tokens take 41 blocks of 32: the last one, 20 tokens, in a whole 64 KiB page
+        assert_eq!(args.reservation_bytes(1300), 41 * 65_536);
+        assert_eq!(args.reservation_bytes(1280), 40 * 65_536);
+        assert_eq!(args.reservation_bytes(1), 65_536);
+        args.kv_bytes_per_token = u64::MAX;
+        assert_eq!(args.reservation_bytes(1300), u64::MAX);
+    }
+}

@@ -1,0 +1,100 @@
+//! The seams to the outside: the workers' engines ([`Engines`]) and the checkpoint holders'
+//! admin calls ([`Holders`]). The front names the calls it makes (tokenize, stream a
+//! completion, health; what a holder holds, end a checkpoint), never an engine's URLs: vLLM's
+//! OpenAI server ([`crate::http::HttpEngines`]) is one implementation, the tests' scripted
+//! engine another, and prefill/decode roles are further ones. Every wait on these calls is
+//! bounded by the caller (the front), so an implementation that hangs is a silent engine.
+
+use std::fmt::Debug;
+use std::future::Future;
+use std::pin::Pin;
+
+use kvd_control::{Epoch, RequestId, WorkerId};
+use kvd_core::Result;
+use serde::Deserialize;
+use serde_json::Value;
+
+/// A boxed, sendable future (the traits are used as objects).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// How an engine answered a completion request.
+#[derive(Debug)]
+pub enum Opened {
+    /// It streams; read the events off this. Dropping it drops the connection, which aborts
+    /// the request in the engine.
+    Stream(Box<dyn EventStream>),
+    /// It answered with an error status before streaming: 5xx is the engine's trouble (the
+    /// stream counts as broken), anything else a refusal of the request itself.
+    Refused {
+        /// The HTTP status.
+        status: u16,
+        /// What it said.
+        text: String,
+    },
+}
+
+/// One completion's event stream (OpenAI's `data:` events, `[DONE]` last).
+pub trait EventStream: Send + Debug {
+    /// The next event's data; `Ok(None)` when the engine closed the stream cleanly.
+    ///
+    /// # Errors
+    /// The connection broke, or the stream is malformed.
+    fn next(&mut self) -> BoxFuture<'_, Result<Option<String>>>;
+}
+
+/// The workers' engines, by worker id.
+pub trait Engines: Send + Sync + Debug {
+    /// The workers that have an engine, in id order.
+    fn workers(&self) -> Vec<WorkerId>;
+
+    /// How to name `worker`'s engine in messages (its address).
+    fn name(&self, worker: WorkerId) -> String;
+
+    /// The prompt's token ids, as `worker`'s engine tokenizes `text` for `model`.
+    ///
+    /// # Errors
+    /// The engine is unreachable, or refuses (a bad model name: [`kvd_core::Error::InvalidArgument`]).
+    fn tokenize(
+        &self,
+        worker: WorkerId,
+        model: Value,
+        text: String,
+    ) -> BoxFuture<'_, Result<Vec<u32>>>;
+
+    /// Start a streaming completion of `body` (an OpenAI `/v1/completions` body with token-id
+    /// prompt, `stream` and `return_token_ids` set, and kvd's `kv_transfer_params`).
+    ///
+    /// # Errors
+    /// The engine is unreachable (the front treats it as a broken stream).
+    fn complete(&self, worker: WorkerId, body: Value) -> BoxFuture<'_, Result<Opened>>;
+
+    /// Whether `worker`'s engine answers its health check.
+    fn health(&self, worker: WorkerId) -> BoxFuture<'_, bool>;
+}
+
+/// A holder's answer about one checkpoint (the daemon's `CheckpointReport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct Held {
+    /// The epoch the checkpoint was written in.
+    pub epoch: u64,
+    /// Tokens its blocks cover.
+    pub committed_tokens: u64,
+    /// Pool bytes they take.
+    pub bytes: u64,
+}
+
+/// The checkpoint holders' admin calls (`GET` and `DELETE /checkpoints/{request}` on a
+/// daemon's admin address).
+pub trait Holders: Send + Sync + Debug {
+    /// What `holder` holds for `request` (`None`: nothing).
+    ///
+    /// # Errors
+    /// The holder does not answer (the front then treats it as gone).
+    fn held(&self, holder: WorkerId, request: RequestId) -> BoxFuture<'_, Result<Option<Held>>>;
+
+    /// End `request`'s checkpoint of `epoch` on `holder` (nothing there is no error).
+    ///
+    /// # Errors
+    /// The holder does not answer.
+    fn end(&self, holder: WorkerId, request: RequestId, epoch: Epoch) -> BoxFuture<'_, Result<()>>;
+}

@@ -1,0 +1,538 @@
+//! The [`Front`]: admission, the streams' logs, the running requests' tasks, recovery of a
+//! failed worker's requests, and the health watch over the engines.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvd_control::{AdmitRequest, Decision, Epoch, Event, RequestId, WorkerId, WorkerPhase};
+use kvd_core::{Error, Result};
+use serde_json::{Value, json};
+use tokio::time::{MissedTickBehavior, interval, timeout};
+
+use crate::config::{FrontArgs, HEALTH_EVERY, HEALTH_MISSES, PROBE_TIMEOUT, RECOVERIES_KEPT};
+use crate::driver::Driver;
+use crate::engine::{Engines, Held, Holders};
+use crate::hub::Hub;
+use crate::log::{ClientGuard, StreamLog};
+use crate::machine::body::{Asked, Prompt, parse_body};
+use crate::machine::{Active, Admitted, Input, Request};
+use crate::stats::{FrontStats, RecoveryRecord};
+
+/// A stream the front serves: its id, its log, and the client counted in.
+pub type Opened = (RequestId, Arc<StreamLog>, ClientGuard);
+
+/// The streaming front.
+#[derive(Debug)]
+pub struct Front {
+    hub: Arc<Hub>,
+    args: FrontArgs,
+    engines: Arc<dyn Engines>,
+    holders: Arc<dyn Holders>,
+    streams: Mutex<HashMap<RequestId, Arc<StreamLog>>>,
+    /// Finished streams still readable, oldest first (when each finished, on the hub's clock).
+    finished: Mutex<VecDeque<(u64, RequestId)>>,
+    active: Mutex<HashMap<RequestId, Active>>,
+    recoveries: Mutex<VecDeque<RecoveryRecord>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What `holder` holds for `id`, asked within [`PROBE_TIMEOUT`].
+async fn held_within(
+    holders: &dyn Holders,
+    holder: WorkerId,
+    id: RequestId,
+) -> Result<Option<Held>> {
+    timeout(PROBE_TIMEOUT, holders.held(holder, id))
+        .await
+        .map_err(|_| Error::Unavailable(format!("node {holder}: no answer")))?
+}
+
+/// A fresh request id: random, below 2^53 so that JSON readers keep it exact.
+fn new_request_id() -> RequestId {
+    let mut r = [0u8; 8];
+    let n = rustix::rand::getrandom(&mut r, rustix::rand::GetRandomFlags::empty()).unwrap_or(0);
+    let v = if n == 8 {
+        u64::from_le_bytes(r)
+    } else {
+        // no randomness: time-based, still unique per process
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+    };
+    (v & ((1 << 53) - 1)).max(1)
+}
+
+impl Front {
+    /// A front over `hub` that reaches the engines and holders through these.
+    pub fn new(
+        hub: Arc<Hub>,
+        args: FrontArgs,
+        engines: Arc<dyn Engines>,
+        holders: Arc<dyn Holders>,
+    ) -> Arc<Front> {
+        Arc::new(Front {
+            hub,
+            args,
+            engines,
+            holders,
+            streams: Mutex::default(),
+            finished: Mutex::default(),
+            active: Mutex::default(),
+            recoveries: Mutex::default(),
+        })
+    }
+
+    /// The hub it shares with the service.
+    pub fn hub(&self) -> &Arc<Hub> {
+        &self.hub
+    }
+
+    /// Its settings.
+    pub fn args(&self) -> &FrontArgs {
+        &self.args
+    }
+
+    pub(crate) fn engines(&self) -> &dyn Engines {
+        &*self.engines
+    }
+
+    pub(crate) fn count(&self, f: impl FnOnce(&mut FrontStats)) {
+        self.hub.count_front(f);
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> FrontStats {
+        self.hub.front_stats()
+    }
+
+    /// Apply `e`; its decisions (a refused event is logged and changes nothing).
+    pub(crate) fn apply(&self, e: &Event) -> Vec<Decision> {
+        self.hub.apply(e).unwrap_or_else(|err| {
+            tracing::debug!(event = ?e, error = %err, "front: event refused");
+            vec![]
+        })
+    }
+
+    /// The in-service worker with an engine that serves the fewest requests.
+    fn pick_worker(&self) -> Option<WorkerId> {
+        let engines = self.engines.workers();
+        let load = self.hub.load();
+        load.in_service()
+            .filter(|w| engines.contains(&w.id))
+            .min_by_key(|w| (w.serving_requests, w.id))
+            .map(|w| w.id)
+    }
+
+    async fn prompt_ids(&self, asked: &mut Asked, worker: WorkerId) -> Result<Vec<u32>> {
+        let ids = match std::mem::replace(&mut asked.prompt, Prompt::Ids(vec![])) {
+            Prompt::Ids(ids) => ids,
+            Prompt::Text(text) => {
+                let model = asked.body.get("model").cloned().unwrap_or(Value::Null);
+                let name = self.engines.name(worker);
+                timeout(
+                    self.args.engine_timeout(),
+                    self.engines.tokenize(worker, model, text),
+                )
+                .await
+                .map_err(|_| Error::Unavailable(format!("{name}/tokenize: no answer")))??
+            }
+        };
+        if ids.is_empty() {
+            return Err(Error::InvalidArgument("an empty prompt".into()));
+        }
+        Ok(ids)
+    }
+
+    /// Admit a new request and start its task; its log, with the first client counted in.
+    ///
+    /// # Errors
+    /// A body this front does not serve, no worker, an engine that cannot tokenize the prompt,
+    /// `--max-streams` reached ([`Error::Overloaded`]), a refused admission.
+    pub async fn admit(self: &Arc<Self>, body: Value) -> Result<Opened> {
+        let mut asked = parse_body(body)?;
+        let serving = self.pick_worker().ok_or_else(|| {
+            Error::Unavailable(
+                "no worker with an engine is in service (see --engine and GET /workers)".into(),
+            )
+        })?;
+        let prompt = self.prompt_ids(&mut asked, serving).await?;
+        let running = self.retire_finished();
+        if running >= self.args.max_streams {
+            return Err(Error::Overloaded {
+                what: format!("{running} requests streaming (--max-streams)"),
+                retry_after_ms: 1000,
+            });
+        }
+        let id = new_request_id();
+        let tokens = prompt.len() as u64 + u64::from(asked.max_tokens);
+        let reserve = if asked.checkpoint {
+            self.args.reservation_bytes(tokens)
+        } else {
+            0
+        };
+        let deadline_ms = self.hub.now_ms() + self.args.request_deadline_ms;
+        let adm = self.hub.admit(AdmitRequest {
+            request_id: id,
+            serving,
+            prompt_tokens: prompt.len() as u32,
+            max_new_tokens: asked.max_tokens,
+            reserve_bytes: reserve,
+            deadline_ms: Some(deadline_ms),
+        })?;
+        let log = StreamLog::new(self.args.max_stream_bytes);
+        let guard = log.client();
+        lock(&self.streams).insert(id, Arc::clone(&log));
+        self.hub.watch_request(id);
+        tracing::info!(request = id, worker = serving, holder = ?adm.holder, prompt = prompt.len(), max_tokens = asked.max_tokens, "front: admitted");
+        let m = Request::new(Admitted {
+            id,
+            body: asked.body,
+            prompt,
+            max_tokens: asked.max_tokens,
+            min_tokens: asked.min_tokens,
+            want_token_ids: asked.want_token_ids,
+            epoch: adm.epoch,
+            serving,
+            holder: adm.holder,
+            deadline_ms,
+            grace_ms: self.args.reconnect_grace_ms,
+        });
+        self.set_active(&m);
+        self.count(|s| s.streams_started += 1);
+        tokio::spawn(Driver::new(Arc::clone(self), m, Arc::clone(&log)).run());
+        Ok((id, log, guard))
+    }
+
+    /// A client (re)connects to stream `id` (`Last-Event-ID`): its log, the client counted in.
+    pub fn open(&self, id: RequestId) -> Option<(Arc<StreamLog>, ClientGuard)> {
+        let log = self.log_of(id)?;
+        self.count(|s| s.clients_resumed += 1);
+        let guard = log.client();
+        Some((log, guard))
+    }
+
+    pub(crate) fn set_active(&self, m: &Request) {
+        if !m.state().is_terminal() {
+            lock(&self.active).insert(m.id(), m.active());
+        }
+    }
+
+    /// The request's task ended: its stream stays readable a while (see
+    /// [`Front::retire_finished`]).
+    pub(crate) fn request_done(&self, id: RequestId) {
+        self.hub.unwatch_request(id);
+        lock(&self.active).remove(&id);
+        lock(&self.finished).push_back((self.hub.now_ms(), id));
+        self.retire_finished();
+    }
+
+    /// Drop the finished streams past `--retain-ms` or past `--max-streams` of them (oldest
+    /// first); how many requests are streaming.
+    pub fn retire_finished(&self) -> usize {
+        let now = self.hub.now_ms();
+        let mut finished = lock(&self.finished);
+        let mut streams = lock(&self.streams);
+        while let Some(&(at, id)) = finished.front() {
+            if now.saturating_sub(at) < self.args.retain_ms
+                && finished.len() <= self.args.max_streams
+            {
+                break;
+            }
+            finished.pop_front();
+            streams.remove(&id);
+        }
+        streams.len().saturating_sub(finished.len())
+    }
+
+    fn log_of(&self, id: RequestId) -> Option<Arc<StreamLog>> {
+        self.retire_finished();
+        lock(&self.streams).get(&id).cloned()
+    }
+
+    /// `GET /status`: the controller's counters, the front's, its running streams and its last
+    /// recoveries.
+    pub fn status(&self) -> Value {
+        let active: BTreeMap<String, Active> = lock(&self.active)
+            .iter()
+            .map(|(id, a)| (id.to_string(), *a))
+            .collect();
+        let recoveries: Vec<RecoveryRecord> = lock(&self.recoveries).iter().cloned().collect();
+        json!({
+            "controller": self.hub.stats(),
+            "front": self.stats(),
+            "streams": lock(&self.streams).len(),
+            "active": active,
+            "recoveries": recoveries,
+        })
+    }
+
+    /// A recovery is done: log, count and list it.
+    pub(crate) fn recovered(&self, rec: RecoveryRecord) {
+        tracing::info!(
+            target: "kvd::recovery",
+            request = rec.request,
+            epoch = rec.epoch,
+            from = rec.from,
+            to = rec.to,
+            kv_source = ?rec.kv_source,
+            load_tokens = rec.load_tokens,
+            recompute_tokens = rec.recompute_tokens,
+            committed_tokens = rec.committed_tokens,
+            recovery_ms = rec.recovery_ms,
+            reason = %rec.reason,
+            "request recovered"
+        );
+        self.count(|s| s.recovered(&rec));
+        let mut r = lock(&self.recoveries);
+        if r.len() >= RECOVERIES_KEPT {
+            r.pop_front();
+        }
+        r.push_back(rec);
+    }
+
+    /// `id`'s attempt on `worker` broke and its engine is gone: fail the worker (and the holders
+    /// that do not answer); the plan for `id`, as its machine's input.
+    pub(crate) async fn recover_worker(
+        &self,
+        worker: WorkerId,
+        id: RequestId,
+        epoch: Epoch,
+    ) -> Input {
+        let mut failed = vec![worker];
+        failed.extend(self.report_checkpoints(&[worker]).await);
+        failed.sort_unstable();
+        failed.dedup();
+        tracing::warn!(request = id, workers = ?failed, "front: the stream broke; failing the worker");
+        if let Err(e) = self.fail_workers(&failed) {
+            return Input::Unplanned {
+                epoch,
+                reason: format!("the controller refused the failure: {e}"),
+            };
+        }
+        match self.hub.take_plan(id) {
+            Some(d) => Input::Plan(d),
+            None => Input::Unplanned {
+                epoch,
+                reason: format!("worker {worker} failed, but no plan names request {id}"),
+            },
+        }
+    }
+
+    fn fail_workers(&self, failed: &[WorkerId]) -> Result<()> {
+        let plan = self.hub.fail(failed)?;
+        self.count(|s| s.workers_failed += plan.failed_workers.len() as u64);
+        Ok(())
+    }
+
+    /// Before failing `workers`: report what the holders of their requests hold now, so the
+    /// plan loads what is there. The holders that do not answer are returned: they are gone too.
+    async fn report_checkpoints(&self, workers: &[WorkerId]) -> Vec<WorkerId> {
+        let runs: Vec<(RequestId, Active)> = lock(&self.active)
+            .iter()
+            .filter(|(_, a)| workers.contains(&a.serving))
+            .map(|(id, a)| (*id, *a))
+            .collect();
+        let mut gone = Vec::new();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (id, a) in runs {
+            let Some(h) = a.holder else { continue };
+            if self.hub.node_admin(u64::from(h)).is_none() {
+                gone.push(h);
+                continue;
+            }
+            let holders = Arc::clone(&self.holders);
+            tasks.spawn(async move { (id, a, h, held_within(&*holders, h, id).await) });
+        }
+        while let Some(Ok((id, a, h, held))) = tasks.join_next().await {
+            match held {
+                Ok(Some(held)) => {
+                    let history = a.prompt as usize + a.generated as usize;
+                    self.report_held(id, a.epoch, history, &held);
+                    self.count(|s| {
+                        s.checkpoint_bytes += held.bytes;
+                        s.checkpoint_tokens += held.committed_tokens;
+                    });
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(request = id, holder = h, error = %e, "front: the holder does not answer; treated as gone");
+                    self.count(|s| s.holder_calls_failed += 1);
+                    gone.push(h);
+                }
+            }
+        }
+        gone.sort_unstable();
+        gone.dedup();
+        gone
+    }
+
+    /// What `holder` holds for `id` (a holder that is not registered: [`Error::NotFound`]).
+    async fn held(&self, holder: WorkerId, id: RequestId) -> Result<Option<Held>> {
+        if self.hub.node_admin(u64::from(holder)).is_none() {
+            return Err(Error::NotFound(format!("node {holder} is not registered")));
+        }
+        held_within(&*self.holders, holder, id).await
+    }
+
+    /// Tell the controller what the holder holds for a running request.
+    pub(crate) async fn report_progress(
+        &self,
+        holder: WorkerId,
+        id: RequestId,
+        epoch: Epoch,
+        history: usize,
+    ) {
+        if let Ok(Some(held)) = self.held(holder, id).await {
+            self.report_held(id, epoch, history, &held);
+        }
+    }
+
+    /// End `id`'s checkpoint of `epoch` at `holder` (`measure`: count what it holds first).
+    pub(crate) async fn end_checkpoint(
+        &self,
+        holder: WorkerId,
+        id: RequestId,
+        epoch: Epoch,
+        measure: bool,
+    ) {
+        if self.hub.node_admin(u64::from(holder)).is_none() {
+            return;
+        }
+        if measure {
+            if let Ok(Some(held)) = self.held(holder, id).await {
+                if held.epoch == epoch {
+                    self.count(|s| {
+                        s.checkpoint_bytes += held.bytes;
+                        s.checkpoint_tokens += held.committed_tokens;
+                    });
+                }
+            }
+        }
+        let end = timeout(PROBE_TIMEOUT, self.holders.end(holder, id, epoch)).await;
+        if !matches!(end, Ok(Ok(()))) {
+            tracing::debug!(request = id, holder, "front: ending the checkpoint failed");
+        }
+    }
+
+    fn report_held(&self, id: RequestId, epoch: Epoch, history: usize, held: &Held) {
+        if held.epoch != epoch {
+            return;
+        }
+        let tokens = held
+            .committed_tokens
+            .min(history as u64)
+            .min(u64::from(u32::MAX)) as u32;
+        // The reservation was sized from --kv-bytes-per-token in whole --kv-tokens-per-block
+        // blocks; a holder that needs more pool for the same tokens means those figures are too
+        // small. The tokens are what a plan needs: say so loudly and report the bytes at the
+        // reservation rather than lose the checkpoint.
+        let reserved = self.hub.request(id).map_or(u64::MAX, |r| r.reserved_bytes);
+        let bytes = if held.bytes > reserved {
+            self.count(|s| s.checkpoint_reports_clamped += 1);
+            tracing::warn!(
+                request = id,
+                held = held.bytes,
+                reserved,
+                tokens,
+                "front: the holder holds more bytes than the request reserved: --kv-bytes-per-token × --kv-tokens-per-block is below the pool's page size, or the engines' blocks hold more tokens than --kv-tokens-per-block"
+            );
+            reserved
+        } else {
+            held.bytes
+        };
+        if let Err(e) = self.hub.apply(&Event::CheckpointStored {
+            request_id: id,
+            epoch,
+            tokens,
+            bytes,
+        }) {
+            tracing::warn!(request = id, error = %e, "front: checkpoint report refused");
+        }
+    }
+
+    /// Start the health watch (until the process ends).
+    pub fn spawn_health_watch(self: &Arc<Self>) {
+        let f = Arc::clone(self);
+        tokio::spawn(async move { f.health_watch().await });
+    }
+
+    /// Every [`HEALTH_EVERY`]: fail an in-service worker whose engine stopped answering
+    /// ([`HEALTH_MISSES`] in a row); bring back a failed one whose engine answers again and
+    /// whose node is registered.
+    async fn health_watch(&self) {
+        let mut misses: BTreeMap<WorkerId, u32> = BTreeMap::new();
+        let mut tick = interval(HEALTH_EVERY);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            for w in self.engines.workers() {
+                let Some(phase) = self.hub.load().get(w).map(|l| l.phase) else {
+                    continue;
+                };
+                let ok = timeout(PROBE_TIMEOUT, self.engines.health(w))
+                    .await
+                    .unwrap_or(false);
+                let m = misses.entry(w).or_insert(0);
+                *m = if ok { 0 } else { *m + 1 };
+                self.health_seen(w, phase, ok, *m).await;
+            }
+        }
+    }
+
+    async fn health_seen(&self, w: WorkerId, phase: WorkerPhase, ok: bool, misses: u32) {
+        match phase {
+            WorkerPhase::FullService if misses >= HEALTH_MISSES => {
+                tracing::warn!(
+                    worker = w,
+                    engine = %self.engines.name(w),
+                    "front: the engine stopped answering; failing the worker"
+                );
+                let mut failed = vec![w];
+                failed.extend(self.report_checkpoints(&[w]).await);
+                let _ = self.fail_workers(&failed);
+            }
+            WorkerPhase::Failed if ok && self.hub.node_admin(u64::from(w)).is_some() => {
+                self.apply(&Event::WorkerRecovered { worker: w });
+                self.promote(w);
+                self.count(|s| s.workers_recovered += 1);
+                tracing::info!(
+                    worker = w,
+                    "front: the engine answers again; the worker is back"
+                );
+            }
+            WorkerPhase::LoadingDraft | WorkerPhase::Assist | WorkerPhase::HotSwap if ok => {
+                self.promote(w);
+            }
+            _ => {}
+        }
+    }
+
+    /// A recovering worker whose engine answers is whole: every recovery phase is done.
+    fn promote(&self, w: WorkerId) {
+        for phase in [
+            WorkerPhase::LoadingDraft,
+            WorkerPhase::Assist,
+            WorkerPhase::HotSwap,
+        ] {
+            if self.hub.load().get(w).map(|l| l.phase) == Some(phase) {
+                self.apply(&Event::WorkerPhaseDone { worker: w, phase });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_stay_exact_in_json_numbers() {
+        for _ in 0..100 {
+            let id = new_request_id();
+            assert!(id > 0 && id < 1 << 53);
+        }
+    }
+}

@@ -1,0 +1,398 @@
+//! The traits over plain HTTP/1.1 (hyper): [`HttpEngines`] speaks to vLLM's OpenAI-compatible
+//! server (`POST /tokenize`, `POST /v1/completions` streaming, `GET /health`), [`HttpHolders`]
+//! to the daemons' admin port (`GET`/`DELETE /checkpoints/{request}`). One connection per call;
+//! every wait bounded.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::client::conn::http1;
+use hyper::{Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use kvd_control::{Epoch, RequestId, WorkerId};
+use kvd_core::{Error, Result};
+use serde_json::{Value, json};
+use tokio::net::TcpStream;
+
+use crate::config::PROBE_TIMEOUT;
+use crate::engine::{BoxFuture, Engines, EventStream, Held, Holders, Opened};
+use crate::hub::Hub;
+use crate::sse::{EventBuffer, token_ids};
+
+/// Largest body read whole (a JSON answer), bytes.
+pub const MAX_JSON_BYTES: usize = 1 << 20;
+
+/// An `http://host:port` address, kept as its authority.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// `host:port`.
+    pub authority: String,
+}
+
+impl std::str::FromStr for Endpoint {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let rest = s.strip_prefix("http://").unwrap_or(s);
+        let authority = rest.trim_end_matches('/');
+        if authority.is_empty() || authority.contains('/') || !authority.contains(':') {
+            return Err(Error::InvalidArgument(format!(
+                "{s:?}: expected http://HOST:PORT (no path; https is not spoken here)"
+            )));
+        }
+        Ok(Endpoint {
+            authority: authority.to_string(),
+        })
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "http://{}", self.authority)
+    }
+}
+
+/// Parse the `--engine ID=URL` list.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a malformed entry or a repeated id.
+pub fn parse_engines(list: &[String]) -> Result<BTreeMap<WorkerId, Endpoint>> {
+    let mut out = BTreeMap::new();
+    for e in list {
+        let (id, url) = e.split_once('=').ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "--engine {e:?}: expected ID=URL, e.g. 1=http://127.0.0.1:8000"
+            ))
+        })?;
+        let id: WorkerId = id.trim().parse().map_err(|_| {
+            Error::InvalidArgument(format!("--engine {e:?}: {id:?} is not a node id"))
+        })?;
+        if out.insert(id, url.trim().parse()?).is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "--engine: worker {id} given twice"
+            )));
+        }
+    }
+    Ok(out)
+}
+
+fn unavailable(ep: &Endpoint, what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Unavailable(format!("{ep}: {what}: {e}"))
+}
+
+/// Send one request and wait for the answer's head (connect and head within `timeout`).
+///
+/// # Errors
+/// [`Error::Unavailable`] when the address does not answer in time or the connection fails.
+pub async fn send(
+    ep: &Endpoint,
+    method: Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+    timeout: Duration,
+) -> Result<(StatusCode, Incoming)> {
+    let go = async {
+        let tcp = TcpStream::connect(&ep.authority)
+            .await
+            .map_err(|e| unavailable(ep, "connect", e))?;
+        let _ = tcp.set_nodelay(true);
+        let (mut sender, conn) = http1::handshake(TokioIo::new(tcp))
+            .await
+            .map_err(|e| unavailable(ep, "handshake", e))?;
+        // the connection runs until the answer's body is read or dropped
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(hyper::header::HOST, ep.authority.as_str());
+        if body.is_some() {
+            req = req.header(hyper::header::CONTENT_TYPE, "application/json");
+        }
+        let req = req
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| unavailable(ep, "request", e))?;
+        Ok((resp.status(), resp.into_body()))
+    };
+    tokio::time::timeout(timeout, go).await.map_err(|_| {
+        unavailable(
+            ep,
+            "no answer",
+            format!("within {} ms", timeout.as_millis()),
+        )
+    })?
+}
+
+/// Read a whole body (at most [`MAX_JSON_BYTES`]) within `timeout`.
+///
+/// # Errors
+/// [`Error::Unavailable`] when it breaks or takes too long; [`Error::Protocol`] when too large.
+pub async fn read_all(ep: &Endpoint, mut body: Incoming, timeout: Duration) -> Result<Vec<u8>> {
+    let go = async {
+        let mut out = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| unavailable(ep, "body", e))?;
+            if let Ok(data) = frame.into_data() {
+                if out.len() + data.len() > MAX_JSON_BYTES {
+                    return Err(Error::Protocol(format!(
+                        "{ep}: an answer over {MAX_JSON_BYTES} bytes"
+                    )));
+                }
+                out.extend_from_slice(&data);
+            }
+        }
+        Ok(out)
+    };
+    tokio::time::timeout(timeout, go)
+        .await
+        .map_err(|_| unavailable(ep, "body", "too slow"))?
+}
+
+/// One call with a JSON (or empty) answer: `(status, body)`.
+///
+/// # Errors
+/// As [`send`] and [`read_all`].
+pub async fn call(
+    ep: &Endpoint,
+    method: Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+    timeout: Duration,
+) -> Result<(StatusCode, Vec<u8>)> {
+    let (status, b) = send(ep, method, path, body, timeout).await?;
+    Ok((status, read_all(ep, b, timeout).await?))
+}
+
+/// Reads `data:` events off a `text/event-stream` body.
+#[derive(Debug)]
+struct HttpEventStream {
+    body: Incoming,
+    buf: EventBuffer,
+}
+
+impl HttpEventStream {
+    async fn next_data(&mut self) -> Result<Option<String>> {
+        loop {
+            if let Some(data) = self.buf.next_data()? {
+                return Ok(Some(data));
+            }
+            match self.body.frame().await {
+                None => return Ok(None),
+                Some(Err(e)) => return Err(Error::Unavailable(format!("the stream broke: {e}"))),
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.buf.extend(&data)?;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl EventStream for HttpEventStream {
+    fn next(&mut self) -> BoxFuture<'_, Result<Option<String>>> {
+        Box::pin(self.next_data())
+    }
+}
+
+/// vLLM's OpenAI-compatible servers, one per worker (`--engine ID=URL`).
+#[derive(Debug, Clone)]
+pub struct HttpEngines {
+    endpoints: BTreeMap<WorkerId, Endpoint>,
+    timeout: Duration,
+}
+
+impl HttpEngines {
+    /// The engines `--engine` names; `timeout` bounds a connect and an answer's head.
+    ///
+    /// # Errors
+    /// As [`parse_engines`].
+    pub fn new(list: &[String], timeout: Duration) -> Result<HttpEngines> {
+        Ok(HttpEngines {
+            endpoints: parse_engines(list)?,
+            timeout,
+        })
+    }
+
+    fn endpoint(&self, worker: WorkerId) -> Result<&Endpoint> {
+        self.endpoints.get(&worker).ok_or_else(|| {
+            Error::NotFound(format!("worker {worker} has no engine address (--engine)"))
+        })
+    }
+
+    async fn tokenize_at(&self, worker: WorkerId, model: Value, text: String) -> Result<Vec<u32>> {
+        let ep = self.endpoint(worker)?;
+        let body = json!({"model": model, "prompt": text});
+        let (status, b) = call(
+            ep,
+            Method::POST,
+            "/tokenize",
+            Some(body.to_string().into_bytes()),
+            self.timeout,
+        )
+        .await?;
+        let v: Value = serde_json::from_slice(&b)
+            .map_err(|e| Error::Protocol(format!("{ep}/tokenize: {e}")))?;
+        if !status.is_success() {
+            return Err(Error::InvalidArgument(format!(
+                "{ep}/tokenize: {status}: {v}"
+            )));
+        }
+        token_ids(&v["tokens"])
+            .ok_or_else(|| Error::Protocol(format!("{ep}/tokenize: no tokens in {v}")))
+    }
+
+    async fn complete_at(&self, worker: WorkerId, body: Value) -> Result<Opened> {
+        let ep = self.endpoint(worker)?;
+        let body = body.to_string().into_bytes();
+        let (status, incoming) = send(
+            ep,
+            Method::POST,
+            "/v1/completions",
+            Some(body),
+            self.timeout,
+        )
+        .await?;
+        if !status.is_success() {
+            let text = read_all(ep, incoming, PROBE_TIMEOUT)
+                .await
+                .unwrap_or_default();
+            return Ok(Opened::Refused {
+                status: status.as_u16(),
+                text: String::from_utf8_lossy(&text).into_owned(),
+            });
+        }
+        Ok(Opened::Stream(Box::new(HttpEventStream {
+            body: incoming,
+            buf: EventBuffer::default(),
+        })))
+    }
+
+    async fn health_at(&self, worker: WorkerId) -> bool {
+        let Ok(ep) = self.endpoint(worker) else {
+            return false;
+        };
+        matches!(call(ep, Method::GET, "/health", None, PROBE_TIMEOUT).await, Ok((s, _)) if s.is_success())
+    }
+}
+
+impl Engines for HttpEngines {
+    fn workers(&self) -> Vec<WorkerId> {
+        self.endpoints.keys().copied().collect()
+    }
+
+    fn name(&self, worker: WorkerId) -> String {
+        self.endpoints
+            .get(&worker)
+            .map_or_else(|| format!("worker {worker}"), ToString::to_string)
+    }
+
+    fn tokenize(
+        &self,
+        worker: WorkerId,
+        model: Value,
+        text: String,
+    ) -> BoxFuture<'_, Result<Vec<u32>>> {
+        Box::pin(self.tokenize_at(worker, model, text))
+    }
+
+    fn complete(&self, worker: WorkerId, body: Value) -> BoxFuture<'_, Result<Opened>> {
+        Box::pin(self.complete_at(worker, body))
+    }
+
+    fn health(&self, worker: WorkerId) -> BoxFuture<'_, bool> {
+        Box::pin(self.health_at(worker))
+    }
+}
+
+/// The daemons' admin ports, at the addresses their registrations give (the [`Hub`]'s nodes).
+#[derive(Debug, Clone)]
+pub struct HttpHolders {
+    hub: Arc<Hub>,
+}
+
+impl HttpHolders {
+    /// Holders reached at the admin addresses `hub` knows.
+    pub fn new(hub: Arc<Hub>) -> HttpHolders {
+        HttpHolders { hub }
+    }
+
+    fn admin(&self, holder: WorkerId) -> Result<Endpoint> {
+        self.hub
+            .node_admin(u64::from(holder))
+            .ok_or_else(|| Error::NotFound(format!("node {holder} is not registered")))?
+            .parse()
+    }
+
+    async fn held_at(&self, holder: WorkerId, id: RequestId) -> Result<Option<Held>> {
+        let ep = self.admin(holder)?;
+        let path = format!("/checkpoints/{id}");
+        let (status, body) = call(&ep, Method::GET, &path, None, PROBE_TIMEOUT).await?;
+        match status {
+            StatusCode::NOT_FOUND => Ok(None),
+            s if s.is_success() => serde_json::from_slice(&body)
+                .map(Some)
+                .map_err(|e| Error::Protocol(format!("{ep}{path}: {e}"))),
+            s => Err(Error::Unavailable(format!("{ep}{path}: {s}"))),
+        }
+    }
+
+    async fn end_at(&self, holder: WorkerId, id: RequestId, epoch: Epoch) -> Result<()> {
+        let ep = self.admin(holder)?;
+        let path = format!("/checkpoints/{id}?epoch={epoch}");
+        let (status, body) = call(&ep, Method::DELETE, &path, None, PROBE_TIMEOUT).await?;
+        if status.is_success() || status == StatusCode::NOT_FOUND {
+            Ok(())
+        } else {
+            Err(Error::Unavailable(format!(
+                "{ep}: {status}: {}",
+                String::from_utf8_lossy(&body)
+            )))
+        }
+    }
+}
+
+impl Holders for HttpHolders {
+    fn held(&self, holder: WorkerId, request: RequestId) -> BoxFuture<'_, Result<Option<Held>>> {
+        Box::pin(self.held_at(holder, request))
+    }
+
+    fn end(&self, holder: WorkerId, request: RequestId, epoch: Epoch) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.end_at(holder, request, epoch))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engines_parse_as_id_equals_url_once_each() {
+        let e = parse_engines(&[
+            "1=http://127.0.0.1:8001".into(),
+            " 2 = 127.0.0.1:8002".into(),
+        ])
+        .unwrap();
+        assert_eq!(e[&1].authority, "127.0.0.1:8001");
+        assert_eq!(e[&2].authority, "127.0.0.1:8002");
+        assert!(parse_engines(&["1=http://a:1".into(), "1=http://b:2".into()]).is_err());
+        assert!(parse_engines(&["x=http://a:1".into()]).is_err());
+        assert!(parse_engines(&["http://a:1".into()]).is_err());
+    }
+
+    #[test]
+    fn an_endpoint_is_host_and_port_over_plain_http() {
+        let e: Endpoint = "http://127.0.0.1:8000/".parse().unwrap();
+        assert_eq!(e.authority, "127.0.0.1:8000");
+        assert_eq!(e.to_string(), "http://127.0.0.1:8000");
+        assert!("https://x:1/v1".parse::<Endpoint>().is_err());
+        assert!("http://nohost".parse::<Endpoint>().is_err());
+    }
+}

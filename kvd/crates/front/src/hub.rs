@@ -1,0 +1,217 @@
+//! The [`Hub`]: one [`Controller`] behind one mutex, the clock that stamps its events, and
+//! what the streaming front needs beside it (the decisions about the requests it drives, the
+//! nodes' admin addresses, its counters). `kvd control`'s HTTP routes, its membership watch and
+//! the front all share one hub; every critical section is a bounded in-memory computation.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvd_control::{
+    Admission, AdmitRequest, Controller, ControllerSnapshot, Decision, Event, LoadTable,
+    RecoveryPlan, RequestId, RequestRecord, Stats, WorkerId,
+};
+use kvd_core::Result;
+use kvd_core::clock::Clock;
+use tokio::sync::watch;
+
+use crate::stats::FrontStats;
+
+/// The controller and what the front keeps beside it.
+#[derive(Debug)]
+pub struct Hub {
+    controller: Mutex<Controller>,
+    clock: Arc<dyn Clock>,
+    /// Added to the clock so time continues past a restored snapshot's timestamps.
+    clock_offset_ms: u64,
+    plans: Mutex<Plans>,
+    plans_tx: watch::Sender<u64>,
+    /// node → its admin address, from its registration in etcd.
+    nodes: Mutex<BTreeMap<u64, String>>,
+    front_stats: Mutex<FrontStats>,
+}
+
+/// Decisions about the requests the front drives, until their task takes them.
+#[derive(Debug, Default)]
+struct Plans {
+    watched: HashSet<RequestId>,
+    plans: HashMap<RequestId, Decision>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic inside a critical section is a bug; the state it left is still the best we have.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Hub {
+    /// A hub over `controller`, stamping events with `clock` + `clock_offset_ms`.
+    pub fn new(controller: Controller, clock: Arc<dyn Clock>, clock_offset_ms: u64) -> Arc<Hub> {
+        Arc::new(Hub {
+            controller: Mutex::new(controller),
+            clock,
+            clock_offset_ms,
+            plans: Mutex::default(),
+            plans_tx: watch::channel(0).0,
+            nodes: Mutex::default(),
+            front_stats: Mutex::default(),
+        })
+    }
+
+    /// Now, on the controller's clock, ms.
+    pub fn now_ms(&self) -> u64 {
+        self.clock_offset_ms + self.clock.now_ms()
+    }
+
+    /// Run `f` on the controller (under its lock: keep it short).
+    pub fn with<R>(&self, f: impl FnOnce(&mut Controller) -> R) -> R {
+        f(&mut lock(&self.controller))
+    }
+
+    /// Apply `events` in order under one lock, now; each one's decisions or error (those about
+    /// the front's requests reach them too).
+    pub fn apply_all(&self, events: &[Event]) -> Vec<Result<Vec<Decision>>> {
+        let now = self.now_ms();
+        let results: Vec<_> = {
+            let mut c = lock(&self.controller);
+            events.iter().map(|e| c.apply(e, now)).collect()
+        };
+        let noted: Vec<Decision> = results
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .flatten()
+            .cloned()
+            .collect();
+        self.note(&noted);
+        results
+    }
+
+    /// Apply `event` now; its decisions (those about the front's requests reach them too).
+    ///
+    /// # Errors
+    /// Those of [`Controller::apply`].
+    pub fn apply(&self, event: &Event) -> Result<Vec<Decision>> {
+        let now = self.now_ms();
+        let d = lock(&self.controller).apply(event, now)?;
+        self.note(&d);
+        Ok(d)
+    }
+
+    /// Admit a request now.
+    ///
+    /// # Errors
+    /// Those of [`Controller::admit`].
+    pub fn admit(&self, req: AdmitRequest) -> Result<Admission> {
+        let now = self.now_ms();
+        lock(&self.controller).admit(req, now)
+    }
+
+    /// Fail `workers` now; the plan (its decisions also reach the front's requests).
+    ///
+    /// # Errors
+    /// Those of [`Controller::fail_workers`].
+    pub fn fail(&self, workers: &[WorkerId]) -> Result<RecoveryPlan> {
+        let now = self.now_ms();
+        let plan = lock(&self.controller).fail_workers(workers, now)?;
+        self.note(&plan.clone().into_decisions());
+        Ok(plan)
+    }
+
+    /// A request's record (live or retained terminal).
+    pub fn request(&self, id: RequestId) -> Option<RequestRecord> {
+        lock(&self.controller).request(id).cloned()
+    }
+
+    /// The controller's counters.
+    pub fn stats(&self) -> Stats {
+        lock(&self.controller).stats().clone()
+    }
+
+    /// The worker table.
+    pub fn load(&self) -> LoadTable {
+        lock(&self.controller).load().clone()
+    }
+
+    /// The controller's snapshot.
+    pub fn snapshot(&self) -> ControllerSnapshot {
+        lock(&self.controller).snapshot()
+    }
+
+    /// Keep the decisions that name requests the front drives, and wake their tasks.
+    fn note(&self, decisions: &[Decision]) {
+        let mut woke = false;
+        {
+            let mut p = lock(&self.plans);
+            if p.watched.is_empty() {
+                return;
+            }
+            for d in decisions {
+                let id = match d {
+                    Decision::Restore(r) => r.request_id,
+                    Decision::RequestFailed { request_id, .. }
+                    | Decision::Checkpoint { request_id, .. } => *request_id,
+                    _ => continue,
+                };
+                if p.watched.contains(&id) {
+                    // a restore or a failure supersedes a checkpoint move
+                    let keep_old = matches!(d, Decision::Checkpoint { .. })
+                        && p.plans
+                            .get(&id)
+                            .is_some_and(|o| !matches!(o, Decision::Checkpoint { .. }));
+                    if !keep_old {
+                        p.plans.insert(id, d.clone());
+                        woke = true;
+                    }
+                }
+            }
+        }
+        if woke {
+            self.plans_tx.send_modify(|v| *v = v.wrapping_add(1));
+        }
+    }
+
+    /// The front drives `id`: keep the decisions about it.
+    pub fn watch_request(&self, id: RequestId) {
+        lock(&self.plans).watched.insert(id);
+    }
+
+    /// The front is done with `id`.
+    pub fn unwatch_request(&self, id: RequestId) {
+        let mut p = lock(&self.plans);
+        p.watched.remove(&id);
+        p.plans.remove(&id);
+    }
+
+    /// The decision waiting for `id`, if any.
+    pub fn take_plan(&self, id: RequestId) -> Option<Decision> {
+        lock(&self.plans).plans.remove(&id)
+    }
+
+    /// A receiver that changes whenever a decision for a watched request arrives.
+    pub fn plans_changed(&self) -> watch::Receiver<u64> {
+        self.plans_tx.subscribe()
+    }
+
+    /// A node registered (or re-registered) with this admin address.
+    pub fn node_registered(&self, node: u64, admin_addr: &str) {
+        lock(&self.nodes).insert(node, admin_addr.to_string());
+    }
+
+    /// A node's registration is gone.
+    pub fn node_gone(&self, node: u64) {
+        lock(&self.nodes).remove(&node);
+    }
+
+    /// A registered node's admin address.
+    pub fn node_admin(&self, node: u64) -> Option<String> {
+        lock(&self.nodes).get(&node).cloned()
+    }
+
+    /// Update the front's counters.
+    pub fn count_front(&self, f: impl FnOnce(&mut FrontStats)) {
+        f(&mut lock(&self.front_stats));
+    }
+
+    /// The front's counters.
+    pub fn front_stats(&self) -> FrontStats {
+        lock(&self.front_stats).clone()
+    }
+}

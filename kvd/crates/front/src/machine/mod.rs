@@ -1,0 +1,727 @@
+//! One request as a state machine: events in ([`Input`]), actions out ([`Action`]), time
+//! passed in with every event. It does no I/O; the driver ([`crate::driver`]) carries the
+//! actions out and turns what happens into events.
+//!
+//! ```text
+//!  Admitted ──Start──▶ Prefilling ──first token──▶ Decoding ──last token──▶ Completed
+//!                         │  ▲                        │
+//!      broken, silent,    │  └── plan (epoch + 1): ───┤
+//!      ended early        ▼      Resume on survivor   │
+//!                      Migrating ◀────────────────────┘
+//!                         │ health? → engine answers: Failed (not a worker failure)
+//!                         │ gone → Recover (fail the worker) → plan → Prefilling
+//!                         └ no plan, budget, deadline, no survivor → Failed
+//!  Prefilling/Decoding ── no client for the grace ──▶ Cancelling ──▶ Cancelled
+//! ```
+//!
+//! Every transition is a compare-and-swap on the request epoch: an engine event, a health
+//! answer or a failed recovery names the epoch of the attempt it belongs to, and one that
+//! names another epoch (an older attempt's late event) changes nothing and is counted in
+//! [`Request::stale_dropped`]. A plan moves the epoch forward only (a plan for an epoch not above
+//! the current one is stale too). The TRANSFERRING state of DESIGN §7b belongs to the
+//! prefill/decode hand-off, which this front does not do yet.
+
+pub mod body;
+pub mod relay;
+
+use kvd_control::{Decision, Epoch, Event, RequestId, RestorePlan, WorkerId};
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+
+use crate::sse::frame;
+use crate::stats::RecoveryRecord;
+use body::{AttemptSpec, RestoreFrom, attempt_body};
+use relay::{RelayContext, rewrite, stamp};
+
+/// A request's state: the controller's own ([`kvd_control::RequestState`], DESIGN §7b).
+pub use kvd_control::RequestState as State;
+
+/// Whether an attempt runs (its engine's events count).
+fn attempt_runs(s: State) -> bool {
+    matches!(s, State::Prefilling | State::Decoding)
+}
+
+/// What happens to a request.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// Begin: the first attempt.
+    Start,
+    /// One event of attempt `epoch`'s stream (its `data`).
+    EngineEvent {
+        /// The attempt.
+        epoch: Epoch,
+        /// The event's data.
+        data: String,
+    },
+    /// Attempt `epoch`'s engine closed the stream cleanly.
+    EngineEnded {
+        /// The attempt.
+        epoch: Epoch,
+    },
+    /// Attempt `epoch`'s stream broke (or could not start): the worker may be gone.
+    EngineBroken {
+        /// The attempt.
+        epoch: Epoch,
+        /// Why.
+        reason: String,
+    },
+    /// Attempt `epoch`'s engine sent nothing for `waited_ms`: a broken stream.
+    EngineSilent {
+        /// The attempt.
+        epoch: Epoch,
+        /// How long it was silent, ms.
+        waited_ms: u64,
+    },
+    /// The engine refused or failed the request itself (it still answers): no recovery.
+    EngineFailed {
+        /// The attempt.
+        epoch: Epoch,
+        /// Why.
+        reason: String,
+    },
+    /// The answer to [`Action::CheckHealth`].
+    Health {
+        /// The attempt that broke.
+        epoch: Epoch,
+        /// Whether the engine answers.
+        alive: bool,
+    },
+    /// A decision of the controller about this request (a plan: restore, failure, checkpoint
+    /// move), whenever it comes.
+    Plan(Decision),
+    /// [`Action::Recover`] gave no plan for this request.
+    Unplanned {
+        /// The attempt that broke.
+        epoch: Epoch,
+        /// Why.
+        reason: String,
+    },
+    /// The decisions an [`Action::Control`] event caused (the cancel's epoch among them).
+    Decided(Vec<Decision>),
+    /// The number of clients reading the stream changed (arrived, left, resumed).
+    Clients(u32),
+    /// Time passed (the grace of a request without a client may be over).
+    Tick,
+    /// Time to read the checkpoint's progress from the holder.
+    ProgressDue,
+}
+
+/// One attempt on a worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Attempt {
+    /// Its epoch.
+    pub epoch: Epoch,
+    /// The worker whose engine runs it.
+    pub worker: WorkerId,
+    /// The engine body.
+    pub body: Value,
+}
+
+/// How a stream ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ending {
+    /// With the engine's last token.
+    Finished,
+    /// Its client left.
+    Cancelled,
+    /// With an error event.
+    Failed(String),
+}
+
+/// What the driver is to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Tell the controller (answer with [`Input::Decided`]).
+    Control(Event),
+    /// Start the first attempt.
+    Forward(Attempt),
+    /// Start an attempt that resumes the request on a survivor.
+    Resume(Attempt),
+    /// Append a frame to the client's log.
+    Relay {
+        /// Its sequence number.
+        seq: u64,
+        /// The SSE frame.
+        frame: String,
+        /// Tokens it carries.
+        tokens: u32,
+    },
+    /// Drop attempt `epoch`'s engine connection (the engine aborts the request).
+    Cancel {
+        /// The attempt.
+        epoch: Epoch,
+    },
+    /// Ask `worker`'s engine whether it answers (answer with [`Input::Health`]).
+    CheckHealth {
+        /// The attempt that broke.
+        epoch: Epoch,
+        /// Its worker.
+        worker: WorkerId,
+    },
+    /// Fail `worker` with the controller, after asking the holders what they hold (answer with
+    /// the [`Input::Plan`] for this request, or [`Input::Unplanned`]).
+    Recover {
+        /// The attempt that broke.
+        epoch: Epoch,
+        /// Its worker.
+        worker: WorkerId,
+    },
+    /// The holder died mid-request: this attempt runs without a checkpoint.
+    HolderLost {
+        /// The holder the controller chose instead (the engine cannot follow).
+        new_holder: Option<WorkerId>,
+    },
+    /// A recovery is done (the survivor's first token).
+    Recovered(RecoveryRecord),
+    /// Report what `holder` holds to the controller.
+    ReportProgress {
+        /// The holder.
+        holder: WorkerId,
+        /// The epoch of the checkpoint.
+        epoch: Epoch,
+        /// Prompt plus generated tokens.
+        history: usize,
+    },
+    /// End a checkpoint at its holder.
+    EndCheckpoint {
+        /// The holder.
+        holder: WorkerId,
+        /// The checkpoint's epoch.
+        epoch: Epoch,
+        /// Count what it holds first (the request's own checkpoint, at its end).
+        measure: bool,
+        /// Wait for it (at the end) rather than let it run beside the stream.
+        wait: bool,
+    },
+    /// The stream is over (the checkpoint ends that follow it come last; the driver closes
+    /// the log after them).
+    End(Ending),
+}
+
+/// What the front knows of a running request (`/status`, and the checkpoint reports before a
+/// failure).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Active {
+    /// Its worker.
+    pub serving: WorkerId,
+    /// Prompt tokens.
+    pub prompt: u32,
+    /// Its checkpoint's holder.
+    pub holder: Option<WorkerId>,
+    /// Its epoch.
+    pub epoch: Epoch,
+    /// Tokens generated.
+    pub generated: u32,
+}
+
+/// A request as admitted.
+#[derive(Debug, Clone)]
+pub struct Admitted {
+    /// Its id.
+    pub id: RequestId,
+    /// The client's body, less what the front sets per attempt.
+    pub body: Map<String, Value>,
+    /// The prompt's ids.
+    pub prompt: Vec<u32>,
+    /// The client's `max_tokens`.
+    pub max_tokens: u32,
+    /// The client's `min_tokens`.
+    pub min_tokens: u32,
+    /// The client wants token ids.
+    pub want_token_ids: bool,
+    /// The admission's epoch.
+    pub epoch: Epoch,
+    /// The worker placement chose.
+    pub serving: WorkerId,
+    /// The holder placement chose.
+    pub holder: Option<WorkerId>,
+    /// The request's deadline on the front's clock, ms.
+    pub deadline_ms: u64,
+    /// How long it waits without a client before it is cancelled, ms.
+    pub grace_ms: u64,
+}
+
+/// A recovery waiting for the survivor's first token.
+#[derive(Debug, Clone)]
+struct Pending {
+    at_ms: u64,
+    record: RecoveryRecord,
+}
+
+/// One request's state machine.
+#[derive(Debug)]
+pub struct Request {
+    a: Admitted,
+    state: State,
+    epoch: Epoch,
+    serving: WorkerId,
+    holder: Option<WorkerId>,
+    restore: Option<RestoreFrom>,
+    generated: Vec<u32>,
+    finish_reason: Option<String>,
+    /// A token of this attempt was relayed.
+    decoding: bool,
+    pending: Option<Pending>,
+    /// The break the current recovery answers: when, and why.
+    broke: Option<(u64, String)>,
+    next_seq: u64,
+    clients: u32,
+    alone_since_ms: Option<u64>,
+    stale_dropped: u64,
+}
+
+impl Request {
+    /// A request as admitted, with its first client reading.
+    pub fn new(a: Admitted) -> Request {
+        Request {
+            state: State::Admitted,
+            epoch: a.epoch,
+            serving: a.serving,
+            holder: a.holder,
+            restore: None,
+            generated: Vec::new(),
+            finish_reason: None,
+            decoding: false,
+            pending: None,
+            broke: None,
+            next_seq: 0,
+            clients: 1,
+            alone_since_ms: None,
+            stale_dropped: 0,
+            a,
+        }
+    }
+
+    /// Its id.
+    pub fn id(&self) -> RequestId {
+        self.a.id
+    }
+
+    /// Its state.
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// Its epoch.
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    /// The tokens relayed so far.
+    pub fn generated(&self) -> &[u32] {
+        &self.generated
+    }
+
+    /// Events of another epoch dropped so far.
+    pub fn stale_dropped(&self) -> u64 {
+        self.stale_dropped
+    }
+
+    /// What `/status` shows of it.
+    pub fn active(&self) -> Active {
+        Active {
+            serving: self.serving,
+            prompt: self.a.prompt.len() as u32,
+            holder: self.holder,
+            epoch: self.epoch,
+            generated: self.generated.len() as u32,
+        }
+    }
+
+    /// When, on the front's clock, it wants a [`Input::Tick`] (the end of a client's grace).
+    pub fn wake_at_ms(&self) -> Option<u64> {
+        if !attempt_runs(self.state) {
+            return None;
+        }
+        self.alone_since_ms.map(|t| t + self.a.grace_ms)
+    }
+
+    /// Take `input` at `now_ms`; what to do.
+    pub fn on(&mut self, input: Input, now_ms: u64) -> Vec<Action> {
+        let mut out = Vec::new();
+        if self.state.is_terminal() {
+            return out;
+        }
+        let runs = |e: Epoch, s: &Self| e == s.epoch && attempt_runs(s.state);
+        match input {
+            Input::Start if self.state == State::Admitted => self.start_attempt(false, &mut out),
+            Input::EngineEvent { epoch, data } if runs(epoch, self) => {
+                self.on_engine_event(&data, now_ms, &mut out);
+            }
+            Input::EngineEnded { epoch } if runs(epoch, self) => {
+                if self.finish_reason.is_some() {
+                    self.finish(&mut out);
+                } else {
+                    let why = format!(
+                        "worker {}'s engine ended the stream before its last token",
+                        self.serving
+                    );
+                    self.broken(why, now_ms, &mut out);
+                }
+            }
+            Input::EngineBroken { epoch, reason } if runs(epoch, self) => {
+                self.broken(reason, now_ms, &mut out);
+            }
+            Input::EngineSilent { epoch, waited_ms } if runs(epoch, self) => {
+                let why = format!("no event from worker {} for {waited_ms} ms", self.serving);
+                self.broken(why, now_ms, &mut out);
+            }
+            Input::EngineFailed { epoch, reason } if runs(epoch, self) => {
+                self.engine_failed(reason, &mut out);
+            }
+            Input::Health { epoch, alive } if self.migrating(epoch) => {
+                self.on_health(alive, epoch, &mut out);
+            }
+            Input::Unplanned { epoch, reason } if self.migrating(epoch) => {
+                self.fail(&reason, &mut out);
+            }
+            Input::Plan(d) => self.on_plan(d, now_ms, &mut out),
+            Input::Decided(ds) => self.on_decided(&ds, &mut out),
+            Input::Clients(n) => {
+                self.clients = n;
+                self.alone_since_ms = if n > 0 {
+                    None
+                } else {
+                    Some(self.alone_since_ms.unwrap_or(now_ms))
+                };
+            }
+            Input::Tick => {}
+            Input::ProgressDue => self.progress(&mut out),
+            _ => self.stale_dropped += 1,
+        }
+        self.check_grace(now_ms, &mut out);
+        out
+    }
+
+    fn migrating(&self, epoch: Epoch) -> bool {
+        epoch == self.epoch && self.state == State::Migrating
+    }
+
+    fn push(&mut self, data: &str, tokens: u32, out: &mut Vec<Action>) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        out.push(Action::Relay {
+            seq,
+            frame: frame(self.a.id, seq, data),
+            tokens,
+        });
+    }
+
+    fn control(&self, e: Event, out: &mut Vec<Action>) {
+        out.push(Action::Control(e));
+    }
+
+    fn start_attempt(&mut self, resume: bool, out: &mut Vec<Action>) {
+        if self.generated.len() as u32 >= self.a.max_tokens || self.finish_reason.is_some() {
+            self.finish(out);
+            return;
+        }
+        self.state = State::Prefilling;
+        self.decoding = false;
+        let id = self.a.id;
+        self.control(
+            Event::PrefillStarted {
+                request_id: id,
+                epoch: self.epoch,
+            },
+            out,
+        );
+        let attempt = Attempt {
+            epoch: self.epoch,
+            worker: self.serving,
+            body: attempt_body(&AttemptSpec {
+                id,
+                body: &self.a.body,
+                prompt: &self.a.prompt,
+                generated: &self.generated,
+                max_tokens: self.a.max_tokens,
+                min_tokens: self.a.min_tokens,
+                epoch: self.epoch,
+                holder: self.holder,
+                restore: self.restore,
+            }),
+        };
+        out.push(if resume {
+            Action::Resume(attempt)
+        } else {
+            Action::Forward(attempt)
+        });
+    }
+
+    fn on_engine_event(&mut self, data: &str, now_ms: u64, out: &mut Vec<Action>) {
+        if data.trim() == "[DONE]" {
+            if self.finish_reason.is_some() || self.generated.len() as u32 >= self.a.max_tokens {
+                self.finish(out);
+            } else {
+                let why = format!(
+                    "worker {}'s engine sent [DONE] before the last token",
+                    self.serving
+                );
+                self.broken(why, now_ms, out);
+            }
+            return;
+        }
+        let cx = RelayContext {
+            id: self.a.id,
+            want_token_ids: self.a.want_token_ids,
+            first_event: self.next_seq == 0,
+            prompt: &self.a.prompt,
+            generated_before: self.generated.len(),
+        };
+        let r = match rewrite(data, &cx) {
+            Ok(r) => r,
+            Err(msg) => return self.engine_failed(msg, out),
+        };
+        let n = r.tokens.len() as u32;
+        self.generated.extend_from_slice(&r.tokens);
+        if r.finish_reason.is_some() {
+            self.finish_reason = r.finish_reason;
+        }
+        if n > 0 {
+            self.committed(now_ms, out);
+        }
+        let data = stamp(r.value, self.a.id, self.next_seq, self.epoch, self.serving);
+        self.push(&data, n, out);
+    }
+
+    /// Tokens of this attempt were committed: decoding (the first time: the recovery is done).
+    fn committed(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let (request_id, epoch) = (self.a.id, self.epoch);
+        if !self.decoding {
+            self.decoding = true;
+            self.state = State::Decoding;
+            self.control(Event::DecodingStarted { request_id, epoch }, out);
+            if let Some(p) = self.pending.take() {
+                let mut record = p.record;
+                record.recovery_ms = now_ms.saturating_sub(p.at_ms);
+                out.push(Action::Recovered(record));
+                // the restore has read what it needed: the old checkpoint goes
+                self.end_restore(false, out);
+            }
+        }
+        let generated_tokens = self.generated.len() as u32;
+        self.control(
+            Event::TokensCommitted {
+                request_id,
+                epoch,
+                generated_tokens,
+            },
+            out,
+        );
+    }
+
+    fn broken(&mut self, reason: String, now_ms: u64, out: &mut Vec<Action>) {
+        out.push(Action::Cancel { epoch: self.epoch });
+        if now_ms >= self.a.deadline_ms {
+            let msg = format!("the stream broke ({reason}) past the request's deadline");
+            return self.fail(&msg, out);
+        }
+        self.state = State::Migrating;
+        self.broke = Some((now_ms, reason));
+        out.push(Action::CheckHealth {
+            epoch: self.epoch,
+            worker: self.serving,
+        });
+    }
+
+    fn on_health(&mut self, alive: bool, epoch: Epoch, out: &mut Vec<Action>) {
+        if alive {
+            let reason = self.broke.as_ref().map_or("", |b| b.1.as_str());
+            let msg = format!(
+                "the stream from worker {} broke ({reason}) but its engine still answers: not a worker failure, so no recovery",
+                self.serving
+            );
+            return self.fail(&msg, out);
+        }
+        out.push(Action::Recover {
+            epoch,
+            worker: self.serving,
+        });
+    }
+
+    fn on_plan(&mut self, d: Decision, now_ms: u64, out: &mut Vec<Action>) {
+        match d {
+            Decision::Checkpoint {
+                request_id,
+                epoch,
+                holder,
+            } if request_id == self.a.id && epoch == self.epoch && self.holder.is_some() => {
+                // the engine cannot be re-pointed mid-request: it keeps pushing to the old
+                // holder (which is gone); the new one holds nothing yet
+                self.holder = None;
+                out.push(Action::HolderLost { new_holder: holder });
+            }
+            Decision::Restore(p)
+                if p.request_id == self.a.id
+                    && p.epoch > self.epoch
+                    && self.state != State::Cancelling =>
+            {
+                self.restore_on(&p, now_ms, out);
+            }
+            Decision::RequestFailed {
+                request_id, reason, ..
+            } if request_id == self.a.id && self.state != State::Cancelling => {
+                if attempt_runs(self.state) {
+                    out.push(Action::Cancel { epoch: self.epoch });
+                }
+                self.fail(&format!("recovery is impossible: {reason}"), out);
+            }
+            _ => self.stale_dropped += 1,
+        }
+    }
+
+    /// Resume on the plan's survivor under its epoch (ending the attempt that runs, if any).
+    fn restore_on(&mut self, p: &RestorePlan, now_ms: u64, out: &mut Vec<Action>) {
+        if attempt_runs(self.state) {
+            out.push(Action::Cancel { epoch: self.epoch });
+        }
+        if now_ms >= self.a.deadline_ms {
+            return self.fail("the request's deadline passed during recovery", out);
+        }
+        let (at_ms, reason) = self
+            .broke
+            .take()
+            .unwrap_or((now_ms, "a failure event planned it".into()));
+        let from = self.serving;
+        self.restore = p.kv_source.map(|h| RestoreFrom {
+            holder: h,
+            epoch: self.epoch,
+            local: h == p.target,
+        });
+        self.epoch = p.epoch;
+        self.serving = p.target;
+        self.holder = p.new_holder;
+        self.pending = Some(Pending {
+            at_ms,
+            record: RecoveryRecord {
+                request: self.a.id,
+                epoch: p.epoch,
+                from,
+                to: p.target,
+                kv_source: p.kv_source,
+                load_tokens: p.load_tokens,
+                recompute_tokens: p.prefill_tokens,
+                committed_tokens: self.generated.len() as u32,
+                recovery_ms: 0,
+                reason,
+            },
+        });
+        self.start_attempt(true, out);
+    }
+
+    fn on_decided(&mut self, ds: &[Decision], out: &mut Vec<Action>) {
+        if self.state != State::Cancelling {
+            return;
+        }
+        for d in ds {
+            if let Decision::Cancel {
+                request_id, epoch, ..
+            } = d
+            {
+                if *request_id == self.a.id && *epoch > self.epoch {
+                    // the engine's connection went with the attempt: it aborted (the
+                    // checkpoints to end keep the attempt's epoch)
+                    self.control(
+                        Event::Cancelled {
+                            request_id: *request_id,
+                            epoch: *epoch,
+                        },
+                        out,
+                    );
+                }
+            }
+        }
+        self.state = State::Cancelled;
+        self.end(Ending::Cancelled, out);
+    }
+
+    fn check_grace(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let Some(at) = self.wake_at_ms() else { return };
+        if self.clients > 0 || now_ms < at {
+            return;
+        }
+        out.push(Action::Cancel { epoch: self.epoch });
+        self.state = State::Cancelling;
+        self.control(
+            Event::Cancel {
+                request_id: self.a.id,
+            },
+            out,
+        );
+    }
+
+    fn progress(&self, out: &mut Vec<Action>) {
+        if let (Some(holder), true) = (self.holder, attempt_runs(self.state)) {
+            if !self.generated.is_empty() {
+                out.push(Action::ReportProgress {
+                    holder,
+                    epoch: self.epoch,
+                    history: self.a.prompt.len() + self.generated.len(),
+                });
+            }
+        }
+    }
+
+    fn finish(&mut self, out: &mut Vec<Action>) {
+        self.control(
+            Event::Finished {
+                request_id: self.a.id,
+                epoch: self.epoch,
+            },
+            out,
+        );
+        self.push("[DONE]", 0, out);
+        self.state = State::Completed;
+        self.end(Ending::Finished, out);
+    }
+
+    /// The engine refused or failed the request: it fails, no recovery.
+    fn engine_failed(&mut self, reason: String, out: &mut Vec<Action>) {
+        out.push(Action::Cancel { epoch: self.epoch });
+        self.control(
+            Event::RequestFailed {
+                request_id: self.a.id,
+                epoch: self.epoch,
+                reason: reason.clone(),
+            },
+            out,
+        );
+        self.fail(&reason, out);
+    }
+
+    /// End the stream with an error event.
+    fn fail(&mut self, msg: &str, out: &mut Vec<Action>) {
+        let data = json!({"error": {"message": msg, "type": "kvd_recovery_failed"}, "kvd": {"request": self.a.id, "epoch": self.epoch}});
+        self.push(&data.to_string(), 0, out);
+        self.push("[DONE]", 0, out);
+        self.state = State::Failed;
+        self.end(Ending::Failed(msg.to_string()), out);
+    }
+
+    /// The stream is over; its checkpoints end (the request's own, measured; a restore source
+    /// not ended yet).
+    fn end(&mut self, how: Ending, out: &mut Vec<Action>) {
+        out.push(Action::End(how));
+        if let Some(h) = self.holder {
+            out.push(Action::EndCheckpoint {
+                holder: h,
+                epoch: self.epoch,
+                measure: true,
+                wait: true,
+            });
+        }
+        self.end_restore(true, out);
+    }
+
+    /// End the checkpoint the attempt restored from, if not ended yet.
+    fn end_restore(&mut self, wait: bool, out: &mut Vec<Action>) {
+        if let Some(r) = self.restore.take() {
+            out.push(Action::EndCheckpoint {
+                holder: r.holder,
+                epoch: r.epoch,
+                measure: false,
+                wait,
+            });
+        }
+    }
+}
