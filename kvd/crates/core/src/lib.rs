@@ -3,6 +3,7 @@
 //! - [`error`]: the one error enum, with stable C codes.
 //! - [`keys`]: namespaces (the identity of a KV layout) and chained block tags.
 //! - [`clock`]: the injected clock the store and the control shim take.
+//! - [`counters`]: the store's event counters, declared once for metrics, C and Python.
 //! - [`types`]: the plain data the store returns and the protocol carries (handles, versions,
 //!   block infos, counts).
 //! - [`protocol`]: the local protocol's frames and messages (engine ↔ daemon, Unix socket) and
@@ -12,6 +13,7 @@
 //! through `kvd-client` and libkvd.
 
 pub mod clock;
+pub mod counters;
 pub mod error;
 pub mod keys;
 pub mod protocol;
