@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, FromArgMatches};
+use kvd_core::batch::MAX_BATCH_CEILING;
 use serde::Serialize;
 
 use super::clients::ClientLimits;
@@ -144,7 +145,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=60_000))]
     pub cpu_wake_hold_ms: u64,
     /// Items in one batched request at most (a batch's reply must fit one frame).
-    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_BATCH_CEILING)))]
     pub max_batch: u32,
     /// How long a drain lets in-flight work finish before aborting it, ms.
     #[arg(long, default_value_t = 30_000)]

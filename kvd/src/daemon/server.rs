@@ -36,6 +36,8 @@ use tokio::net::UnixStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
 
+use kvd_core::batch::check_batch;
+
 use crate::clock::Clock;
 use crate::protocol::frame::{self, FRAME_HEADER_BYTES};
 use crate::protocol::{
@@ -508,13 +510,7 @@ fn each(v: Vec<Result<()>>) -> Reply {
     reason = "over the 120-line ratchet (218 lines) when it came in: shorten it, then drop this"
 )]
 fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
-    let max = d.config.max_batch as usize;
-    if op.batch_len() > max {
-        return Err(Error::InvalidArgument(format!(
-            "batch of {} exceeds the limit of {max}; split it",
-            op.batch_len()
-        )));
-    }
+    check_batch(op.batch_len(), d.config.max_batch)?;
     let s = &d.store;
     Ok(match op {
         Op::RegisterNamespace(desc) => Reply::Namespace(s.register_namespace(&desc)?),
