@@ -712,7 +712,9 @@ typedef struct {
 } KvdPoolInfo;
 
 /**
- * The store's counts (pages by state, and counters since the daemon started).
+ * The store's counts (pages by state, and counters since the daemon started). Its counters
+ * are the ones kvd had at ABI 1, fixed so that the struct keeps its size; every counter,
+ * those added since included, comes by name from `kvd_counter_name` and `kvd_counters`.
  */
 typedef struct {
   /**
@@ -1457,6 +1459,27 @@ int32_t kvd_pool_info(KvdClient *client, KvdPoolInfo *out);
  * The store's counts. Thread-safe (serialized per client).
  */
 int32_t kvd_stats(KvdClient *client, KvdStats *out);
+
+/**
+ * The number of the store's counters: what `kvd_counters` writes and `kvd_counter_name` names.
+ * Counters are only ever added, at the end, so a name keeps its index. Thread-safe.
+ */
+size_t kvd_counter_count(void);
+
+/**
+ * Counter `i`'s name (`lookups`, `manifests_expired`, …: `KvdStats`' field names, and the
+ * daemon's `/metrics` family `kvd_<name>_total` for most), a static NUL-terminated string; NULL
+ * when `i >= kvd_counter_count()`. Thread-safe.
+ */
+const char *kvd_counter_name(size_t i);
+
+/**
+ * The store's counters since the daemon started, every one (`KvdStats` has those of ABI 1):
+ * `out[i]` is counter `i` (`kvd_counter_name(i)`). `out_cap` must be at least
+ * `kvd_counter_count()`; the values past it are left alone. Thread-safe (serialized per
+ * client).
+ */
+int32_t kvd_counters(KvdClient *client, uint64_t *out, size_t out_cap);
 
 /**
  * Run the health canary: one 4 KiB block written, sealed, published, acquired, read back

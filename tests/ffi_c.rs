@@ -141,6 +141,65 @@ fn passes(name: &str, extra: &[&str]) {
     }
 }
 
+/// A store counter is declared once (kvd-core's `counters` list). This shows every declared
+/// counter, by the declaration's names and in its order, reaching a C caller
+/// (`kvd_counter_name`, `kvd_counters`), the daemon's `/metrics` (a `counter` family each) and
+/// the Python package's `stats()`: a counter added to the list appears in all three.
+#[test]
+fn every_declared_counter_reaches_c_metrics_and_python_stats() {
+    let declared: Vec<&str> = kvd::store::Counters::DECLARED
+        .iter()
+        .map(|d| d.name)
+        .collect();
+    for exe in builds("counters") {
+        let d = Daemon::start(&[]);
+        let out = run(&exe, &d.socket);
+        assert!(out.contains("checks passed"), "{exe:?}: {out}");
+        let from_c: Vec<&str> = out
+            .lines()
+            .filter_map(|l| l.strip_prefix("counter "))
+            .map(|l| l.split(' ').next().unwrap())
+            .collect();
+        assert_eq!(from_c, declared, "kvd_counter_name, in order");
+    }
+
+    let d = Daemon::start(&[]);
+    let (code, text) = d.get("/metrics");
+    assert_eq!(code, 200);
+    for c in kvd::store::Counters::DECLARED {
+        let m = c.metric;
+        assert!(
+            text.contains(&format!("# TYPE {m} counter\n"))
+                && text.contains(&format!("\n{m}_total ")),
+            "no counter {m} in /metrics:\n{text}"
+        );
+    }
+
+    let script = "import json, sys, kvd, kvd._lib as L\n\
+                  with kvd.Client(sys.argv[1]) as c:\n    \
+                  print(json.dumps([list(c.stats()), list(L.COUNTER_NAMES)]))\n";
+    let o = Command::new("python3")
+        .args(["-c", script])
+        .arg(&d.socket)
+        .env("PYTHONPATH", root().join("ffi/python"))
+        .env("KVD_LIBRARY", libkvd().join("libkvd.so"))
+        .output()
+        .expect("running python3");
+    assert!(
+        o.status.success(),
+        "python3 failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let (keys, names): (Vec<String>, Vec<String>) = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(names, declared, "the Python package's COUNTER_NAMES");
+    for name in &declared {
+        assert!(
+            keys.iter().any(|k| k == name),
+            "stats() has no {name}: {keys:?}"
+        );
+    }
+}
+
 #[test]
 fn the_whole_lifecycle_runs_from_c() {
     passes("lifecycle", &[]);

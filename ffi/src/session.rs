@@ -1,9 +1,11 @@
 //! Sessions: connect, close, reconnect, the lease, and what the daemon tells about itself.
 
-use std::ffi::c_char;
+use std::ffi::{CString, c_char};
+use std::sync::LazyLock;
 
 use kvd_client::{Client, ClientOptions};
 use kvd_core::Error;
+use kvd_core::counters::Counters;
 
 use crate::handles::{self, Failure, KvdClient, entry, with_client};
 use crate::types::{KvdHealthReport, KvdPoolInfo, KvdStats};
@@ -193,6 +195,41 @@ pub extern "C" fn kvd_stats(client: *mut KvdClient, out: *mut KvdStats) -> i32 {
     with_client("kvd_stats", client, |c| {
         let out = args::out_ref(out, "out")?;
         *out = KvdStats::from(&c.stats()?);
+        Ok(())
+    })
+}
+
+/// The number of the store's counters: what `kvd_counters` writes and `kvd_counter_name` names.
+/// Counters are only ever added, at the end, so a name keeps its index. Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvd_counter_count() -> usize {
+    Counters::DECLARED.len()
+}
+
+/// Counter `i`'s name (`lookups`, `manifests_expired`, …: `KvdStats`' field names, and the
+/// daemon's `/metrics` family `kvd_<name>_total` for most), a static NUL-terminated string; NULL
+/// when `i >= kvd_counter_count()`. Thread-safe.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvd_counter_name(i: usize) -> *const c_char {
+    static NAMES: LazyLock<Vec<CString>> = LazyLock::new(|| {
+        Counters::DECLARED
+            .iter()
+            .map(|d| CString::new(d.name).expect("a counter name has no NUL"))
+            .collect()
+    });
+    NAMES.get(i).map_or(std::ptr::null(), |n| n.as_ptr())
+}
+
+/// The store's counters since the daemon started, every one (`KvdStats` has those of ABI 1):
+/// `out[i]` is counter `i` (`kvd_counter_name(i)`). `out_cap` must be at least
+/// `kvd_counter_count()`; the values past it are left alone. Thread-safe (serialized per
+/// client).
+#[unsafe(no_mangle)]
+pub extern "C" fn kvd_counters(client: *mut KvdClient, out: *mut u64, out_cap: usize) -> i32 {
+    with_client("kvd_counters", client, |c| {
+        let values = c.stats()?.counters.values();
+        args::fits(out_cap, values.len(), "out")?;
+        args::slice_mut(out, values.len(), "out")?.copy_from_slice(&values);
         Ok(())
     })
 }

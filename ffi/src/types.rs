@@ -221,7 +221,9 @@ pub struct KvdPoolInfo {
     pub reserved: u32,
 }
 
-/// The store's counts (pages by state, and counters since the daemon started).
+/// The store's counts (pages by state, and counters since the daemon started). Its counters
+/// are the ones kvd had at ABI 1, fixed so that the struct keeps its size; every counter,
+/// those added since included, comes by name from `kvd_counter_name` and `kvd_counters`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KvdStats {
@@ -600,12 +602,31 @@ pub(crate) fn descriptor(d: &KvdNamespaceDescriptor) -> Result<NamespaceDescript
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvd_core::counters::Counters;
+
+    /// How many of the store's declared counters (`kvd_core::counters`, in order) `KvdStats`
+    /// has as fields: those of ABI 1.
+    const KVD_STATS_COUNTERS: usize = 13;
+
+    #[test]
+    fn kvd_counter_name_names_every_declared_counter_in_order_then_null() {
+        use std::ffi::CStr;
+        assert_eq!(crate::kvd_counter_count(), Counters::DECLARED.len());
+        for (i, d) in Counters::DECLARED.iter().enumerate() {
+            // SAFETY: a non-NULL result is a static NUL-terminated string.
+            let name = unsafe { CStr::from_ptr(crate::kvd_counter_name(i)) };
+            assert_eq!(name.to_str().unwrap(), d.name);
+        }
+        assert!(crate::kvd_counter_name(Counters::DECLARED.len()).is_null());
+        assert!(crate::kvd_counter_name(usize::MAX).is_null());
+    }
 
     /// The store's counts as every layer that shows them names them, in order: the core's
-    /// `StoreStats` (accounting fields as `pages_*`, counters flattened), this crate's
-    /// `KvdStats`, `include/kvd.h` and the Python package's hand-written ctypes mirror. A count
-    /// added to the store and missed by a layer fails here (the daemon's `/metrics` collector
-    /// is held by the metrics tests in the daemon).
+    /// `StoreStats` (accounting fields as `pages_*`, counters flattened, of the declared
+    /// counters the ABI-1 prefix `KvdStats` keeps), this crate's `KvdStats`, `include/kvd.h`
+    /// and the Python package's ctypes mirror of the struct. A count added to the store outside
+    /// the declared counters and missed by a layer fails here; declared counters reach C and
+    /// Python by name (`kvd_counters`; tests/ffi_c.rs shows one end to end).
     #[test]
     fn every_store_count_reaches_kvd_stats_the_header_and_the_python_mirror_in_order() {
         // StoreStats with a distinct value in every leaf, in declaration order
@@ -629,13 +650,25 @@ mod tests {
             match v.as_object() {
                 Some(inner) => {
                     let mut m = serde_json::Map::new();
-                    for leaf in inner.keys() {
-                        names.push(if k == "accounting" {
-                            format!("pages_{leaf}")
-                        } else {
-                            leaf.clone()
-                        });
-                        m.insert(leaf.clone(), n.into());
+                    let leaves: Vec<(String, String)> = if k == "accounting" {
+                        inner
+                            .keys()
+                            .map(|leaf| (leaf.clone(), format!("pages_{leaf}")))
+                            .collect()
+                    } else {
+                        assert_eq!(k, "counters");
+                        // the ones KvdStats does not keep: no value to expect
+                        for d in &Counters::DECLARED[KVD_STATS_COUNTERS..] {
+                            m.insert(d.name.to_string(), 0.into());
+                        }
+                        Counters::DECLARED[..KVD_STATS_COUNTERS]
+                            .iter()
+                            .map(|d| (d.name.to_string(), d.name.to_string()))
+                            .collect()
+                    };
+                    for (leaf, name) in leaves {
+                        m.insert(leaf, n.into());
+                        names.push(name);
                         n += 1;
                     }
                     filled.insert(k.clone(), m.into());

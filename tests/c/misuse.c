@@ -41,6 +41,7 @@ int main(int argc, char **argv) {
     EXPECT(kvd_alloc(c, NULL, 1, NULL, 0, NULL, st), KVD_ERR_INVALID_ARGUMENT);
     EXPECT(kvd_pool_info(c, NULL), KVD_ERR_INVALID_ARGUMENT);
     EXPECT(kvd_stats(c, NULL), KVD_ERR_INVALID_ARGUMENT);
+    EXPECT(kvd_counters(c, NULL, kvd_counter_count()), KVD_ERR_INVALID_ARGUMENT);
     EXPECT(kvd_read(c, NULL, 0, buf, 1), KVD_ERR_INVALID_ARGUMENT);
     EXPECT(kvd_view_acquire(c, NULL, NULL), KVD_ERR_INVALID_ARGUMENT);
     EXPECT(kvd_view_still_valid(c, NULL), KVD_ERR_INVALID_ARGUMENT);

@@ -305,6 +305,9 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "kvd_set_request": (I32, [C, c_uint64]),
     "kvd_pool_info": (I32, [C, P(PoolInfo)]),
     "kvd_stats": (I32, [C, P(Stats)]),
+    "kvd_counter_count": (c_size_t, []),
+    "kvd_counter_name": (c_char_p, [c_size_t]),
+    "kvd_counters": (I32, [C, P(c_uint64), c_size_t]),
     "kvd_health_check": (I32, [C, P(HealthReport)]),
     "kvd_namespace_id": (I32, [P(NamespaceDescriptor), P(NamespaceId)]),
     "kvd_block_tags": (
@@ -412,3 +415,9 @@ if lib.kvd_abi_version() != ABI_VERSION:
         f"libkvd speaks ABI version {lib.kvd_abi_version()}, this package {ABI_VERSION}: "
         "reinstall the package"
     )
+
+# The store's counters, named by the library (kvd-core declares each once), in the order
+# kvd_counters writes them. `Stats` keeps those of ABI 1 as fields; this names every one.
+COUNTER_NAMES: tuple[str, ...] = tuple(
+    lib.kvd_counter_name(i).decode() for i in range(lib.kvd_counter_count())
+)

@@ -428,10 +428,15 @@ class Client:
         return p
 
     def stats(self) -> dict[str, int]:
-        """The store's counts."""
+        """The store's counts: ``Stats``' fields, and every counter by the library's names
+        (``kvd_counters``, read after the struct, so the counters agree among themselves)."""
         s = _lib.Stats()
         check(L.kvd_stats(self._c(), s))
-        return {f: getattr(s, f) for f, _ in _lib.Stats._fields_}
+        out = {f: getattr(s, f) for f, _ in _lib.Stats._fields_}
+        values = (ctypes.c_uint64 * len(_lib.COUNTER_NAMES))()
+        check(L.kvd_counters(self._c(), values, len(values)))
+        out.update(zip(_lib.COUNTER_NAMES, values))
+        return out
 
     def health_check(self) -> int:
         """Run the write-read-verify canary through the daemon; the microseconds it took."""

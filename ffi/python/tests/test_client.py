@@ -72,6 +72,18 @@ def test_a_lookup_finds_the_longest_published_prefix_of_a_token_chain(daemon):
         assert c.release([b.handle for b in pinned]) == [None] * 3
 
 
+def test_stats_has_every_counter_the_library_names_with_the_structs_values(daemon):
+    with kvd.Client(daemon.socket) as c:
+        ns = c.register_namespace(LAYOUT)
+        assert c.put(keys(ns, 9, 2), [page(65536, i) for i in range(2)]) == [None] * 2
+        s = c.stats()
+        names = kvd._lib.COUNTER_NAMES
+        assert names and set(names) <= set(s), "every counter by the library's name"
+        assert s["blocks_published"] == 2
+        kept = [f for f, _ in kvd._lib.Stats._fields_ if f in names]
+        assert kept == list(names[: len(kept)]), "the struct keeps a prefix of them, in order"
+
+
 def test_a_view_is_a_read_only_memoryview_of_the_pool_and_refuses_a_moved_page(daemon):
     with kvd.Client(daemon.socket) as c:
         ns = c.register_namespace(LAYOUT)

@@ -241,8 +241,8 @@ const ACCEPT_RETRY_MS: u64 = 50;
 
 /// Serve the router on `listener`, within `budget`, until the process ends.
 pub async fn serve(d: Arc<Daemon>, listener: TcpListener, budget: FdBudget) {
-    let header_timeout = Duration::from_millis(d.config.admin_header_timeout_ms);
-    let idle_timeout = Duration::from_millis(d.config.admin_idle_timeout_ms);
+    let header_timeout = Duration::from_millis(d.config.settings.admin_header_timeout_ms);
+    let idle_timeout = Duration::from_millis(d.config.settings.admin_idle_timeout_ms);
     let admin = Arc::new(Admin {
         d: d.clone(),
         budget,
@@ -605,18 +605,21 @@ pub fn report(d: &Daemon, budget: &FdBudget) -> StatusReport {
             nofile_hard: budget.nofile_hard,
             data_socket_fds_reserved: budget.data_socket_fds,
             other_fds_reserved: budget.reserved_fds,
-            max_sessions: c.max_sessions,
-            max_pending_connections: c.max_pending_connections,
-            handshake_timeout_ms: c.handshake_timeout_ms,
+            max_sessions: c.settings.max_sessions,
+            max_pending_connections: c.settings.max_pending_connections,
+            handshake_timeout_ms: c.settings.handshake_timeout_ms,
             peers: Some(c.peers),
             admin_max_connections: budget.admin_max_connections,
-            admin_max_connections_configured: c.admin_max_connections,
+            admin_max_connections_configured: c.settings.admin_max_connections,
             admin_refusal_fds: budget.admin_refusal_fds,
-            admin_header_timeout_ms: c.admin_header_timeout_ms,
-            admin_idle_timeout_ms: c.admin_idle_timeout_ms,
+            admin_header_timeout_ms: c.settings.admin_header_timeout_ms,
+            admin_idle_timeout_ms: c.settings.admin_idle_timeout_ms,
             admin_connections_open: m.admin_connections_open.get().max(0) as u64,
         },
-        data_port: d.data_port.as_ref().map(|dp| dp.report(d.config.node_id)),
+        data_port: d
+            .data_port
+            .as_ref()
+            .map(|dp| dp.report(d.config.settings.node_id)),
         cluster: Some(d.cluster.report()),
         instances: d.store.instances(STATUS_MAX_SESSIONS),
     }
@@ -631,7 +634,7 @@ async fn drain(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
 ) -> Response {
     let d = &a.d;
-    if !peer.ip().is_loopback() && !d.config.allow_remote_drain {
+    if !peer.ip().is_loopback() && !d.config.settings.allow_remote_drain {
         tracing::warn!(%peer, "refused /drain from a remote peer");
         return (
             StatusCode::FORBIDDEN,
@@ -697,7 +700,7 @@ async fn end_checkpoint(
     axum::extract::Path(request): axum::extract::Path<u64>,
     axum::extract::Query(q): axum::extract::Query<EpochQuery>,
 ) -> Response {
-    if !peer.ip().is_loopback() && !a.d.config.allow_remote_drain {
+    if !peer.ip().is_loopback() && !a.d.config.settings.allow_remote_drain {
         tracing::warn!(%peer, request, "refused to end a checkpoint for a remote peer");
         return (
             StatusCode::FORBIDDEN,

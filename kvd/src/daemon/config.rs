@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, FromArgMatches};
+use kvd_core::batch::MAX_BATCH_CEILING;
 use serde::Serialize;
 
 use super::clients::ClientLimits;
@@ -37,21 +38,28 @@ pub const MAX_ADMIN_TIMEOUT_MS: u64 = 600_000;
 pub const MAX_ADMIN_CONNECTIONS: u32 = 65_536;
 
 /// `kvd serve`'s settings: flags, and the keys of the `--config` file (flags win).
-#[derive(Debug, Clone, clap::Args)]
+///
+/// [`DaemonConfig`] holds them as given and adds what the daemon resolves from them; its
+/// `--check-config` JSON shows the settings used as given here and, for those marked
+/// `#[serde(skip)]`, their resolved form instead (`socket`, `pool_bytes`, `peers`, `data_port`…).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, clap::Args)]
 pub struct ServeArgs {
     /// A TOML file with any of the settings below as keys, underscores for dashes (flags win
     /// over the file; an unknown key is an error).
     #[arg(long)]
+    #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Resolve and check the settings (flags over the file over the defaults), print them and
     /// exit 0, or exit 2 with what is wrong: nothing is bound, created or locked.
     #[arg(long)]
+    #[serde(skip)]
     pub check_config: bool,
     /// Where the node generation is persisted (created 0700; increased at every start).
     #[arg(long, default_value = "kvd-data")]
     pub data_dir: PathBuf,
     /// The local protocol's Unix socket (default: DATA_DIR/kvd.sock).
     #[arg(long)]
+    #[serde(skip)]
     pub socket: Option<PathBuf>,
     /// Group (name or numeric id) given access to the socket (mode 0660); default: the
     /// daemon's own group.
@@ -70,6 +78,7 @@ pub struct ServeArgs {
     /// Allow the admin HTTP to listen on a non-loopback address (read-only endpoints only;
     /// /drain stays loopback-only unless --allow-remote-drain).
     #[arg(long)]
+    #[serde(skip)]
     pub allow_remote_admin: bool,
     /// Accept /drain from other hosts (needs --allow-remote-admin).
     #[arg(long)]
@@ -91,13 +100,16 @@ pub struct ServeArgs {
     pub admin_idle_timeout_ms: u64,
     /// The pool's size in MiB, rounded down to whole pages.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    #[serde(skip)]
     pub pool_mib: u64,
     /// Bytes per page in KiB: the largest KV block, a multiple of 4 (the default is 16 tokens
     /// of Qwen3-14B).
     #[arg(long, default_value_t = 2560, value_parser = clap::value_parser!(u64).range(4..=(1 << 30)))]
+    #[serde(skip)]
     pub page_kib: u64,
     /// Huge pages for the pool: off, try (fall back to normal pages), require.
     #[arg(long, default_value = "try", value_parser = ["off", "try", "require"])]
+    #[serde(skip)]
     pub huge_pages: String,
     /// Sessions (client connections) open at most.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
@@ -111,18 +123,22 @@ pub struct ServeArgs {
     /// Sessions one client process (by SO_PEERCRED pid) may hold [default: a quarter of
     /// --max-sessions].
     #[arg(long)]
+    #[serde(skip)]
     pub max_sessions_per_process: Option<u32>,
     /// Sessions the processes of one uid may hold together [default: three quarters of
     /// --max-sessions].
     #[arg(long)]
+    #[serde(skip)]
     pub max_sessions_per_uid: Option<u32>,
     /// Handshakes one process may have under way [default: a quarter of
     /// --max-pending-connections].
     #[arg(long)]
+    #[serde(skip)]
     pub max_pending_per_process: Option<u32>,
     /// Handshakes the processes of one uid may have under way [default: three quarters of
     /// --max-pending-connections].
     #[arg(long)]
+    #[serde(skip)]
     pub max_pending_per_uid: Option<u32>,
     /// Unanswered requests one session may have; more are answered Overloaded.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
@@ -139,12 +155,14 @@ pub struct ServeArgs {
     /// under load, at the cost of CPUs that poll rather than sleep while calls come. Needs
     /// write access to the device (root, or a udev rule); off when unset.
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    #[serde(skip)]
     pub cpu_wake_latency_us: Option<u32>,
     /// How long the wake-latency request outlives the last call, ms.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    #[serde(skip)]
     pub cpu_wake_hold_ms: u64,
     /// Items in one batched request at most (a batch's reply must fit one frame).
-    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_BATCH_CEILING)))]
     pub max_batch: u32,
     /// How long a drain lets in-flight work finish before aborting it, ms.
     #[arg(long, default_value_t = 30_000)]
@@ -176,50 +194,62 @@ pub struct ServeArgs {
     /// every node: turns the data port on. Make one with `head -c 32 /dev/urandom > FILE &&
     /// chmod 600 FILE`.
     #[arg(long)]
+    #[serde(skip)]
     pub cluster_secret_file: Option<PathBuf>,
     /// Where the data port (peers' transfer connections) listens; needs
     /// --cluster-secret-file [default: 127.0.0.1:7461].
     #[arg(long)]
+    #[serde(skip)]
     pub data_listen: Option<SocketAddr>,
     /// What peers' blocks move over: `auto` uses RDMA where this kvd was built with it
     /// (feature `rdma`), a device is usable and the peer serves RDMA too, and TCP otherwise;
     /// `rdma` refuses to start without a usable device; `tcp` never tries RDMA. Control
     /// messages always go over TCP.
     #[arg(long, default_value = "auto", value_parser = transport_choice())]
+    #[serde(skip)]
     pub transport: TransportChoice,
     /// The RDMA device (`ibv_devices` lists them) [default: the one nearest --rdma-near-gpu,
     /// else the first].
     #[arg(long)]
+    #[serde(skip)]
     pub rdma_device: Option<String>,
     /// Use the RDMA device nearest this GPU on the PCIe tree: its PCI bus id, as
     /// `nvidia-smi --query-gpu=pci.bus_id --format=csv` prints it (0000:3b:00.0).
     #[arg(long, value_name = "PCI_BUS_ID")]
+    #[serde(skip)]
     pub rdma_near_gpu: Option<String>,
     /// The RDMA port's GID index (RoCE v2 is usually 1 or 3; `show_gids` lists them).
     #[arg(long, default_value_t = 0)]
+    #[serde(skip)]
     pub rdma_gid_index: u32,
     /// A peer's data port, as NODE_ID=ADDR (repeat for each peer; a list in the file); needs
     /// --cluster-secret-file. Cluster mode fills the same table from etcd.
     #[arg(long = "peer", value_name = "NODE_ID=ADDR")]
+    #[serde(skip)]
     pub peer: Vec<String>,
     /// Pushes and fetches this node runs at once with one peer; more are answered Overloaded
     /// (retryable).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    #[serde(skip)]
     pub max_transfers_per_peer: u32,
     /// Pushes and fetches this node runs at once in all.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    #[serde(skip)]
     pub max_transfers: u32,
     /// Transfers peers may have under way into or out of this node at once, per peer; more
     /// are answered Overloaded.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    #[serde(skip)]
     pub max_incoming_transfers_per_peer: u32,
     /// The same, in all.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    #[serde(skip)]
     pub max_incoming_transfers: u32,
     /// How long a peer's transfer may take from offer to commit (or want to release) before
     /// this node aborts it and frees its pages, ms.
     #[arg(long, default_value_t = 30_000,
           value_parser = clap::value_parser!(u64).range(1_000..=600_000))]
+    #[serde(skip)]
     pub transfer_deadline_ms: u64,
     /// Ring threads of the data port's TCP engine (each its own io_uring): the connections to
     /// a peer, and peers' connections here, are spread over them so that their copies run on
@@ -228,14 +258,17 @@ pub struct ServeArgs {
     /// "Ring threads").
     #[arg(long, default_value_t = kvd_remote::DEFAULT_DATA_LANES as u32,
           value_parser = clap::value_parser!(u32).range(1..=transport::tcp::MAX_LANES as i64))]
+    #[serde(skip)]
     pub data_lanes: u32,
     /// How to reach etcd (cluster mode), as for `kvd control`.
     #[command(flatten)]
+    #[serde(skip)]
     pub etcd: kvd_cluster::EtcdArgs,
     /// The registration lease's TTL, ms (etcd leases count whole seconds): a node that dies
     /// is gone from every view this long after (plus the watch's delivery).
     #[arg(long, default_value_t = 5_000,
           value_parser = clap::value_parser!(u64).range(1_000..=600_000))]
+    #[serde(skip)]
     pub etcd_lease_ttl_ms: u64,
 }
 
@@ -359,69 +392,31 @@ fn transport_choice() -> impl clap::builder::TypedValueParser<Value = TransportC
         .try_map(|s| s.parse::<TransportChoice>())
 }
 
-/// The resolved configuration.
+/// The resolved configuration: the settings as given, and what the daemon derives from them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DaemonConfig {
-    /// Where the generation file lives.
-    pub data_dir: PathBuf,
+    /// The settings (flags over the file over the defaults), each declared once in
+    /// [`ServeArgs`].
+    #[serde(flatten)]
+    pub settings: ServeArgs,
     /// The Unix socket.
     pub socket: PathBuf,
-    /// The socket's group, if given.
-    pub socket_group: Option<String>,
-    /// The admin HTTP address.
-    pub admin_listen: SocketAddr,
-    /// The probes' own address, if any.
-    pub probe_listen: Option<SocketAddr>,
-    /// Whether /drain is accepted from other hosts.
-    pub allow_remote_drain: bool,
-    /// Admin HTTP connections held at once, as configured (the fd budget may lower it).
-    pub admin_max_connections: u32,
-    /// How long an admin request head may take to arrive, ms.
-    pub admin_header_timeout_ms: u64,
-    /// How long an admin connection may move no byte, ms.
-    pub admin_idle_timeout_ms: u64,
     /// Pool bytes.
     pub pool_bytes: u64,
     /// Page bytes.
     pub page_bytes: u64,
     /// Huge-page policy.
     pub huge_pages: HugePages,
-    /// Sessions at most.
-    pub max_sessions: u32,
-    /// Connections being set up (handshake) at most, beyond the sessions.
-    pub max_pending_connections: u32,
-    /// How long a handshake may take, ms.
-    pub handshake_timeout_ms: u64,
     /// Per-process and per-uid bounds on handshakes and sessions.
     pub peers: ClientLimits,
-    /// Unanswered requests per session.
-    pub max_inflight: u32,
-    /// How long a session polls for the next request after an answer, µs.
-    pub spin_us: u32,
     /// The wake-latency request held while clients call (`None`: off).
     pub cpu_wake: Option<CpuWakeConfig>,
-    /// Items per batch.
-    pub max_batch: u32,
     /// Body bytes per frame.
     pub max_frame_bytes: u32,
     /// How long the rest of a frame may take once its header arrived, ms.
     pub frame_timeout_ms: u64,
-    /// Drain deadline, ms.
-    pub drain_deadline_ms: u64,
-    /// Hard deadline, ms.
-    pub hard_deadline_ms: u64,
-    /// Reaper tick, ms.
-    pub reap_interval_ms: u64,
     /// Items the reaper handles per tick at most.
     pub reap_budget: u32,
-    /// Recompute supplied checksums at seal.
-    pub verify_supplied_checksums: bool,
-    /// Block events the store's ring keeps for routers.
-    pub event_log_capacity: u32,
-    /// Runtime threads.
-    pub threads: usize,
-    /// This node's id among its peers.
-    pub node_id: u64,
     /// The data port, when a cluster secret is configured.
     pub data_port: Option<DataPortConfig>,
     /// Cluster mode, when etcd endpoints are configured.
@@ -494,44 +489,24 @@ impl DaemonConfig {
         let data_port = DaemonConfig::data_port(s)?;
         let cluster = DaemonConfig::cluster(s, data_port.is_some())?;
         let c = DaemonConfig {
-            data_dir: s.data_dir.clone(),
             socket: s
                 .socket
                 .clone()
                 .unwrap_or_else(|| s.data_dir.join("kvd.sock")),
-            socket_group: s.socket_group.clone(),
-            admin_listen: s.admin_listen,
-            probe_listen: s.probe_listen,
-            allow_remote_drain: s.allow_remote_drain,
-            admin_max_connections: s.admin_max_connections,
-            admin_header_timeout_ms: s.admin_header_timeout_ms,
-            admin_idle_timeout_ms: s.admin_idle_timeout_ms,
             pool_bytes: s.pool_mib.saturating_mul(1 << 20),
             page_bytes: s.page_kib.saturating_mul(1024),
             huge_pages,
-            max_sessions: sessions,
-            max_pending_connections: pending,
-            handshake_timeout_ms: s.handshake_timeout_ms,
             peers,
-            max_inflight: s.max_inflight,
-            spin_us: s.spin_us,
             cpu_wake: s.cpu_wake_latency_us.map(|latency_us| CpuWakeConfig {
                 latency_us,
                 hold_ms: s.cpu_wake_hold_ms,
             }),
-            max_batch: s.max_batch,
             max_frame_bytes: crate::protocol::MAX_FRAME_BYTES,
             frame_timeout_ms: 10_000,
-            drain_deadline_ms: s.drain_deadline_ms,
-            hard_deadline_ms: s.hard_deadline_ms,
-            reap_interval_ms: s.reap_interval_ms,
             reap_budget: 4096,
-            verify_supplied_checksums: s.verify_supplied_checksums,
-            event_log_capacity: s.event_log_capacity,
-            threads: s.threads,
-            node_id: s.node_id,
             data_port,
             cluster,
+            settings: s.clone(),
         };
         c.check()?;
         Ok(c)
@@ -613,28 +588,28 @@ impl DaemonConfig {
         let p = &self.peers;
         if p.sessions_per_process == 0
             || p.sessions_per_process > p.sessions_per_uid
-            || p.sessions_per_uid > self.max_sessions
+            || p.sessions_per_uid > self.settings.max_sessions
         {
             return bad(format!(
                 "session bounds must satisfy 1 <= per process ({}) <= per uid ({}) <= \
                  max_sessions ({})",
-                p.sessions_per_process, p.sessions_per_uid, self.max_sessions
+                p.sessions_per_process, p.sessions_per_uid, self.settings.max_sessions
             ));
         }
         if p.pending_per_process == 0
             || p.pending_per_process > p.pending_per_uid
-            || p.pending_per_uid > self.max_pending_connections
+            || p.pending_per_uid > self.settings.max_pending_connections
         {
             return bad(format!(
                 "handshake bounds must satisfy 1 <= per process ({}) <= per uid ({}) <= \
                  max_pending_connections ({})",
-                p.pending_per_process, p.pending_per_uid, self.max_pending_connections
+                p.pending_per_process, p.pending_per_uid, self.settings.max_pending_connections
             ));
         }
-        if self.hard_deadline_ms <= self.drain_deadline_ms {
+        if self.settings.hard_deadline_ms <= self.settings.drain_deadline_ms {
             return bad(format!(
                 "the hard deadline ({} ms) must come after the drain deadline ({} ms)",
-                self.hard_deadline_ms, self.drain_deadline_ms
+                self.settings.hard_deadline_ms, self.settings.drain_deadline_ms
             ));
         }
         Ok(())
@@ -672,8 +647,8 @@ mod tests {
         .unwrap();
         assert_eq!(c.pool_bytes, 64 << 20);
         assert_eq!(c.page_bytes, 160 * 1024);
-        assert_eq!(c.max_sessions, 4, "the flag wins");
-        assert_eq!(c.max_inflight, 32, "the default");
+        assert_eq!(c.settings.max_sessions, 4, "the flag wins");
+        assert_eq!(c.settings.max_inflight, 32, "the default");
         assert_eq!(c.socket, PathBuf::from("kvd-data/kvd.sock"));
         // a list given as flags replaces the file's (it is not added to it)
         let peers = c.data_port.unwrap().peers;
@@ -681,23 +656,66 @@ mod tests {
         // without the flags, the file's list and its boolean
         let c = resolve(&["--config", &f, "--admin-listen", "0.0.0.0:7460"]).unwrap();
         assert_eq!(c.data_port.unwrap().peers.len(), 2);
-        assert_eq!(c.max_sessions, 8);
+        assert_eq!(c.settings.max_sessions, 8);
+    }
+
+    #[test]
+    fn check_config_shows_each_setting_once_as_given_or_resolved() {
+        let (_dir, f) = file("max_sessions = 100\nhuge_pages = \"off\"\n");
+        let c = resolve(&[
+            "--config",
+            &f,
+            "--socket",
+            "/tmp/k.sock",
+            "--pool-mib",
+            "64",
+        ])
+        .unwrap();
+        // as `--check-config` prints it: one top-level key a line, indented by two
+        let text = serde_json::to_string_pretty(&c).unwrap();
+        let top: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("  \""))
+            .filter_map(|l| l.split_once('"').map(|(k, _)| k))
+            .collect();
+        let mut once = top.clone();
+        once.sort_unstable();
+        once.dedup();
+        assert_eq!(
+            once.len(),
+            top.len(),
+            "a key given and resolved twice: {text}"
+        );
+        for line in [
+            "\"socket\": \"/tmp/k.sock\"",
+            "\"pool_bytes\": 67108864",
+            "\"huge_pages\": \"Off\"",
+            "\"max_sessions\": 100",
+        ] {
+            assert!(text.contains(line), "no {line} in {text}");
+        }
+        for resolved_away in ["pool_mib", "page_kib", "config", "check_config", "etcd"] {
+            assert!(!top.contains(&resolved_away), "{resolved_away} in {text}");
+        }
     }
 
     #[test]
     fn a_non_loopback_admin_address_needs_an_explicit_flag() {
         assert!(resolve(&["--admin-listen", "0.0.0.0:7460"]).is_err());
         let c = resolve(&["--admin-listen", "0.0.0.0:7460", "--allow-remote-admin"]).unwrap();
-        assert!(!c.allow_remote_drain);
+        assert!(!c.settings.allow_remote_drain);
     }
 
     #[test]
     fn a_value_from_the_file_is_bounded_as_its_flag_and_the_error_says_where_it_came_from() {
         let (_d, f) = file("admin_max_connections = 8\nadmin_idle_timeout_ms = 900\n");
         let c = resolve(&["--config", &f, "--admin-idle-timeout-ms", "700"]).unwrap();
-        assert_eq!(c.admin_max_connections, 8);
-        assert_eq!(c.admin_header_timeout_ms, DEFAULT_ADMIN_HEADER_TIMEOUT_MS);
-        assert_eq!(c.admin_idle_timeout_ms, 700);
+        assert_eq!(c.settings.admin_max_connections, 8);
+        assert_eq!(
+            c.settings.admin_header_timeout_ms,
+            DEFAULT_ADMIN_HEADER_TIMEOUT_MS
+        );
+        assert_eq!(c.settings.admin_idle_timeout_ms, 700);
         for (flag, bad) in [
             ("admin_max_connections", "0".to_string()),
             ("admin_header_timeout_ms", "0".to_string()),
@@ -753,9 +771,15 @@ mod tests {
     #[test]
     fn the_event_log_capacity_comes_from_the_flag_or_the_file() {
         let (_d, f) = file("event_log_capacity = 16\n");
-        assert_eq!(resolve(&["--config", &f]).unwrap().event_log_capacity, 16);
         assert_eq!(
-            resolve(&[]).unwrap().event_log_capacity,
+            resolve(&["--config", &f])
+                .unwrap()
+                .settings
+                .event_log_capacity,
+            16
+        );
+        assert_eq!(
+            resolve(&[]).unwrap().settings.event_log_capacity,
             DEFAULT_EVENT_LOG_CAPACITY
         );
     }

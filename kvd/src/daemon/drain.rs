@@ -76,7 +76,7 @@ pub struct DrainReport {
 pub async fn run(d: &Daemon) -> DrainReport {
     d.drain.request();
     let start = Instant::now();
-    let hard = Duration::from_millis(d.config.hard_deadline_ms);
+    let hard = Duration::from_millis(d.config.settings.hard_deadline_ms);
     std::thread::Builder::new()
         .name("kvd-drain-watchdog".into())
         .spawn(move || {
@@ -88,10 +88,10 @@ pub async fn run(d: &Daemon) -> DrainReport {
             std::process::exit(HARD_DEADLINE_EXIT_CODE);
         })
         .expect("spawning the drain watchdog");
-    let deadline = start + Duration::from_millis(d.config.drain_deadline_ms);
+    let deadline = start + Duration::from_millis(d.config.settings.drain_deadline_ms);
     tracing::info!(
-        deadline_ms = d.config.drain_deadline_ms,
-        hard_deadline_ms = d.config.hard_deadline_ms,
+        deadline_ms = d.config.settings.drain_deadline_ms,
+        hard_deadline_ms = d.config.settings.hard_deadline_ms,
         "draining: not ready, refusing new sessions and allocations"
     );
     let mut finished_in_time = false;

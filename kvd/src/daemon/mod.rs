@@ -47,15 +47,14 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
                 .skip(1),
         ),
     };
-    let (settings, config) = match settings.and_then(|s| DaemonConfig::resolve(&s).map(|c| (s, c)))
-    {
+    let config = match settings.and_then(|s| DaemonConfig::resolve(&s)) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kvd serve: {e}");
             return std::process::ExitCode::from(2);
         }
     };
-    if settings.check_config {
+    if config.settings.check_config {
         match serde_json::to_string_pretty(&config) {
             Ok(text) => println!("{text}"),
             Err(e) => {
@@ -67,7 +66,7 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
         return std::process::ExitCode::SUCCESS;
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(config.threads)
+        .worker_threads(config.settings.threads)
         .thread_name("kvd")
         .enable_all()
         .build()
@@ -94,14 +93,18 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
 async fn serve(config: DaemonConfig) -> Result<()> {
     let signals = DrainSignals::install()?;
     let budget = fd_budget(&config)?;
-    let datadir = datadir::DataDir::open(&config.data_dir)?;
+    let datadir = datadir::DataDir::open(&config.settings.data_dir)?;
     let generation = datadir.generation();
     let clock = Arc::new(MonotonicClock::new());
     let store = open_store(&config, generation, clock.clone())?;
     // The data port before the socket: a bad secret file is a start-up error that leaves
     // nothing bound behind.
     let data_port = match &config.data_port {
-        Some(dp) => Some(data_port::DataPort::start(dp, config.node_id, &store)?),
+        Some(dp) => Some(data_port::DataPort::start(
+            dp,
+            config.settings.node_id,
+            &store,
+        )?),
         None => None,
     };
     // Before the socket too: a device kvd may not write is a start-up error.
@@ -124,10 +127,10 @@ async fn serve(config: DaemonConfig) -> Result<()> {
     let registry = config
         .cluster
         .clone()
-        .map(|c| Arc::new(kvd_cluster::EtcdRegistry::new(c, config.node_id)));
+        .map(|c| Arc::new(kvd_cluster::EtcdRegistry::new(c, config.settings.node_id)));
     let membership = match &registry {
         Some(r) => r.membership(),
-        None => Arc::new(kvd_cluster::Membership::embedded(config.node_id)),
+        None => Arc::new(kvd_cluster::Membership::embedded(config.settings.node_id)),
     };
     if let Some(dp) = &data_port {
         let m: Arc<dyn kvd_remote::Membership> = membership.clone();
@@ -184,10 +187,10 @@ fn open_store(
     };
     let mut sc = StoreConfig::new(pool);
     sc.node_generation = generation;
-    sc.max_sessions = config.max_sessions;
-    sc.max_batch = config.max_batch;
-    sc.verify_supplied_checksums = config.verify_supplied_checksums;
-    sc.event_log_capacity = config.event_log_capacity;
+    sc.max_sessions = config.settings.max_sessions;
+    sc.max_batch = config.settings.max_batch;
+    sc.verify_supplied_checksums = config.settings.verify_supplied_checksums;
+    sc.event_log_capacity = config.settings.event_log_capacity;
     let store = Arc::new(Store::new(sc, clock)?);
     // Clients map the memfd read-write; sealing it stops any of them from shrinking it under
     // the daemon's own mapping (which would fault the daemon).
@@ -210,15 +213,15 @@ struct Listeners {
 
 impl Listeners {
     async fn bind(config: &DaemonConfig) -> Result<Listeners> {
-        let socket = server::bind_socket(&config.socket, config.socket_group.as_deref())?;
+        let socket = server::bind_socket(&config.socket, config.settings.socket_group.as_deref())?;
         let socket = tokio::net::UnixListener::from_std(socket)
             .map_err(|e| Error::Io(format!("registering the socket: {e}")))?;
-        let addr = config.admin_listen;
+        let addr = config.settings.admin_listen;
         let admin = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| Error::Io(format!("binding the admin address {addr}: {e}")))?;
         let admin_addr = admin.local_addr().map_err(|e| Error::Io(e.to_string()))?;
-        let probe = match config.probe_listen {
+        let probe = match config.settings.probe_listen {
             Some(addr) => Some(
                 tokio::net::TcpListener::bind(addr)
                     .await
@@ -249,7 +252,7 @@ fn register(
     let dd = d.clone();
     let data_addr = d.data_port.as_ref().map(|dp| dp.local_addr());
     let registration = move || kvd_cluster::Registration {
-        node_id: dd.config.node_id,
+        node_id: dd.config.settings.node_id,
         generation: dd
             .data_port
             .as_ref()
@@ -283,8 +286,8 @@ fn announce(d: &context::Daemon, generation: u64, probe_addr: Option<std::net::S
         pool_bytes = d.store.pool_bytes(),
         page_bytes = d.store.page_size(),
         backing = ?d.store.backing(),
-        data_dir = %d.config.data_dir.display(),
-        node_id = d.config.node_id,
+        data_dir = %d.config.settings.data_dir.display(),
+        node_id = d.config.settings.node_id,
         data_port = %data_addr.map_or_else(|| "off (no --cluster-secret-file)".to_string(), |a| a.to_string()),
         "kvd serving"
     );
@@ -323,13 +326,13 @@ fn fd_budget(config: &DaemonConfig) -> Result<limits::FdBudget> {
     let nofile = limits::raise_nofile();
     let b = limits::FdBudget::plan(
         nofile,
-        config.max_sessions,
-        config.max_pending_connections,
-        config.admin_max_connections,
+        config.settings.max_sessions,
+        config.settings.max_pending_connections,
+        config.settings.admin_max_connections,
     )?;
-    if b.admin_max_connections < config.admin_max_connections {
+    if b.admin_max_connections < config.settings.admin_max_connections {
         tracing::warn!(
-            configured = config.admin_max_connections,
+            configured = config.settings.admin_max_connections,
             in_force = b.admin_max_connections,
             nofile_soft = b.nofile_soft,
             "the open-file limit is short: fewer admin connections than configured (raise \
@@ -341,13 +344,13 @@ fn fd_budget(config: &DaemonConfig) -> Result<limits::FdBudget> {
         nofile_hard = b.nofile_hard,
         data_socket_fds = b.data_socket_fds,
         other_fds_reserved = b.reserved_fds,
-        max_sessions = config.max_sessions,
-        max_pending_connections = config.max_pending_connections,
-        handshake_timeout_ms = config.handshake_timeout_ms,
+        max_sessions = config.settings.max_sessions,
+        max_pending_connections = config.settings.max_pending_connections,
+        handshake_timeout_ms = config.settings.handshake_timeout_ms,
         admin_max_connections = b.admin_max_connections,
         admin_refusal_fds = b.admin_refusal_fds,
-        admin_header_timeout_ms = config.admin_header_timeout_ms,
-        admin_idle_timeout_ms = config.admin_idle_timeout_ms,
+        admin_header_timeout_ms = config.settings.admin_header_timeout_ms,
+        admin_idle_timeout_ms = config.settings.admin_idle_timeout_ms,
         "limits in force"
     );
     Ok(b)

@@ -36,6 +36,8 @@ use tokio::net::UnixStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
 
+use kvd_core::batch::check_batch;
+
 use crate::clock::Clock;
 use crate::protocol::frame::{self, FRAME_HEADER_BYTES};
 use crate::protocol::{
@@ -107,9 +109,9 @@ fn resolve_group(g: &str) -> Result<u32> {
 /// Accept connections until the process ends.
 pub async fn accept_loop(d: Arc<Daemon>, listener: tokio::net::UnixListener) {
     let permits = Arc::new(Semaphore::new(
-        (d.config.max_sessions + d.config.max_pending_connections) as usize,
+        (d.config.settings.max_sessions + d.config.settings.max_pending_connections) as usize,
     ));
-    let total = d.config.max_sessions + d.config.max_pending_connections;
+    let total = d.config.settings.max_sessions + d.config.settings.max_pending_connections;
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -254,7 +256,7 @@ async fn connection(
     mut slot: ClientSlot,
 ) {
     let c = &d.config;
-    let handshake = Duration::from_millis(c.handshake_timeout_ms);
+    let handshake = Duration::from_millis(c.settings.handshake_timeout_ms);
     // One deadline for the whole hello, however it trickles in.
     let hello = tokio::time::timeout(
         handshake,
@@ -329,9 +331,9 @@ async fn connection(
         page_count: cfg.pool.page_count,
         pool_bytes: d.store.pool_bytes(),
         lease_ttl_ms: hello.lease_ttl_ms,
-        max_batch: c.max_batch,
+        max_batch: c.settings.max_batch,
         max_frame_bytes: c.max_frame_bytes,
-        max_inflight: c.max_inflight,
+        max_inflight: c.settings.max_inflight,
     };
     let bytes = frame::encode(&HelloReply::Welcome(welcome)).expect("a welcome is small");
     if let Err(e) = send_welcome(&stream, &bytes, &d.store).await {
@@ -359,12 +361,13 @@ async fn session(d: Arc<Daemon>, stream: UnixStream, sid: SessionId, lease_ttl_m
     // Buffered: a pipelining client's frames are decoded from one read, not two syscalls each,
     // and the frames waiting in the buffer are the session's queue.
     let mut rd = tokio::io::BufReader::with_capacity(READ_BUFFER_BYTES, rd);
-    let max_inflight = d.config.max_inflight as usize;
+    let max_inflight = d.config.settings.max_inflight as usize;
     let mut shutdown = d.shutdown.subscribe();
     let idle = Duration::from_millis(lease_ttl_ms.saturating_add(5_000));
     let frame_timeout = Duration::from_millis(d.config.frame_timeout_ms);
-    let mut spin =
-        crate::protocol::spin::Spinner::new(Duration::from_micros(u64::from(d.config.spin_us)));
+    let mut spin = crate::protocol::spin::Spinner::new(Duration::from_micros(u64::from(
+        d.config.settings.spin_us,
+    )));
     let mut renewed = Instant::now();
     let mut out: Vec<u8> = Vec::with_capacity(64 * 1024);
     loop {
@@ -508,13 +511,7 @@ fn each(v: Vec<Result<()>>) -> Reply {
     reason = "over the 120-line ratchet (218 lines) when it came in: shorten it, then drop this"
 )]
 fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
-    let max = d.config.max_batch as usize;
-    if op.batch_len() > max {
-        return Err(Error::InvalidArgument(format!(
-            "batch of {} exceeds the limit of {max}; split it",
-            op.batch_len()
-        )));
-    }
+    check_batch(op.batch_len(), d.config.settings.max_batch)?;
     let s = &d.store;
     Ok(match op {
         Op::RegisterNamespace(desc) => Reply::Namespace(s.register_namespace(&desc)?),
@@ -740,8 +737,8 @@ fn refuse_new_work(d: &Daemon, what: &str) -> Result<()> {
 /// The reaper: expired leases and pins, every `reap_interval_ms`; an accounting audit every
 /// second.
 pub async fn reaper(d: Arc<Daemon>) {
-    let every = Duration::from_millis(d.config.reap_interval_ms);
-    let audit_every = (1000 / d.config.reap_interval_ms).max(1);
+    let every = Duration::from_millis(d.config.settings.reap_interval_ms);
+    let audit_every = (1000 / d.config.settings.reap_interval_ms).max(1);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut n: u64 = 0;

@@ -390,13 +390,7 @@ impl Client {
     }
 
     fn check_batch(&self, n: usize) -> Result<()> {
-        if n > self.welcome.max_batch as usize {
-            return Err(Error::InvalidArgument(format!(
-                "batch of {n} exceeds the daemon's limit of {}; split it",
-                self.welcome.max_batch
-            )));
-        }
-        Ok(())
+        kvd_core::batch::check_batch(n, self.welcome.max_batch)
     }
 
     /// Register a KV layout; returns its id. Idempotent.

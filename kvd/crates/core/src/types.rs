@@ -5,6 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::counters::Counters;
 use crate::error::BlockState;
 use crate::keys::{BlockKey, BlockTag};
 
@@ -271,37 +272,6 @@ impl Accounting {
             BlockState::Quarantined => &mut self.quarantined,
         }
     }
-}
-
-/// Event counters since start.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Counters {
-    /// Keys looked up (every key of every lookup, prefix lookups included).
-    pub lookups: u64,
-    /// Of those, found PUBLISHED.
-    pub hits: u64,
-    /// Handles refused because a generation did not match.
-    pub stale_generation_rejects: u64,
-    /// Blocks whose bytes failed their checksum.
-    pub checksum_failures: u64,
-    /// Cache blocks evicted to make room.
-    pub evictions: u64,
-    /// Operations refused because a bound was reached.
-    pub overload_rejects: u64,
-    /// Allocations refused for lack of space.
-    pub no_space_rejects: u64,
-    /// Sessions closed because their lease expired.
-    pub sessions_expired: u64,
-    /// Pins dropped because their TTL passed.
-    pub pins_expired: u64,
-    /// Manifests released because their TTL passed.
-    pub manifests_expired: u64,
-    /// Blocks published (cache and checkpoint).
-    pub blocks_published: u64,
-    /// Blocks aborted (explicitly or by session end).
-    pub blocks_aborted: u64,
-    /// Blocks removed by compare-and-delete.
-    pub blocks_removed: u64,
 }
 
 /// A point-in-time view of the store for metrics and `/status`.

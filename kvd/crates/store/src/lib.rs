@@ -26,6 +26,7 @@ mod state;
 mod sync;
 
 // The shared vocabulary, under the names the store's modules use for it.
+use kvd_core::batch::{MAX_BATCH_CEILING, check_batch};
 pub use kvd_core::types::{self, *};
 pub use kvd_core::{Error, Result};
 use kvd_core::{clock, error, keys};
@@ -93,7 +94,7 @@ impl StoreConfig {
             pool,
             node_generation: 1,
             max_sessions: 1024,
-            max_batch: 4096,
+            max_batch: MAX_BATCH_CEILING,
             max_blocks_in_flight_per_session: 65_536,
             max_pins_per_session: 262_144,
             max_namespaces: 1024,
@@ -350,9 +351,7 @@ impl Store {
         handles: &[Handle],
     ) -> Result<Vec<Result<Allocation>>> {
         let mut g = self.lock();
-        if handles.len() > g.config.max_batch as usize {
-            return Err(Error::InvalidArgument("batch too large".into()));
-        }
+        check_batch(handles.len(), g.config.max_batch)?;
         g.live_session(sid)?;
         Ok(handles.iter().map(|h| g.begin_write(sid, h)).collect())
     }
@@ -459,9 +458,7 @@ impl Store {
     /// Look keys up (no pin). Misses are `None`.
     pub fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<Option<BlockInfo>>> {
         let mut g = self.lock();
-        if keys.len() > g.config.max_batch as usize {
-            return Err(Error::InvalidArgument("batch too large; split it".into()));
-        }
+        check_batch(keys.len(), g.config.max_batch)?;
         Ok(g.lookup(keys))
     }
 

@@ -10,6 +10,8 @@
 //! nothing when a check fails. Byte copies and checksums run outside the store's lock, with the
 //! slot's `in_use` mark held so that the page cannot be freed or written concurrently.
 
+use kvd_core::batch::check_batch;
+
 use crate::error::{BlockState, Corruption};
 use crate::keys::BlockKey;
 use crate::state::{Class, Inner};
@@ -39,14 +41,11 @@ pub(crate) enum SealStep {
 
 impl Inner {
     pub(crate) fn check_batch(&mut self, n: usize) -> Result<()> {
-        if n > self.config.max_batch as usize {
+        let checked = check_batch(n, self.config.max_batch);
+        if checked.is_err() {
             self.counters.overload_rejects += 1;
-            return Err(Error::InvalidArgument(format!(
-                "batch of {n} exceeds the limit of {}; split it",
-                self.config.max_batch
-            )));
         }
-        Ok(())
+        checked
     }
 
     /// Allocate one block per key. Keys that exist already (published or being written) get

@@ -4,6 +4,8 @@
 //! reused: a block removed or evicted while pinned is RETIRED and its page returns to the pool
 //! when the last pin is released or expires. Every pin belongs to a session and has a TTL.
 
+use kvd_core::batch::check_batch;
+
 use crate::error::{BlockState, Corruption};
 use crate::keys::{BlockKey, BlockTag, NamespaceId};
 use crate::sessions::Pin;
@@ -118,13 +120,7 @@ impl Inner {
         keys: &[BlockKey],
         ttl_ms: Option<u64>,
     ) -> Result<Vec<Result<BlockInfo>>> {
-        if keys.len() > self.config.max_batch as usize {
-            return Err(Error::InvalidArgument(format!(
-                "batch of {} exceeds the limit of {}; split it",
-                keys.len(),
-                self.config.max_batch
-            )));
-        }
+        check_batch(keys.len(), self.config.max_batch)?;
         let ttl = self.pin_ttl(ttl_ms)?;
         self.live_session(sid)?;
         Ok(keys

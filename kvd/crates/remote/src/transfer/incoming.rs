@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use kvd_core::batch::check_batch;
 use transport::channel::Channel;
 use transport::grant::{Direction, Grant, TransferId};
 use transport::link::wire::Bind;
@@ -406,13 +407,12 @@ impl Incoming {
         binding: Binding,
         keys: &[BlockKey],
     ) -> Result<PeerReply> {
-        if keys.is_empty() || keys.len() > self.store.config().max_batch as usize {
-            return Err(Error::InvalidArgument(format!(
-                "a fetch asks for 1 to {} blocks, not {}",
-                self.store.config().max_batch,
-                keys.len()
-            )));
+        if keys.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a fetch asks for at least one block".into(),
+            ));
         }
+        check_batch(keys.len(), self.store.config().max_batch)?;
         if keys.iter().any(|k| k.namespace != binding.namespace) {
             return Err(Error::InvalidArgument(
                 "every wanted block must be of the binding's namespace".into(),
@@ -521,13 +521,12 @@ impl Incoming {
                 "a checkpoint step names its request (0 is none)".into(),
             ));
         }
-        if blocks.is_empty() || blocks.len() > self.store.config().max_batch as usize {
-            return Err(Error::InvalidArgument(format!(
-                "an offer holds 1 to {} blocks, not {}",
-                self.store.config().max_batch,
-                blocks.len()
-            )));
+        if blocks.is_empty() {
+            return Err(Error::InvalidArgument(
+                "an offer holds at least one block".into(),
+            ));
         }
+        check_batch(blocks.len(), self.store.config().max_batch)?;
         let page = self.store.page_size();
         if let Some(b) = blocks.iter().find(|b| b.len == 0 || b.len > page) {
             return Err(Error::InvalidArgument(format!(
