@@ -627,9 +627,9 @@ mod tests {
     /// and the Python package's ctypes mirror of the struct. A count added to the store outside
     /// the declared counters and missed by a layer fails here; declared counters reach C and
     /// Python by name (`kvd_counters`; tests/ffi_c.rs shows one end to end).
-    #[test]
-    fn every_store_count_reaches_kvd_stats_the_header_and_the_python_mirror_in_order() {
-        // StoreStats with a distinct value in every leaf, in declaration order
+    /// A `StoreStats` with a distinct value in every leaf that `KvdStats` keeps (1, 2, ... in
+    /// declaration order), and the names those leaves have in `KvdStats`, in that order.
+    fn distinct_store_stats() -> (StoreStats, Vec<String>) {
         let shape = serde_json::to_value(StoreStats {
             node_generation: 0,
             page_size_bytes: 0,
@@ -680,7 +680,12 @@ mod tests {
                 }
             }
         }
-        let stats: StoreStats = serde_json::from_value(filled.into()).unwrap();
+        (serde_json::from_value(filled.into()).unwrap(), names)
+    }
+
+    #[test]
+    fn every_store_count_reaches_kvd_stats_the_header_and_the_python_mirror_in_order() {
+        let (stats, names) = distinct_store_stats();
         // KvdStats: the same names, each with its own value (Debug shows `name: value, ...`)
         let shown = format!("{:?}", KvdStats::from(&stats));
         let inner = shown
