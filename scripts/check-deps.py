@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Fail when what engines link (libkvd, kvd-client) or what a router links (kvd-control) pulls in a
-daemon dependency, or when the streaming front (kvd-front) pulls in more than its HTTP.
+daemon dependency, when the streaming front (kvd-front) pulls in more than its HTTP, or when a
+service (kvd-daemon, kvd-control-service) or a library links another service: the services are
+wired together only by the `kvd` binary.
 
 The check reads the dependency graph cargo resolves for a whole-workspace build (`cargo metadata`,
 features unified across the workspace, as a real build sees them), not `cargo tree -p`, which
@@ -10,7 +12,11 @@ import json
 import subprocess
 import sys
 
-ROOTS = sys.argv[1:] or ["kvd-ffi", "kvd-client", "kvd-control", "kvd-front"]
+SERVICES = {"kvd-daemon", "kvd-control-service"}
+LIBRARIES = ["kvd-core", "kvd-client", "kvd-store", "kvd-control", "kvd-sim", "kvd-remote",
+             "kvd-cluster", "kvd-front", "kvd-metrics", "kvd-transport"]
+ROOTS = sys.argv[1:] or list(dict.fromkeys(
+    ["kvd-ffi", "kvd-client", "kvd-control", "kvd-front", *sorted(SERVICES), *LIBRARIES]))
 FORBIDDEN = {
     "tokio", "axum", "hyper", "clap", "plotters", "rand", "prometheus-client",
     "tracing-subscriber", "etcd-client",
@@ -22,6 +28,14 @@ FORBIDDEN_FOR = {"kvd-control": {"kvd-transport", "io-uring"},
 # What one root may link although the others must not: the front speaks HTTP to the engines and
 # the holders and takes its flags from clap; it needs no etcd client, server or metrics registry.
 ALLOWED_FOR = {"kvd-front": {"tokio", "hyper", "clap"}}
+# A service links the libraries and its own dependencies, never another service; a library
+# links no service. (Only the engine-facing roots above are held to FORBIDDEN.)
+ENGINE_FACING = {"kvd-ffi", "kvd-client", "kvd-control", "kvd-front"}
+for root in SERVICES:
+    FORBIDDEN_FOR[root] = SERVICES - {root}
+for root in LIBRARIES:
+    FORBIDDEN_FOR.setdefault(root, set())
+    FORBIDDEN_FOR[root] = FORBIDDEN_FOR[root] | SERVICES
 
 host = next(line.split()[1] for line in subprocess.check_output(["rustc", "-vV"], text=True)
             .splitlines() if line.startswith("host:"))
@@ -52,7 +66,8 @@ for root in ROOTS:
         for d in normal_deps(nodes[i]):
             parent.setdefault(d, i)
             stack.append(d)
-    forbidden = (FORBIDDEN - ALLOWED_FOR.get(root, set())) | FORBIDDEN_FOR.get(root, set())
+    base = FORBIDDEN - ALLOWED_FOR.get(root, set()) if root in ENGINE_FACING else set()
+    forbidden = base | FORBIDDEN_FOR.get(root, set())
     bad = sorted(names[i] for i in seen if names[i] in forbidden)
     if bad:
         failed = True

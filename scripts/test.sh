@@ -125,9 +125,9 @@ if [ "$fast" = 1 ]; then
     exit 0
 fi
 
-# The library crates build and test on their own (their own features, not the workspace's);
-# the rest of the workspace is tested together.
-LIB_CRATES=(kvd-core kvd-client kvd-store kvd-control kvd-sim kvd-remote kvd-cluster kvd-front)
+# The crates under kvd/crates (the libraries and the two services) build and test on their own
+# (their own features, not the workspace's); the rest of the workspace is tested together.
+LIB_CRATES=(kvd-core kvd-client kvd-store kvd-control kvd-sim kvd-remote kvd-cluster kvd-front kvd-metrics kvd-daemon kvd-control-service)
 exclude=()
 for p in "${LIB_CRATES[@]}"; do exclude+=(--exclude "$p"); done
 

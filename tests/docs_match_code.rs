@@ -162,3 +162,28 @@ fn the_file_name_scan_finds_paths_and_leaves_prose_alone() {
         ]
     );
 }
+
+/// `kvd/src` wires the crates into the binary and holds no subsystem: its files are the command
+/// line (`main.rs`) and the re-exports (`lib.rs`), each short. A service or a protocol grows in
+/// a crate of its own under `kvd/crates/`, where it can be tested in one process.
+#[test]
+fn the_binary_crate_holds_only_its_wiring() {
+    let mut files: Vec<(String, usize)> = std::fs::read_dir(root().join("kvd/src"))
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let lines = std::fs::read_to_string(e.path()).map_or(0, |t| t.lines().count());
+            (name, lines)
+        })
+        .collect();
+    files.sort();
+    let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["lib.rs", "main.rs"], "kvd/src holds wiring only");
+    for (name, lines) in &files {
+        assert!(
+            *lines <= 150,
+            "kvd/src/{name} has {lines} lines: wiring only"
+        );
+    }
+}

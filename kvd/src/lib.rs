@@ -1,31 +1,25 @@
-//! kvd: the daemon and the command line of a per-node KV-cache block store for distributed LLM
-//! serving. The libraries it is made of are crates of their own (see `docs/ARCHITECTURE.md`);
-//! this crate re-exports them under the names the daemon, the tests and the benches use:
+//! kvd: the command line of a per-node KV-cache block store for distributed LLM serving. Every
+//! part of it is a crate of its own (see `docs/ARCHITECTURE.md`); this crate wires them into
+//! the `kvd` binary (`src/main.rs`) and re-exports them under the names the tests and the
+//! benches use:
 //!
 //! - [`keys`], [`error`], [`clock`], [`protocol`]: `kvd-core`, the shared vocabulary.
 //! - [`store`] (with [`pool`]): `kvd-store`, the page pool and the block store.
 //! - [`client`]: `kvd-client`, the Rust client of the local protocol (what libkvd links).
 //! - [`control`]: `kvd-control`, the control shim: placement, recovery, request epochs.
 //! - [`sim`] (feature `sim`): `kvd-sim`, the cluster simulator driving [`control`].
-//!
-//! and holds what only the daemon needs:
-//!
-//! - [`daemon`] (feature `server`): `kvd serve`, the admin HTTP, drain, and `kvd status`.
-//! - [`control_service`] (feature `server`): `kvd control`, the control shim over HTTP/JSON;
-//!   its `membership` feeds it from cluster membership in etcd, its `front` is the streaming
-//!   front, which resumes a client's stream on a survivor when its worker dies.
-//! - [`openmetrics`] (feature `server`): the metric-encoding helpers both of them use.
-
-#[cfg(feature = "server")]
-pub mod control_service;
-#[cfg(feature = "server")]
-pub mod daemon;
-#[cfg(feature = "server")]
-pub mod openmetrics;
+//! - [`daemon`] (feature `server`): `kvd-daemon`, the service `kvd serve`, with `kvd status`
+//!   and `kvd drain` (its admin API's client).
+//! - [`control_service`] (feature `server`): `kvd-control-service`, the service `kvd control`
+//!   (the controller over HTTP/JSON, fed by etcd, and the streaming front of `kvd-front`).
 
 pub use kvd_client as client;
 pub use kvd_control as control;
+#[cfg(feature = "server")]
+pub use kvd_control_service as control_service;
 pub use kvd_core::{Error, Result, clock, error, keys, protocol};
+#[cfg(feature = "server")]
+pub use kvd_daemon as daemon;
 #[cfg(feature = "sim")]
 pub use kvd_sim as sim;
 pub use kvd_store as store;

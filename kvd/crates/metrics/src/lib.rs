@@ -1,6 +1,7 @@
-//! OpenMetrics text for both of the binary's HTTP services (`kvd serve`'s admin port and
-//! `kvd control`): the content type they answer with and the encoders of constant metrics that
-//! their collectors write at scrape time (prometheus-client's types).
+//! OpenMetrics text for kvd's two HTTP services (`kvd serve`'s admin port and `kvd control`):
+//! the content type they answer with and the encoders of constant metrics that their
+//! collectors write at scrape time (prometheus-client's types). Its own crate so that neither
+//! service imports the other for it.
 
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;

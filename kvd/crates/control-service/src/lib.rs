@@ -18,7 +18,7 @@
 //! | GET    | `/snapshot`          | → the whole state ([`crate::control::ControllerSnapshot`])          |
 //!
 //! With `--engine ID=URL` it also serves the streaming front ([`kvd_front`], its routes in
-//! [`crate::control_service::front`]):
+//! [`crate::front`]):
 //! `POST /v1/completions` (OpenAI-compatible, streaming), `GET /v1/streams/{id}` (resume with
 //! `Last-Event-ID`) and `GET /status`.
 //!
@@ -27,8 +27,23 @@
 //! [`MAX_BODY_BYTES`]. The service listens on loopback unless `--allow-remote` is given (the
 //! admin surface changes state; see the trust model in docs/DAEMON.md).
 
+//!
+//! A service crate: the `kvd` binary wires it up as `kvd control`. It is made of the library
+//! crates (the controller `kvd-control`, the streaming front `kvd-front`, cluster mode
+//! `kvd-cluster`) and imports no other service.
+//!
+//! ```text
+//!  lib.rs         the controller's HTTP/JSON API, start-up (run), the snapshot
+//!  membership.rs  the nodes' registrations in etcd as worker events; the snapshot kept there
+//!  front.rs       the streaming front's routes and SSE bodies over kvd-front
+//! ```
+
 pub mod front;
 pub mod membership;
+
+pub(crate) use kvd_control as control;
+pub(crate) use kvd_core::clock;
+pub use kvd_core::{Error, Result};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -42,7 +57,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 
-use crate::Error;
 use crate::clock::MonotonicClock;
 use crate::control::{
     AdmitRequest, ControlConfig, Controller, ControllerSnapshot, Decision, Event, PolicyKind,
@@ -246,10 +260,7 @@ async fn metrics(State(s): State<Arc<Hub>>) -> Response {
     prometheus_client::encoding::text::encode(&mut text, &registry)
         .expect("writing to a String cannot fail");
     (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            crate::openmetrics::CONTENT_TYPE,
-        )],
+        [(axum::http::header::CONTENT_TYPE, kvd_metrics::CONTENT_TYPE)],
         text,
     )
         .into_response()
@@ -307,7 +318,7 @@ impl prometheus_client::collector::Collector for ControllerMetrics {
         &self,
         mut e: prometheus_client::encoding::DescriptorEncoder<'_>,
     ) -> std::fmt::Result {
-        use crate::openmetrics::{counter, gauge};
+        use kvd_metrics::{counter, gauge};
         use prometheus_client::encoding::EncodeMetric;
         for (name, v) in &self.stats {
             let help = format!("kvd::control::Stats::{name}");
@@ -465,7 +476,7 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
                 }
             };
             etcd_security = Some(Arc::clone(&security));
-            match crate::control_service::membership::load_snapshot(&args.etcd.etcd, &args.etcd.prefix(), &security).await {
+            match crate::membership::load_snapshot(&args.etcd.etcd, &args.etcd.prefix(), &security).await {
                 Ok(Some(snap)) => {
                     let offset = snapshot_offset(&snap);
                     match Controller::from_snapshot(snap) {
@@ -499,11 +510,11 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
             let holders = Arc::new(kvd_front::http::HttpHolders::new(Arc::clone(&shared)));
             let front = kvd_front::Front::new(Arc::clone(&shared), args.front.clone(), engines, holders);
             front.spawn_health_watch();
-            app = app.merge(crate::control_service::front::routes(front));
+            app = app.merge(crate::front::routes(front));
             println!("kvd control: the streaming front serves POST /v1/completions for {} engines", args.front.engines.len());
         }
         if args.etcd.is_on() {
-            tokio::spawn(crate::control_service::membership::run(
+            tokio::spawn(crate::membership::run(
                 args.etcd.etcd.clone(),
                 args.etcd.prefix(),
                 etcd_security.unwrap_or_default(),

@@ -26,9 +26,7 @@ pub fn routes(front: Arc<Front>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/streams/{id}", get(resume))
         .route("/status", get(status))
-        .layer(DefaultBodyLimit::max(
-            crate::control_service::MAX_BODY_BYTES,
-        ))
+        .layer(DefaultBodyLimit::max(crate::MAX_BODY_BYTES))
         .with_state(front)
 }
 

@@ -34,8 +34,8 @@ pub const LATENCY_BUCKETS_S: [f64; 14] = [
     100e-3,
 ];
 
-pub use crate::openmetrics::CONTENT_TYPE;
-use crate::openmetrics::{counter, gauge};
+pub use kvd_metrics::CONTENT_TYPE;
+use kvd_metrics::{counter, gauge};
 
 type OpLabel = [(&'static str, &'static str); 1];
 

@@ -838,7 +838,7 @@ mod documented {
 
     /// `docs/DAEMON.md`'s settings: the first cell of every table row that names one.
     fn documented() -> std::collections::BTreeSet<String> {
-        include_str!("../../../docs/DAEMON.md")
+        include_str!("../../../../docs/DAEMON.md")
             .lines()
             .filter_map(|l| l.strip_prefix("| `"))
             .filter_map(|l| l.split_once('`').map(|(k, _)| k.to_string()))
@@ -879,7 +879,7 @@ mod documented {
         let cmd = ServeArgs::augment_args(clap::Command::new("serve"));
         // the settings table's row of each key (the first: later tables may name it too)
         let mut rows = std::collections::BTreeMap::new();
-        for l in include_str!("../../../docs/DAEMON.md").lines() {
+        for l in include_str!("../../../../docs/DAEMON.md").lines() {
             let Some((key, rest)) = l.strip_prefix("| `").and_then(|l| l.split_once('`')) else {
                 continue;
             };

@@ -8,6 +8,31 @@
 //! A signal or `/drain` runs the [`drain`], after which the process exits 0.
 //!
 //! Read `docs/DAEMON.md` for the protocol, the limits and the reasons behind them.
+//!
+//! A service crate: the `kvd` binary wires it up as `kvd serve`, and `kvd status` and
+//! `kvd drain` use its admin API's client ([`status`]). It is made of the library crates
+//! (the store, blocks between daemons, cluster mode) and imports no other service.
+//!
+//! ```text
+//!  lib.rs       start-up and shutdown (run → serve), the listeners, registration in etcd
+//!  config.rs    every setting declared once (flag, file key, default, bound, docs row)
+//!  server.rs    the local protocol: a session per connection, the store calls
+//!  clients.rs   per-client bounds on the Unix socket
+//!  admin.rs     the admin HTTP (/healthz, /readyz, /metrics, /status, /drain, ...)
+//!  probes.rs    liveness and readiness on a bounded listener of their own
+//!  metrics.rs   /metrics: the store's declared counters, the data port, the sessions
+//!  drain.rs     graceful drain
+//!  datadir.rs   the data directory and the node generation
+//!  limits.rs    the open-file budget
+//!  wake.rs      the CPU wake-latency hold
+//!  context.rs   what every task shares
+//!  status.rs    the admin API's client: `kvd status`, `kvd drain`
+//! ```
+
+pub use kvd_core::{Error, Result};
+pub(crate) use kvd_core::{clock, protocol};
+pub(crate) use kvd_store as store;
+pub(crate) use kvd_store::pool;
 
 pub mod admin;
 pub mod clients;
@@ -33,7 +58,6 @@ pub use kvd_remote::{DEFAULT_DATA_LANES, port as data_port, transfer};
 use crate::clock::MonotonicClock;
 use crate::pool::PoolConfig;
 use crate::store::{Store, StoreConfig};
-use crate::{Error, Result};
 
 /// Run `kvd serve` to its end.
 pub fn run(args: ServeArgs) -> std::process::ExitCode {
