@@ -191,3 +191,69 @@ async fn session(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::{ControlConfig, Controller, WorkerPhase};
+    use kvd_core::clock::ManualClock;
+
+    fn hub() -> Arc<Hub> {
+        let controller = Controller::new(ControlConfig::default()).unwrap();
+        Hub::new(controller, ManualClock::new(0), 0)
+    }
+
+    fn reg(node_id: u64, generation: u64) -> Registration {
+        Registration {
+            node_id,
+            generation,
+            data_addr: format!("127.0.0.1:{}", 7000 + node_id),
+            admin_addr: format!("127.0.0.1:{}", 7100 + node_id),
+            capacity_bytes: 1 << 30,
+            free_bytes: 1 << 30,
+        }
+    }
+
+    fn phase(h: &Hub, w: u32) -> Option<WorkerPhase> {
+        h.load().get(w).map(|l| l.phase)
+    }
+
+    #[test]
+    fn a_new_node_joins_with_its_pool_as_capacity_and_its_admin_address() {
+        let h = hub();
+        let mut seen = Seen::default();
+        registered(&h, &mut seen, &reg(1, 5));
+        assert_eq!(phase(&h, 1), Some(WorkerPhase::FullService));
+        assert_eq!(h.node_admin(1).as_deref(), Some("127.0.0.1:7101"));
+        // the same generation again (a refreshed registration) changes nothing
+        registered(&h, &mut seen, &reg(1, 5));
+        assert_eq!(phase(&h, 1), Some(WorkerPhase::FullService));
+        assert_eq!(seen.fenced, 0);
+    }
+
+    #[test]
+    fn a_gone_node_fails_and_only_a_higher_generation_brings_it_back() {
+        let h = hub();
+        let mut seen = Seen::default();
+        registered(&h, &mut seen, &reg(2, 7));
+        gone(&h, &mut seen, 2);
+        assert_eq!(phase(&h, 2), Some(WorkerPhase::Failed));
+        assert_eq!(h.node_admin(2), None);
+        // a late registration of an older incarnation is fenced: the worker stays failed
+        registered(&h, &mut seen, &reg(2, 6));
+        assert_eq!(phase(&h, 2), Some(WorkerPhase::Failed));
+        assert_eq!(seen.fenced, 1);
+        // the restarted node (a higher generation) recovers
+        registered(&h, &mut seen, &reg(2, 8));
+        assert_ne!(phase(&h, 2), Some(WorkerPhase::Failed));
+    }
+
+    #[test]
+    fn node_ids_past_the_worker_id_range_are_ignored() {
+        let h = hub();
+        let mut seen = Seen::default();
+        registered(&h, &mut seen, &reg(u64::from(u32::MAX) + 1, 1));
+        assert!(h.load().iter().next().is_none());
+        assert!(seen.nodes.is_empty());
+    }
+}
