@@ -107,7 +107,7 @@ if ! diff -r "$fresh_pb" third_party/etcd-client/src/rpc/pb; then
 fi
 rm -rf "$fresh_pb"
 
-echo "== what engines and routers link (libkvd, kvd-client, kvd-control) has none of the daemon's dependencies, the front (kvd-front) no more than its HTTP"
+echo "== what engines and routers link (libkvd, kvd-client, kvd-control) has none of the daemon's dependencies, the front (kvd-front) no more than its HTTP; no service links another"
 python3 scripts/check-deps.py
 
 if [ "$fast" = 1 ]; then
