@@ -1,6 +1,6 @@
 //! What every task of the daemon shares: the store, the settings, the counters, the drain
 //! state, the client bounds, the data port and the membership view. Built once by
-//! [`super::serve`], handed to the Unix-socket server, the admin HTTP, the probes, the drain
+//! `serve` (in `lib.rs`), handed to the Unix-socket server, the admin HTTP, the probes, the drain
 //! and the reaper as an `Arc<Daemon>`.
 
 use std::sync::Arc;

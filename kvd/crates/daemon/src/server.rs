@@ -16,7 +16,7 @@
 //! (kernel flow control), never by unbounded memory in the daemon.
 //!
 //! Who connects is known from the kernel (`SO_PEERCRED`); every connection counts against its
-//! process's and its uid's shares ([`super::peers`]), so one process, however many connections
+//! process's and its uid's shares ([`super::clients`]), so one process, however many connections
 //! it opens, cannot lock the others out. A connection over any bound is told so in a framed,
 //! retryable `Overloaded` (with a retry-after hint) before it is closed.
 //!
