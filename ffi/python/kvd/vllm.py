@@ -27,6 +27,11 @@ Settings (``kv_connector_extra_config``):
 ``max_checkpoint_transfers``  checkpoint pushes in flight per worker (16; ``kvd.vllm_checkpoint``)
 ``checkpoint_ttl_ms``  how long a holder keeps a checkpoint no step renews (60000)
 ``restore_timeout_ms``  how long a restore's recovery read may take before recomputing (30000)
+``node_id``          this daemon's node id, named in a prefill's hand-off parameters (P/D:
+                     ``kvd.vllm_handoff``; without it ``kv_producer``/``kv_consumer`` hand off nothing)
+``handoff_ttl_ms``   how long a prefill's daemon holds (pins) a handed-off run (30000)
+``handoff_timeout_ms``  how long a decode waits for a hand-off's fetch before it fails the load (30000)
+``max_pending_handoffs``  hand-off loads in flight per scheduler; past it a hand-off is a miss (64)
 ==================== ========================================================================
 
 What can be a hit (the namespace): the model's weights (a stamp of the weight files, not the
@@ -47,6 +52,10 @@ aborts) and never delays the free, since saves happen as blocks complete.
 Requests that carry ``{"kvd": {"checkpoint": ...}}`` or ``{"kvd": {"restore": ...}}`` in their
 ``kv_transfer_params`` stream their blocks to a checkpoint holder, or restore their prefix from
 one (``kvd.vllm_checkpoint`` says how); requests without them behave as above.
+
+With ``kv_role`` ``kv_producer``/``kv_consumer``/``kv_both``, requests carrying vLLM's P/D
+parameters (``do_remote_decode``, ``do_remote_prefill``) hand their prompt's KV from a prefill
+engine to a decode engine through the two nodes' daemons (``kvd.vllm_handoff`` says how).
 
 Worker side: ``register_kv_caches`` reads each layer's physical layout
 (``kvd.vllm_layout``); ``start_load_kv`` copies each hit block's runs out of a pinned zero-copy
@@ -76,12 +85,14 @@ from .errors import AlreadyExists, Disconnected, KvdError, Overloaded
 RENEW_BELOW_MS = 5_000
 from .identity import weights_identity
 from .vllm_checkpoint import CheckpointStep, Restorer, Streamer, params
+from .vllm_handoff import HandoffLoad, Handoffs, Receiver
 from .vllm_layout import BlockLayout, LayoutError
 
 try:  # Subclass vLLM's own classes: without vLLM this module cannot be a connector.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorMetadata,
+        KVConnectorTransferResults,
         KVConnectorWorkerMetadata,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -135,6 +146,7 @@ class KvdConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    handoffs: list[HandoffLoad] = field(default_factory=list)
 
 
 @dataclass
@@ -149,7 +161,9 @@ class KvdWorkerMetadata(KVConnectorWorkerMetadata):
 
 _COUNTERS = ("loaded_blocks", "loaded_bytes", "load_errors", "saved_blocks", "saved_bytes",
              "save_skipped", "save_errors", "load_us", "save_us", "checkpoint_blocks",
-             "checkpoint_bytes", "checkpoint_deferred", "checkpoint_dropped", "checkpoint_failed")
+             "checkpoint_bytes", "checkpoint_deferred", "checkpoint_dropped", "checkpoint_failed",
+             "handoff_held_blocks", "handoff_fetches", "handoff_fetched_blocks", "handoff_fetched_bytes",
+             "handoff_failed", "handoff_over_bound")
 
 
 @dataclass
@@ -253,6 +267,12 @@ class KvdConnector(KVConnectorBase_V1):
                                  int(extra.get("restore_timeout_ms", 30_000)))
         self.streamer = Streamer(self.client, self.namespace, int(extra.get("max_checkpoint_transfers", 16)),
                                  int(extra.get("checkpoint_ttl_ms", 60_000)))
+        ktc = self._kv_transfer_config
+        self.handoffs = Handoffs(self.client, self.namespace, self.block_size, extra,
+                                 str(getattr(ktc, "kv_role", "") or "") if self.recovery else "",
+                                 str(getattr(ktc, "engine_id", "") or ""))
+        self._handoff_loads: list[HandoffLoad] = []
+        self.receiver = Receiver(self.client)
         self._events: collections.deque = collections.deque(maxlen=MAX_EVENTS_BUFFERED)
         self._events_thread: Optional[_EventsThread] = None
         if self.is_scheduler and int(extra.get("events_ms", 200)) > 0:
@@ -421,6 +441,10 @@ class KvdConnector(KVConnectorBase_V1):
         rid = request.request_id
         if not self._usable():
             return 0, False
+        handoff = self.handoffs.matched(request, num_computed_tokens)
+        self._sync(self.handoffs.figures)
+        if handoff is not None:
+            return handoff, True  # an asynchronous load of a prefill's run (kvd.vllm_handoff)
         lk = self._lookups.get(rid)
         try:
             tags = self._lookup_tags(request)
@@ -523,6 +547,8 @@ class KvdConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         self._requests[rid] = request
+        if self._handoff_alloc(request, blocks, num_external_tokens):
+            return
         lk = self._lookups.pop(rid, None)
         if num_external_tokens <= 0 or lk is None:
             if lk is not None:
@@ -541,14 +567,39 @@ class KvdConnector(KVConnectorBase_V1):
         # moves the cursor back, in update_connector_output, so its recomputation is stored).
         self._save_cursor[rid] = max(self._save_cursor.get(rid, 0), first + n)
 
+    def _handoff_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> bool:
+        """A hand-off's blocks are allocated: start its fetch (``kvd.vllm_handoff``)."""
+        try:
+            load = self.handoffs.start(request, list(blocks.get_block_ids()[0]), num_external_tokens,
+                                       self._tags(request))
+        finally:
+            self._sync(self.handoffs.figures)
+        if load is None:
+            return False
+        rid = request.request_id
+        self._drop_lookup(rid)
+        self._handoff_loads.append(load)
+        self._loading_blocks[rid] = (load.end - len(load.block_ids), load.block_ids)
+        # The run is in this node's kvd once fetched: saving starts after it.
+        self._save_cursor[rid] = max(self._save_cursor.get(rid, 0), load.end)
+        return True
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """A hand-off's tokens came from another node (``P2P``), a cache hit's from kvd (``HOST``)."""
+        if num_external_tokens <= 0:
+            return {}
+        source = CacheHitSource.P2P if request.request_id in self.handoffs.pending else CacheHitSource.HOST
+        return {source: num_external_tokens}
+
     def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
         if self.async_lookup and (self._release_tickets or self._ticket_req) and self._down_since is None:
             try:
                 self._poll()  # drain finished calls every step: the queue's bound stays free
             except KvdError as e:
                 self._lost(e)
-        meta = KvdConnectorMetadata(loads=self._loads, saves=self._completed_blocks(scheduler_output))
-        self._loads = []
+        meta = KvdConnectorMetadata(loads=self._loads, saves=self._completed_blocks(scheduler_output),
+                                    handoffs=self._handoff_loads)
+        self._loads, self._handoff_loads = [], []
         return meta
 
     def _completed_blocks(self, so: Any) -> list[BlockTransfer]:
@@ -598,6 +649,9 @@ class KvdConnector(KVConnectorBase_V1):
                 bad = [i for i, b in enumerate(ids) if b in invalid]
                 if bad and rid in self._save_cursor:
                     self._save_cursor[rid] = min(self._save_cursor[rid], first + bad[0])
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self.handoffs.done(rid)
+            self._loading_blocks.pop(rid, None)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         for rid in getattr(meta, "loaded", ()) or ():
             self._release(self._loading_pins.pop(rid, []))
@@ -605,8 +659,14 @@ class KvdConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         """Forget the request (finished or aborted). Its blocks were saved as they completed,
-        so vLLM may free them at once."""
+        so vLLM may free them at once; a prefill handing off returns the decode's parameters
+        (``kvd.vllm_handoff``)."""
         rid = request.request_id
+        handoff = None
+        if self._usable():
+            handoff = self.handoffs.hold(request, block_ids, self._tags(request), self.tp_size, self.pp_size)
+        self.handoffs.done(rid)
+        self._sync(self.handoffs.figures)
         self._drop_lookup(rid)
         self._release(self._loading_pins.pop(rid, []))
         self._loading_blocks.pop(rid, None)
@@ -615,7 +675,7 @@ class KvdConnector(KVConnectorBase_V1):
         self._ckpt_cursor.pop(rid, None)
         self._restore_tags.pop(rid, None)
         self.restorer.forget(rid)
-        return False, None
+        return False, handoff
 
     def take_events(self) -> Iterable[Any]:
         """kvd's block events for this model as vLLM KV events (medium ``CPU``)."""
@@ -648,6 +708,8 @@ class KvdConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._failed_this_step = set()
         meta = self._connector_metadata
+        if isinstance(meta, KvdConnectorMetadata) and meta.handoffs:
+            self.receiver.add(meta.handoffs)
         if not isinstance(meta, KvdConnectorMetadata) or not meta.loads:
             return
         t0 = time.perf_counter()
@@ -803,6 +865,32 @@ class KvdConnector(KVConnectorBase_V1):
             crc = self.client.write_from(handle, addr, n, at, crc) or 0
             at += n
         return at, crc
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Hand-off loads whose fetch ended: copied in (``finished_recving``), or failed
+        (also ``failed_recving``, every block id a load error: ``kv_load_failure_policy``)."""
+        out = KVConnectorTransferResults()
+        if not self.receiver.waiting or not self._usable():
+            return out
+        try:
+            ready, failed = self.receiver.poll()
+        except KvdError as e:
+            if isinstance(e, Disconnected):
+                self._lost(e)
+            return out  # polled again next step; the deadline still applies
+        for w, t in ready:
+            if t is not None:
+                self._count("handoff_fetched_blocks", t.blocks)
+                self._count("handoff_fetched_bytes", t.bytes)
+            self._each([BlockTransfer(w.req_id, w.block_ids, w.tags)], self._load,
+                       lambda load: self._failed(load.block_ids))
+            out.finished_recving.add(w.req_id)
+        for w in failed:
+            self._count("handoff_failed", 1)
+            self._failed(w.block_ids)
+            out.finished_recving.add(w.req_id)
+            out.failed_recving.add(w.req_id)
+        return out
 
     def build_connector_worker_meta(self) -> Optional[KvdWorkerMetadata]:
         if not self._loaded_reqs:
