@@ -142,18 +142,20 @@ def test_greedy_tokens_through_the_proxy_match_a_colocated_run_and_the_prompt_wa
     assert computed_tokens(d) - computed0 == n_prompt - want * BLOCK, "only the last block was computed"
 
 
-@pytest.mark.parametrize("forge", ["namespace", "node_without_the_run"])
+@pytest.mark.parametrize("forge", ["namespace", "node_without_the_run", "unknown_node"])
 def test_parameters_naming_another_namespace_or_an_empty_node_are_a_miss_with_the_same_tokens(pd, forge):
     nodes, srv = pd
     p, d = srv["prefill"], srv["decode"]
-    prompt = OTHER if forge == "namespace" else NOBODY
+    prompt = {"namespace": OTHER, "node_without_the_run": NOBODY, "unknown_node": words(123, 220, 17)}[forge]
 
     def edit(params: dict) -> dict:
         params = json.loads(json.dumps(params))
         if forge == "namespace":
             params["kvd"]["handoff"]["namespace"] = "ab" * 32
-        else:  # the consumer's own node, which never saw this prompt
+        elif forge == "node_without_the_run":  # the consumer's own node, which never saw this prompt
             params["kvd"]["handoff"]["node"] = 2
+        else:  # no such peer: the fetch fails, a failed receive that is recomputed
+            params["kvd"]["handoff"]["node"] = 9
         return params
 
     loaded0 = loaded_tokens(d)

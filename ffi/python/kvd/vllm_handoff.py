@@ -100,6 +100,7 @@ class Handoffs:
         self.consumer = role in ("kv_consumer", "kv_both")
         self.engine_id = engine_id
         self.pending: set[str] = set()  # requests whose hand-off load is not reported yet
+        self._warned: collections.OrderedDict = collections.OrderedDict()  # a miss is logged once
         self.figures: collections.Counter = collections.Counter()
         if (self.producer or self.consumer) and self.node_id <= 0:
             log.warning("kvd: kv_role %s without a node_id setting: hand-offs are off", role)
@@ -114,6 +115,11 @@ class Handoffs:
         if h is None:
             return None
         if h.namespace != self.namespace:
+            if request.request_id in self._warned:
+                return None
+            self._warned[request.request_id] = None
+            if len(self._warned) > 1024:
+                self._warned.popitem(last=False)
             log.warning("kvd: hand-off of %s names namespace %s, this engine's is %s (model, dtype, "
                         "block size or salt differ): a miss", request.request_id, h.namespace.hex(),
                         self.namespace.hex())
