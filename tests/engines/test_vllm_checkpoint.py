@@ -13,13 +13,18 @@ later step; here the test plays its part.)
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 import kvd
 from kvd_daemon import Daemon, wait_until
-from test_vllm import BLOCK, connector, engine, scenario, step, words
+from test_vllm import BLOCK, HERE, connector, engine, scenario, step, words
 
 PROMPT = words(11, 300, 23)
 MORE = words(13, 260, 29)
@@ -37,31 +42,43 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ckpt")
+def peer_daemons(tmp: Path, n: int) -> dict[int, Daemon]:
+    """Daemons 1..n with data ports, each in the others' peer table, sharing a cluster secret."""
     secret = tmp / "secret"
     secret.write_bytes(bytes(range(32)))
     secret.chmod(0o600)
-    ports = free_ports(3)
+    ports = free_ports(n)
     nodes = {}
-    for i in (1, 2, 3):
-        peers = [f"--peer={j}=127.0.0.1:{ports[j - 1]}" for j in (1, 2, 3) if j != i]
+    for i in range(1, n + 1):
+        peers = [f"--peer={j}=127.0.0.1:{ports[j - 1]}" for j in range(1, n + 1) if j != i]
         nodes[i] = Daemon(["--cluster-secret-file", str(secret), "--data-listen", f"127.0.0.1:{ports[i - 1]}",
                            "--node-id", str(i), "--pool-mib", "64", "--page-kib", "64", *peers])
+    return nodes
+
+
+def tiny_model(tmp: Path) -> Path:
     model = tmp / "model"
-    import subprocess
-    import sys
-
-    from test_vllm import HERE
-
     subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
+    return model
+
+
+@contextlib.contextmanager
+def peer_cluster(tmp_path_factory, name: str, n: int) -> Iterator[tuple[Path, Path, dict[int, Daemon]]]:
+    """A fresh folder, the tiny model in it and ``n`` peer daemons, stopped at the end."""
+    tmp = tmp_path_factory.mktemp(name)
+    nodes = peer_daemons(tmp, n)
     try:
-        yield tmp, str(model), nodes
+        yield tmp, tiny_model(tmp), nodes
     finally:
         for d in nodes.values():
             if d.proc.poll() is None:
                 d.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with peer_cluster(tmp_path_factory, "ckpt", 3) as (tmp, model, nodes):
+        yield tmp, str(model), nodes
 
 
 def committed(c: "kvd.Client", request: int) -> int:

@@ -11,8 +11,6 @@ response's ``kv_transfer_params`` go unchanged into the decode request. The engi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.request
 import uuid
 from typing import Any, Callable, Optional
@@ -21,8 +19,8 @@ import pytest
 
 from kvd_daemon import Daemon, wait_until
 from test_stream_recovery import free_port, get_json, get_text, metric
-from test_vllm import BLOCK, HERE, connector, words
-from test_vllm_checkpoint import free_ports
+from test_vllm import BLOCK, connector, words
+from test_vllm_checkpoint import peer_cluster
 from vllm_server import SERVED_NAME, VllmServer
 
 PROMPT = words(5, 300, 31)  # several blocks
@@ -75,35 +73,22 @@ def pd_connector(socket: str, role: str, node: int) -> dict:
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pd")
-    secret = tmp / "secret"
-    secret.write_bytes(bytes(range(32)))
-    secret.chmod(0o600)
-    ports = free_ports(2)
-    nodes = {}
-    for i in (1, 2):
-        j = 3 - i
-        nodes[i] = Daemon(["--cluster-secret-file", str(secret), "--data-listen", f"127.0.0.1:{ports[i - 1]}",
-                           "--node-id", str(i), "--pool-mib", "64", "--page-kib", "64",
-                           f"--peer={j}=127.0.0.1:{ports[j - 1]}"])
-    model = tmp / "model"
-    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
-    servers = {
-        "prefill": VllmServer(model, free_port(), tmp / "prefill.log", pd_connector(nodes[1].socket, "kv_producer", 1)),
-        "decode": VllmServer(model, free_port(), tmp / "decode.log", pd_connector(nodes[2].socket, "kv_consumer", 2)),
-    }
-    try:
-        for s in servers.values():
-            s.start()
-        for s in servers.values():
-            s.wait_ready(START_TIMEOUT_S)
-        yield nodes, servers
-    finally:
-        for s in servers.values():
-            s.stop()
-        for d in nodes.values():
-            if d.proc.poll() is None:
-                d.stop()
+    with peer_cluster(tmp_path_factory, "pd", 2) as (tmp, model, nodes):
+        servers = {
+            "prefill": VllmServer(model, free_port(), tmp / "prefill.log",
+                                  pd_connector(nodes[1].socket, "kv_producer", 1)),
+            "decode": VllmServer(model, free_port(), tmp / "decode.log",
+                                 pd_connector(nodes[2].socket, "kv_consumer", 2)),
+        }
+        try:
+            for s in servers.values():
+                s.start()
+            for s in servers.values():
+                s.wait_ready(START_TIMEOUT_S)
+            yield nodes, servers
+        finally:
+            for s in servers.values():
+                s.stop()
 
 
 def loaded_tokens(srv: VllmServer, source: str = "external_kv_transfer") -> float:
