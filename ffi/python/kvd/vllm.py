@@ -870,14 +870,18 @@ class KvdConnector(KVConnectorBase_V1):
         """Hand-off loads whose fetch ended: copied in (``finished_recving``), or failed
         (also ``failed_recving``, every block id a load error: ``kv_load_failure_policy``)."""
         out = KVConnectorTransferResults()
-        if not self.receiver.waiting or not self._usable():
+        if not self.receiver.waiting:
             return out
-        try:
-            ready, failed = self.receiver.poll()
-        except KvdError as e:
-            if isinstance(e, Disconnected):
-                self._lost(e)
-            return out  # polled again next step; the deadline still applies
+        ready, failed = [], []
+        if not self._usable():
+            failed = self.receiver.take_all()  # the daemon is gone: every load fails (recomputed)
+        else:
+            try:
+                ready, failed = self.receiver.poll()
+            except KvdError as e:  # else polled again next step; the deadline still applies
+                if isinstance(e, Disconnected):
+                    self._lost(e)
+                    failed = self.receiver.take_all()
         for w, t in ready:
             if t is not None:
                 self._count("handoff_fetched_blocks", t.blocks)

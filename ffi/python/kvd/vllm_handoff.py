@@ -221,6 +221,14 @@ class Receiver:
         for load in loads:
             self.waiting[load.req_id] = load
 
+    def take_all(self) -> list[HandoffLoad]:
+        """Every waiting load, forgotten (vLLM keeps an aborted request's blocks until its
+        receive is reported, so a lost daemon must end them all)."""
+        taken, self.waiting = list(self.waiting.values()), {}
+        if taken:
+            log.warning("kvd: daemon unreachable: %d hand-off loads fail", len(taken))
+        return taken
+
     def poll(self) -> tuple[list[tuple[HandoffLoad, Any]], list[HandoffLoad]]:
         """(loads whose blocks are here now, with their transfer or ``None``; loads that
         failed: a transfer that failed, was lost or passed its deadline)."""
