@@ -1556,6 +1556,45 @@ int32_t kvd_fetch_prefix(KvdClient *client,
                          uint64_t *id);
 
 /**
+ * A decode's hand-off read: fetch blocks `keys[0..n]` from peer `peer`'s hold of `request`
+ * at `epoch` (the peer refuses unless that hold lives at exactly that epoch and holds every
+ * key); with `end_hold` non-zero the peer's hold ends once every block is published here.
+ * `*id` receives the transfer's id at once. Thread-safe (serialized per client).
+ */
+int32_t kvd_fetch_held(KvdClient *client,
+                       uint64_t peer,
+                       uint64_t request,
+                       uint64_t epoch,
+                       const KvdKey *keys_in,
+                       size_t n,
+                       int32_t end_hold,
+                       uint64_t *id);
+
+/**
+ * A prefill hands its prompt's run off: the daemon holds the leading PUBLISHED run of
+ * `keys[0..n]` for `request` at `epoch`, beyond this client's life, until it is ended
+ * (`kvd_hold_end`, or the front over HTTP), taken by the decode that fetched it, or `ttl_ms`
+ * passes. `*held` receives how many leading keys are held, `*bytes` their bytes (either may
+ * be NULL). `KVD_ERR_STALE_EPOCH` for an older or ended epoch, `KVD_ERR_NOT_FOUND` when the
+ * first key is not published. Thread-safe (serialized per client).
+ */
+int32_t kvd_hold_begin(KvdClient *client,
+                       uint64_t request,
+                       uint64_t epoch,
+                       const KvdKey *keys_in,
+                       size_t n,
+                       uint64_t ttl_ms,
+                       size_t *held,
+                       uint64_t *bytes);
+
+/**
+ * End `request`'s hand-off hold on this node if its epoch is at most `epoch`; `*ended`
+ * (may be NULL) receives 1 if one ended, 0 if there was none. Thread-safe (serialized per
+ * client).
+ */
+int32_t kvd_hold_end(KvdClient *client, uint64_t request, uint64_t epoch, int32_t *ended);
+
+/**
  * The states of transfers `ids[0..n]` started by this node's daemon, into `out` (which must
  * hold `n`); `*found` receives how many were known (unknown or forgotten ids are left out;
  * the known ones come first, in the order asked). Thread-safe (serialized per client).

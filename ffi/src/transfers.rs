@@ -136,6 +136,75 @@ pub extern "C" fn kvd_fetch_prefix(
     })
 }
 
+/// A decode's hand-off read: fetch blocks `keys[0..n]` from peer `peer`'s hold of `request`
+/// at `epoch` (the peer refuses unless that hold lives at exactly that epoch and holds every
+/// key); with `end_hold` non-zero the peer's hold ends once every block is published here.
+/// `*id` receives the transfer's id at once. Thread-safe (serialized per client).
+#[unsafe(no_mangle)]
+pub extern "C" fn kvd_fetch_held(
+    client: *mut KvdClient,
+    peer: u64,
+    request: u64,
+    epoch: u64,
+    keys_in: *const KvdKey,
+    n: usize,
+    end_hold: i32,
+    id: *mut u64,
+) -> i32 {
+    start_keyed("kvd_fetch_held", client, keys_in, n, id, |c, ks| {
+        c.fetch_held(peer, request, epoch, ks, end_hold != 0)
+    })
+}
+
+/// A prefill hands its prompt's run off: the daemon holds the leading PUBLISHED run of
+/// `keys[0..n]` for `request` at `epoch`, beyond this client's life, until it is ended
+/// (`kvd_hold_end`, or the front over HTTP), taken by the decode that fetched it, or `ttl_ms`
+/// passes. `*held` receives how many leading keys are held, `*bytes` their bytes (either may
+/// be NULL). `KVD_ERR_STALE_EPOCH` for an older or ended epoch, `KVD_ERR_NOT_FOUND` when the
+/// first key is not published. Thread-safe (serialized per client).
+#[unsafe(no_mangle)]
+pub extern "C" fn kvd_hold_begin(
+    client: *mut KvdClient,
+    request: u64,
+    epoch: u64,
+    keys_in: *const KvdKey,
+    n: usize,
+    ttl_ms: u64,
+    held: *mut usize,
+    bytes: *mut u64,
+) -> i32 {
+    with_client("kvd_hold_begin", client, |c| {
+        let ks = keys(keys_in, n)?;
+        let h = c.hold_begin(request, epoch, &ks, ttl_ms)?;
+        if let Some(out) = args::opt_out(held, "held")? {
+            *out = h.keys.len();
+        }
+        if let Some(out) = args::opt_out(bytes, "bytes")? {
+            *out = h.bytes;
+        }
+        Ok(())
+    })
+}
+
+/// End `request`'s hand-off hold on this node if its epoch is at most `epoch`; `*ended`
+/// (may be NULL) receives 1 if one ended, 0 if there was none. Thread-safe (serialized per
+/// client).
+#[unsafe(no_mangle)]
+pub extern "C" fn kvd_hold_end(
+    client: *mut KvdClient,
+    request: u64,
+    epoch: u64,
+    ended: *mut i32,
+) -> i32 {
+    with_client("kvd_hold_end", client, |c| {
+        let e = c.hold_end(request, epoch)?;
+        if let Some(out) = args::opt_out(ended, "ended")? {
+            *out = i32::from(e);
+        }
+        Ok(())
+    })
+}
+
 /// The states of transfers `ids[0..n]` started by this node's daemon, into `out` (which must
 /// hold `n`); `*found` receives how many were known (unknown or forgotten ids are left out;
 /// the known ones come first, in the order asked). Thread-safe (serialized per client).

@@ -77,6 +77,26 @@ int main(int argc, char **argv) {
     TRUE(t.state == KVD_TRANSFER_DONE && t.blocks == 2);
     all_there(a, k + 6, 2, 6);
 
+    /* a hand-off: node 2 holds its two blocks for request 77 at epoch 2 (beyond its
+       session); node 1 reads them bound to that pair, and an older epoch's read is refused */
+    size_t held = 0;
+    uint64_t held_bytes = 0;
+    OK(kvd_hold_begin(b, 77, 2, k + 6, 2, 30000, &held, &held_bytes));
+    TRUE(held == 2 && held_bytes == 2 * (uint64_t)LEN);
+    EXPECT(kvd_hold_begin(b, 77, 1, k + 6, 2, 30000, NULL, NULL), KVD_ERR_STALE_EPOCH);
+    OK(kvd_fetch_held(a, 2, 77, 1, k + 6, 2, 1, &id));
+    t = wait_transfer(a, id);
+    TRUE(t.state == KVD_TRANSFER_FAILED && t.status == KVD_ERR_NOT_FOUND);
+    OK(kvd_fetch_held(a, 2, 77, 2, k + 6, 2, 0, &id));
+    t = wait_transfer(a, id);
+    TRUE(t.state == KVD_TRANSFER_DONE);
+    int32_t ended = -1;
+    OK(kvd_hold_end(b, 77, 1, &ended));
+    TRUE(ended == 0); /* an older epoch ends nothing */
+    OK(kvd_hold_end(b, 77, 2, &ended));
+    TRUE(ended == 1);
+    EXPECT(kvd_hold_begin(b, 78, 1, NULL, 1, 30000, NULL, NULL), KVD_ERR_INVALID_ARGUMENT);
+
     /* errors: a peer not in the table; too small an answer array; NULLs */
     EXPECT(kvd_push(a, 9, k, 1, &id), KVD_ERR_NOT_FOUND);
     uint64_t ids[2] = {id, id};

@@ -103,8 +103,9 @@ def daemon_metric(d: Daemon, name: str) -> float:
     return metric(get_text(f"http://{d.admin}/metrics"), name)
 
 
-def pins(d: Daemon) -> int:
-    return int(get_json(f"http://{d.admin}/status")["stats"]["pins"])
+def held(d: Daemon) -> int:
+    """Blocks the daemon holds for hand-offs (its holds, owned by no session)."""
+    return int(get_json(f"http://{d.admin}/status")["holds"]["blocks"])
 
 
 def test_greedy_tokens_through_the_proxy_match_a_colocated_run_and_the_prompt_was_loaded(pd):
@@ -125,6 +126,9 @@ def test_greedy_tokens_through_the_proxy_match_a_colocated_run_and_the_prompt_wa
     assert loaded_tokens(d) - loaded0 == want * BLOCK
     assert daemon_metric(nodes[2], "kvd_transfer_bytes_received_total") - received0 >= want * 32 * 1024
     assert computed_tokens(d) - computed0 == n_prompt - want * BLOCK, "only the last block was computed"
+    # Without a front to end it, the decode's node ended the hold once it had the run.
+    wait_until("the decode took the hold", lambda: held(nodes[1]) == 0, timeout_s=10)
+    assert daemon_metric(nodes[1], "kvd_handoff_holds_taken_total") >= 1
 
 
 @pytest.mark.parametrize("forge", ["namespace", "node_without_the_run", "unknown_node"])
@@ -154,10 +158,12 @@ def test_parameters_naming_another_namespace_or_an_empty_node_are_a_miss_with_th
 def test_a_held_run_is_released_after_handoff_ttl(pd):
     nodes, srv = pd
     p = srv["prefill"]
-    wait_until("no pins left from earlier cases", lambda: pins(nodes[1]) == 0, timeout_s=TTL_MS / 1000 + 20)
+    wait_until("no holds left from earlier cases", lambda: held(nodes[1]) == 0, timeout_s=TTL_MS / 1000 + 20)
+    expired0 = daemon_metric(nodes[1], "kvd_handoff_holds_expired_total")
     prompt = words(300, 280, 3)
     pre = dict(body(prompt), max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
     params = post(p.url, pre, str(uuid.uuid4()))["kv_transfer_params"]
-    held = params["kvd"]["handoff"]["blocks"]
-    assert held > 0 and pins(nodes[1]) >= held, "the prefill's daemon holds the run"
-    wait_until("the hold ends with handoff_ttl_ms", lambda: pins(nodes[1]) == 0, timeout_s=TTL_MS / 1000 + 20)
+    held_now = params["kvd"]["handoff"]["blocks"]
+    assert held_now > 0 and held(nodes[1]) == held_now, "the prefill's daemon holds the run"
+    wait_until("the hold ends with handoff_ttl_ms", lambda: held(nodes[1]) == 0, timeout_s=TTL_MS / 1000 + 20)
+    assert daemon_metric(nodes[1], "kvd_handoff_holds_expired_total") == expired0 + 1, "counted"

@@ -380,6 +380,15 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
         [C, c_uint64, c_uint64, c_uint64, P(Key), c_size_t, c_uint64, c_uint64, P(c_uint64)],
     ),
     "kvd_fetch_prefix": (I32, [C, c_uint64, c_uint64, P(c_uint32), c_size_t, P(c_uint64)]),
+    "kvd_fetch_held": (
+        I32,
+        [C, c_uint64, c_uint64, c_uint64, P(Key), c_size_t, c_int32, P(c_uint64)],
+    ),
+    "kvd_hold_begin": (
+        I32,
+        [C, c_uint64, c_uint64, P(Key), c_size_t, c_uint64, P(c_size_t), P(c_uint64)],
+    ),
+    "kvd_hold_end": (I32, [C, c_uint64, c_uint64, P(c_int32)]),
     "kvd_transfers": (
         I32,
         [C, P(c_uint64), c_size_t, P(TransferInfo), c_size_t, P(c_size_t)],

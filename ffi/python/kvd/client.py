@@ -877,6 +877,33 @@ class Client:
         check(L.kvd_fetch_prefix(self._c(), peer, request, arr, n, ctypes.byref(out)))
         return out.value
 
+    def fetch_held(self, peer: int, request: int, epoch: int, keys: Sequence[bytes],
+                   end_hold: bool = False) -> int:
+        """A decode's hand-off read: fetch ``keys`` from peer ``peer``'s hold of ``request`` at
+        ``epoch`` (refused there unless that hold lives at exactly that epoch and holds every
+        key); with ``end_hold`` the peer's hold ends once every block is here. The transfer's
+        id, at once."""
+        out = ctypes.c_uint64()
+        check(L.kvd_fetch_held(self._c(), peer, request, epoch, _keys(keys), len(keys),
+                               int(end_hold), ctypes.byref(out)))
+        return out.value
+
+    def hold(self, request: int, epoch: int, keys: Sequence[bytes], ttl_ms: int) -> tuple[int, int]:
+        """A prefill hands its run off: the daemon holds the leading PUBLISHED run of ``keys``
+        for ``request`` at ``epoch`` (beyond this client's life) until it is ended, taken by
+        the decode that fetched it, or ``ttl_ms`` passes. ``(blocks held, their bytes)``."""
+        held, nbytes = ctypes.c_size_t(), ctypes.c_uint64()
+        check(L.kvd_hold_begin(self._c(), request, epoch, _keys(keys), len(keys), ttl_ms,
+                               ctypes.byref(held), ctypes.byref(nbytes)))
+        return held.value, nbytes.value
+
+    def end_hold(self, request: int, epoch: int) -> bool:
+        """End ``request``'s hand-off hold here if its epoch is at most ``epoch``; whether one
+        ended."""
+        ended = ctypes.c_int32()
+        check(L.kvd_hold_end(self._c(), request, epoch, ctypes.byref(ended)))
+        return bool(ended.value)
+
     def transfers(self, ids: Sequence[int]) -> list[Transfer]:
         """The states of transfers started by this node's daemon (unknown ids left out)."""
         n = len(ids)

@@ -29,7 +29,7 @@ Settings (``kv_connector_extra_config``):
 ``restore_timeout_ms``  how long a restore's recovery read may take before recomputing (30000)
 ``node_id``          this daemon's node id, named in a prefill's hand-off parameters (P/D:
                      ``kvd.vllm_handoff``; without it ``kv_producer``/``kv_consumer`` hand off nothing)
-``handoff_ttl_ms``   how long a prefill's daemon holds (pins) a handed-off run (30000)
+``handoff_ttl_ms``   how long a prefill's daemon holds a handed-off run unread (30000)
 ``handoff_timeout_ms``  how long a decode waits for a hand-off's fetch before it fails the load (30000)
 ``max_pending_handoffs``  hand-off loads in flight per scheduler; past it a hand-off is a miss (64)
 ==================== ========================================================================

@@ -3,15 +3,21 @@
 A prefill engine (``kv_role`` ``kv_producer`` or ``kv_both``) that gets a request whose
 ``kv_transfer_params`` carry ``do_remote_decode: true`` saves its prompt blocks into its
 node's kvd as always (content-addressed by vLLM's block hashes). When the request finishes
-normally, ``request_finished`` pins the run of saved full blocks for ``handoff_ttl_ms`` (the
-hold), gives vLLM its engine blocks back at once, and returns parameters shaped like vLLM's
+normally, ``request_finished`` asks its daemon to hold the run of saved full blocks for
+``handoff_ttl_ms`` (a hold owned by the daemon and bound to (request, epoch): it outlives this
+engine), gives vLLM its engine blocks back at once, and returns parameters shaped like vLLM's
 ``NixlConnector``'s (``do_remote_prefill: true``, ``remote_*``) plus ``{"kvd": {"handoff":
-{"node", "namespace", "blocks", "request", "epoch"}}}``.
+{"node", "namespace", "blocks", "request", "epoch", "keep"}}}``. The request and epoch are the
+front's when its prefill body names them (``kv_transfer_params.kvd.request``/``epoch``; the
+front then ends the hold itself, ``keep``), else derived from the engine and request id at
+epoch 1 (the decode's node ends the hold once it has the whole run).
 
 A decode engine (``kv_consumer`` or ``kv_both``) that gets those parameters back (a proxy
 passes them on unchanged) answers vLLM's lookup with an asynchronous load of the run, block
 aligned and short of the last prompt token; after allocation the scheduler starts the daemon's
-``fetch(node, keys)`` of the blocks past the local hit, and the worker polls the transfer,
+``fetch_held(node, request, epoch, keys)`` of the blocks past the local hit (the source serves
+it only while its hold of exactly that request and epoch lives, only for keys inside the run),
+and the worker polls the transfer,
 then copies the blocks in as any hit. A failed transfer, or one past ``handoff_timeout_ms``, is
 reported as a failed receive with every block id in the load errors, so vLLM's
 ``kv_load_failure_policy`` decides (``recompute`` gives the same tokens). The keys are vLLM's
@@ -39,13 +45,15 @@ NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 @dataclass(frozen=True)
 class Handoff:
     """The ``kvd.handoff`` parameters: the node holding the run, its namespace, its length in
-    blocks, the request it was held for and the epoch."""
+    blocks, the request it was held for and the epoch; ``keep``: the front ends the hold (else
+    the decode's node ends it once it has the run)."""
 
     node: int
     namespace: bytes
     blocks: int
     request: int
     epoch: int
+    keep: bool = False
 
     @staticmethod
     def parse(kv: Any) -> Optional["Handoff"]:
@@ -57,11 +65,11 @@ class Handoff:
         v = k.get("handoff") if isinstance(k, dict) else None
         try:
             h = Handoff(int(v["node"]), bytes.fromhex(v["namespace"]), int(v["blocks"]),
-                        int(v["request"]), int(v["epoch"]))
+                        int(v["request"]), int(v["epoch"]), bool(v.get("keep", False)))
         except (KeyError, TypeError, ValueError):
             log.warning("kvd: malformed hand-off parameters %r: a miss", v)
             return None
-        if h.node <= 0 or h.blocks < 0 or h.epoch <= 0 or len(h.namespace) != 32:
+        if h.node <= 0 or h.blocks < 0 or h.epoch <= 0 or h.request <= 0 or len(h.namespace) != 32:
             log.warning("kvd: invalid hand-off parameters %r: a miss", v)
             return None
         return h
@@ -159,7 +167,8 @@ class Handoffs:
         transfer: Optional[int] = None
         if h.node != self.node_id:
             try:
-                transfer = self.client.fetch(h.node, keys)
+                transfer = self.client.fetch_held(h.node, h.request, h.epoch, keys,
+                                                  end_hold=not h.keep)
                 self.figures["handoff_fetches"] += 1
             except KvdError as e:
                 log.warning("kvd: hand-off fetch of %s from node %d not started (%s): a failed load",
@@ -177,8 +186,9 @@ class Handoffs:
 
     def hold(self, request: Any, block_ids: list[int], tags: list[bytes],
              tp_size: int, pp_size: int) -> Optional[dict[str, Any]]:
-        """A finished prefill asked to hand off: pin its saved run for ``handoff_ttl_ms`` and
-        return the decode's parameters (``None``: not a hand-off, or not a normal finish)."""
+        """A finished prefill asked to hand off: have the daemon hold its saved run for
+        ``handoff_ttl_ms`` and return the decode's parameters (``None``: not a hand-off, or not
+        a normal finish)."""
         kv = getattr(request, "kv_transfer_params", None)
         if not self.producer or not isinstance(kv, dict) or not kv.get("do_remote_decode"):
             return None
@@ -186,17 +196,15 @@ class Handoffs:
         if status not in NORMAL_FINISH:
             return None
         n = min(request.num_computed_tokens // self.block_size, len(tags))
+        rid, epoch, keep = self._binding(kv, request.request_id)
         held = 0
         if n > 0:
             try:
-                got = self.client.acquire([key(self.namespace, t) for t in tags[:n]], self.ttl_ms)
+                held, _ = self.client.hold(rid, epoch, [key(self.namespace, t) for t in tags[:n]],
+                                           self.ttl_ms)
             except KvdError as e:
-                log.warning("kvd: hand-off hold of %s failed (%s): decode recomputes", request.request_id, e)
-                got = []
-            for b in got:
-                if isinstance(b, KvdError):
-                    break  # the run is the contiguous prefix held
-                held += 1
+                log.warning("kvd: hand-off hold of %s failed (%s): decode recomputes",
+                            request.request_id, e)
         self.figures["handoff_held_blocks"] += held
         return {
             "do_remote_prefill": True, "do_remote_decode": False,
@@ -205,9 +213,20 @@ class Handoffs:
             "remote_port": None, "remote_num_tokens": held * self.block_size,
             "tp_size": tp_size, "pp_size": pp_size, "transfer_mode": "kvd",
             "kvd": {"handoff": {"node": self.node_id, "namespace": self.namespace.hex(), "blocks": held,
-                                "request": handoff_request_id(self.engine_id, request.request_id),
-                                "epoch": 1}},
+                                "request": rid, "epoch": epoch, "keep": keep}},
         }
+
+    def _binding(self, kv: dict[str, Any], rid: str) -> tuple[int, int, bool]:
+        """The (request, epoch) a hold is bound to and whether the front ends it: the front's
+        when its prefill body names them, else derived from this engine and request."""
+        k = kv.get("kvd")
+        try:
+            r, e = int(k["request"]), int(k["epoch"])  # type: ignore[index]
+            if r > 0 and e > 0:
+                return r, e, True
+        except (KeyError, TypeError, ValueError):
+            pass
+        return handoff_request_id(self.engine_id, rid), 1, False
 
 
 class Receiver:

@@ -408,6 +408,18 @@ def test_blocks_are_pushed_to_a_peer_and_fetched_back_between_two_daemons(two_no
             ca.push(9, pushed[:1])
         assert ca.transfers([123456]) == []
 
+        # a hand-off: node 2 holds the pushed run for request 5 at epoch 3, beyond its session;
+        # node 1 reads it bound to that pair (an older epoch's read is refused), which ends it
+        assert cb.hold(5, 3, pushed, 30_000) == (4, 4 * 65536)
+        with pytest.raises(kvd.StaleEpoch):
+            cb.hold(5, 2, pushed, 30_000)
+        t = _ended(ca, ca.fetch_held(2, 5, 2, pushed))
+        assert t.state == "failed" and isinstance(t.error, kvd.NotFound), t
+        t = _ended(ca, ca.fetch_held(2, 5, 3, pushed, end_hold=True))
+        assert (t.state, t.blocks) == ("done", 0)  # node 1 has them already; the hold ends
+        assert not cb.end_hold(5, 3)
+        assert cb.stats()["holds_taken"] == 1
+
 
 def test_the_ranks_of_an_instance_publish_a_step_together_and_fail_together(daemon):
     def sealed(c: kvd.Client, k: bytes) -> object:

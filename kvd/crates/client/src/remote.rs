@@ -6,7 +6,7 @@
 use kvd_core::Result;
 use kvd_core::keys::BlockKey;
 use kvd_core::protocol::{Op, Reply, TransferInfo};
-use kvd_core::types::RequestId;
+use kvd_core::types::{HoldInfo, RequestId};
 
 use crate::{Client, unexpected};
 
@@ -82,6 +82,68 @@ impl Client {
             request,
             tokens: tokens.to_vec(),
         })
+    }
+
+    /// A decode's hand-off read: fetch `keys` from peer `peer`'s hold of `request` at
+    /// `epoch` (the peer refuses unless that hold lives at exactly that epoch and holds every
+    /// key: a late read of an older attempt is refused, never served). With `end_hold`, the
+    /// peer's hold ends once every block is published here. Returns at once with the
+    /// transfer's id, as [`Client::fetch`].
+    ///
+    /// # Errors
+    /// As [`Client::push`].
+    pub fn fetch_held(
+        &mut self,
+        peer: u64,
+        request: RequestId,
+        epoch: u64,
+        keys: &[BlockKey],
+        end_hold: bool,
+    ) -> Result<u64> {
+        self.check_batch(keys.len())?;
+        self.transfer(Op::FetchHeld {
+            peer,
+            request,
+            epoch,
+            keys: keys.to_vec(),
+            end_hold,
+        })
+    }
+
+    /// A prefill hands its prompt's run off: the daemon holds the leading PUBLISHED run of
+    /// `keys` for `request` at `epoch` (beyond this session's life) until it is ended, taken
+    /// by the decode that fetched it, or `ttl_ms` passes. The same epoch again renews it; a
+    /// newer one supersedes it.
+    ///
+    /// # Errors
+    /// `StaleEpoch` for an older or ended epoch; `NotFound` when the first key is not
+    /// published; `InvalidArgument` for bad arguments; `Overloaded` at the bound on holds;
+    /// `Draining`.
+    pub fn hold_begin(
+        &mut self,
+        request: RequestId,
+        epoch: u64,
+        keys: &[BlockKey],
+        ttl_ms: u64,
+    ) -> Result<HoldInfo> {
+        self.check_batch(keys.len())?;
+        match self.call(Op::HoldBegin {
+            request,
+            epoch,
+            keys: keys.to_vec(),
+            ttl_ms,
+        })? {
+            Reply::Hold(h) => Ok(h),
+            r => Err(unexpected(&r)),
+        }
+    }
+
+    /// End `request`'s hand-off hold here if its epoch is at most `epoch`; whether one ended.
+    pub fn hold_end(&mut self, request: RequestId, epoch: u64) -> Result<bool> {
+        match self.call(Op::HoldEnd { request, epoch })? {
+            Reply::Ended(e) => Ok(e),
+            r => Err(unexpected(&r)),
+        }
     }
 
     /// The states of transfers this daemon started (any session's); unknown or forgotten ids

@@ -101,6 +101,14 @@ declare_counters! {
         blocks_aborted => "kvd_blocks_aborted", "Blocks aborted";
         /// Blocks removed by compare-and-delete.
         blocks_removed => "kvd_blocks_removed", "Blocks removed by compare-and-delete";
+        /// Hand-off holds begun (a prefill's run kept for its decode).
+        holds_begun => "kvd_handoff_holds_begun", "Hand-off holds begun";
+        /// Hand-off holds ended by their owner (the front or the producer).
+        holds_ended => "kvd_handoff_holds_ended", "Hand-off holds ended by their owner";
+        /// Hand-off holds ended by the decode that fetched their whole run.
+        holds_taken => "kvd_handoff_holds_taken", "Hand-off holds ended by the decode that fetched them";
+        /// Hand-off holds released because their TTL passed (the decode never came).
+        holds_expired => "kvd_handoff_holds_expired", "Hand-off holds released by TTL, unread";
     }
 }
 

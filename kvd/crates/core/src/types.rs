@@ -184,6 +184,36 @@ pub struct ManifestInfo {
     pub reservation: Option<ReservationId>,
 }
 
+/// A hand-off hold as it stands (the prefill's run kept for its decode).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HoldInfo {
+    /// The request.
+    pub request: RequestId,
+    /// The epoch of the attempt that made it.
+    pub epoch: u64,
+    /// The keys held, in order (the leading published run of those asked for).
+    pub keys: Vec<crate::keys::BlockKey>,
+    /// Their bytes.
+    pub bytes: u64,
+    /// How long it has been held, ms.
+    pub age_ms: u64,
+    /// How long until it expires unless renewed or ended, ms.
+    pub expires_in_ms: u64,
+}
+
+/// The hand-off holds of a node, in all.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HoldsSummary {
+    /// Holds live.
+    pub holds: u64,
+    /// Blocks they pin.
+    pub blocks: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// The oldest hold's age, ms.
+    pub oldest_age_ms: u64,
+}
+
 /// What closing (or expiring) a session released.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SessionCleanup {
@@ -204,6 +234,9 @@ pub struct ReapReport {
     pub pins_expired: u32,
     /// Manifests whose TTL had passed, released.
     pub manifests_expired: u32,
+    /// Hand-off holds whose TTL had passed, released (their decode never came).
+    #[serde(default)]
+    pub holds_expired: u32,
     /// Quarantined pages returned to the pool after their hold.
     pub quarantine_released: u32,
     /// True if the budget ran out before everything due was done (the next tick continues).

@@ -10,15 +10,20 @@
 //! | GET    | `/checkpoints/{request}` | JSON [`CheckpointReport`]: the manifest this node holds   |
 //! | DELETE | `/checkpoints/{request}?epoch=E` | `204`: the manifest of epoch `E` ends (its blocks  |
 //! |        |            | and reservation are released); `409` for another epoch            |
+//! | GET    | `/holds/{request}` | JSON [`HoldReport`]: the hand-off hold this node keeps       |
+//! | DELETE | `/holds/{request}?epoch=E` | `204`: the hold ends if its epoch is at most `E`     |
+//! |        |            | (nothing there is no error: the decode may have taken it)          |
 //!
 //! At the cap the probes get the `503` too; a liveness probe that must answer under any
 //! admin flood points at the probe listener instead (`--probe-listen`, [`super::probes`]).
 //!
-//! `/drain` and `DELETE /checkpoints/…` are the endpoints that change state. Even when the admin
+//! `/drain`, `DELETE /checkpoints/…` and `DELETE /holds/…` are the endpoints that change state. Even when the admin
 //! address is opened to other hosts (`--allow-remote-admin`), they answer only loopback peers
 //! unless `--allow-remote-drain` is also given (the trust model, docs/DAEMON.md). The
 //! checkpoint endpoints are how `kvd control`'s streaming front learns what a holder really
-//! holds before it plans a restore, and ends a checkpoint when its request is over.
+//! holds before it plans a restore, and ends a checkpoint when its request is over; the hold
+//! endpoints are how it ends a prefill's hand-off hold at the decode's first token, on a
+//! refusal or a cancel.
 //!
 //! # Bounds
 //!
@@ -124,6 +129,10 @@ pub struct StatusReport {
     /// [`STATUS_MAX_SESSIONS`]).
     #[serde(default)]
     pub instances: Vec<crate::store::instances::InstanceReport>,
+    /// Prefill hand-off runs held here for their decodes, in all (absent from the reports of
+    /// older daemons).
+    #[serde(default)]
+    pub holds: crate::store::HoldsSummary,
 }
 
 /// The bounds in force, as `/status` reports them: the file-descriptor budget and what it
@@ -214,6 +223,7 @@ pub fn router(a: Arc<Admin>) -> Router {
             "/checkpoints/{request}",
             get(checkpoint).delete(end_checkpoint),
         )
+        .route("/holds/{request}", get(hold).delete(end_hold))
         .with_state(a)
 }
 
@@ -582,6 +592,7 @@ pub fn report(d: &Daemon, budget: &FdBudget) -> StatusReport {
         pool_bytes: d.store.pool_bytes(),
         backing: format!("{:?}", d.store.backing()),
         stats: d.store.stats(),
+        holds: d.store.holds_summary(),
         sessions: d.store.sessions(STATUS_MAX_SESSIONS),
         daemon: DaemonCounters {
             connections_accepted: m.connections_accepted.get(),
@@ -715,6 +726,62 @@ async fn end_checkpoint(
         }
         Err(e) => store_error(&e),
     }
+}
+
+/// What `GET /holds/{request}` answers: the hand-off hold of one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HoldReport {
+    /// The request.
+    pub request: u64,
+    /// The epoch of the attempt that held it.
+    pub epoch: u64,
+    /// Its blocks.
+    pub blocks: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// How long it has been held, ms.
+    pub age_ms: u64,
+    /// How long until it expires, ms.
+    pub expires_in_ms: u64,
+}
+
+async fn hold(
+    State(a): State<Arc<Admin>>,
+    axum::extract::Path(request): axum::extract::Path<u64>,
+) -> Response {
+    match a.d.store.hold(request) {
+        Ok(h) => Json(HoldReport {
+            request,
+            epoch: h.epoch,
+            blocks: h.keys.len() as u64,
+            bytes: h.bytes,
+            age_ms: h.age_ms,
+            expires_in_ms: h.expires_in_ms,
+        })
+        .into_response(),
+        Err(e) => store_error(&e),
+    }
+}
+
+async fn end_hold(
+    State(a): State<Arc<Admin>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    axum::extract::Path(request): axum::extract::Path<u64>,
+    axum::extract::Query(q): axum::extract::Query<EpochQuery>,
+) -> Response {
+    if !peer.ip().is_loopback() && !a.d.config.settings.allow_remote_drain {
+        tracing::warn!(%peer, request, "refused to end a hand-off hold for a remote peer");
+        return (
+            StatusCode::FORBIDDEN,
+            "hand-off holds are ended from loopback only (see --allow-remote-drain)\n",
+        )
+            .into_response();
+    }
+    let how = crate::store::holds::HoldEnd::Ended;
+    if a.d.store.hold_end(request, q.epoch, how) {
+        tracing::info!(%peer, request, epoch = q.epoch, "hand-off hold ended over HTTP");
+    }
+    StatusCode::NO_CONTENT.into_response()
 }
 
 #[cfg(test)]

@@ -574,6 +574,28 @@ impl Collector for StoreCollector {
         let s = self.store.stats();
         self.encode_pages(&mut e, &s)?;
         encode_store_gauges(&mut e, &s)?;
+        let h = self.store.holds_summary();
+        for (name, help, v) in [
+            (
+                "kvd_handoff_holds",
+                "Hand-off runs held for their decodes",
+                h.holds,
+            ),
+            (
+                "kvd_handoff_held_bytes",
+                "Bytes of the hand-off runs held",
+                h.bytes,
+            ),
+        ] {
+            gauge(&mut e, name, help, v as i64)?;
+        }
+        let age = e.encode_descriptor(
+            "kvd_handoff_oldest_hold_age_seconds",
+            "Age of the oldest hand-off run held",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(h.oldest_age_ms as f64 / 1000.0).encode(age)?;
         // every declared counter, by its declared metric (kvd-core's `counters`)
         for (d, v) in s.counters.iter() {
             counter(&mut e, d.metric, d.help, v)?;

@@ -698,6 +698,34 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
             let kind = Kind::FetchPrefix { request, tokens };
             Reply::Transfer(dp.start_transfer(kind, peer, vec![])?)
         }
+        Op::FetchHeld {
+            peer,
+            request,
+            epoch,
+            keys,
+            end_hold,
+        } => {
+            refuse_new_work(d, "hand-off fetches")?;
+            let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;
+            let kind = Kind::FetchHeld {
+                request,
+                epoch,
+                end_hold,
+            };
+            Reply::Transfer(dp.start_transfer(kind, peer, keys)?)
+        }
+        Op::HoldBegin {
+            request,
+            epoch,
+            keys,
+            ttl_ms,
+        } => {
+            refuse_new_work(d, "hand-off holds")?;
+            Reply::Hold(s.hold_begin(request, epoch, &keys, ttl_ms)?)
+        }
+        Op::HoldEnd { request, epoch } => {
+            Reply::Ended(s.hold_end(request, epoch, crate::store::holds::HoldEnd::Ended))
+        }
         Op::Transfers { ids } => {
             let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;
             Reply::Transfers(dp.transfers(&ids))

@@ -13,6 +13,7 @@
 
 pub mod capacity;
 pub mod events;
+pub mod holds;
 pub mod instances;
 pub mod integrity;
 pub mod lifecycle;
@@ -593,6 +594,47 @@ impl Store {
     /// The request finished or was cancelled: release its checkpoint and reservation.
     pub fn manifest_end(&self, request: RequestId, epoch: u64) -> Result<()> {
         self.lock().manifest_end(request, epoch)
+    }
+
+    /// Hold the leading published run of `keys` for `request`'s hand-off at `epoch`
+    /// ([`holds`]).
+    ///
+    /// # Errors
+    /// See [`holds`]: bad arguments, a stale epoch, nothing published, the bound on holds.
+    pub fn hold_begin(
+        &self,
+        request: RequestId,
+        epoch: u64,
+        keys: &[BlockKey],
+        ttl_ms: u64,
+    ) -> Result<HoldInfo> {
+        self.lock().hold_begin(request, epoch, keys, ttl_ms)
+    }
+
+    /// End `request`'s hand-off hold if its epoch is at most `epoch`; whether one ended.
+    pub fn hold_end(&self, request: RequestId, epoch: u64, how: holds::HoldEnd) -> bool {
+        self.lock().hold_end(request, epoch, how)
+    }
+
+    /// Whether a fetch of `keys` bound to `(request, epoch)` may be served from a hold.
+    ///
+    /// # Errors
+    /// `NotFound` (no hold at that epoch) or `InvalidArgument` (a key outside the run).
+    pub fn hold_check(&self, request: RequestId, epoch: u64, keys: &[BlockKey]) -> Result<()> {
+        self.lock().hold_check(request, epoch, keys)
+    }
+
+    /// `request`'s hand-off hold.
+    ///
+    /// # Errors
+    /// `NotFound` when there is none.
+    pub fn hold(&self, request: RequestId) -> Result<HoldInfo> {
+        self.lock().hold_info(request)
+    }
+
+    /// The node's hand-off holds in all.
+    pub fn holds_summary(&self) -> HoldsSummary {
+        self.lock().holds_summary()
     }
 
     /// The manifest of a request, as published.

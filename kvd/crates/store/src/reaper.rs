@@ -1,7 +1,7 @@
 //! The reaper: bounded work per tick.
 //!
 //! Each tick closes sessions whose lease expired, drops pins whose TTL passed, releases
-//! manifests whose TTL passed, and returns quarantined pages after their hold, at most `budget`
+//! manifests and hand-off holds whose TTL passed, and returns quarantined pages after their hold, at most `budget`
 //! items in all; what is left waits for the next tick. `Inner::audit` recounts every slot and
 //! checks the accounting invariant (free + each state + quarantined = total).
 
@@ -58,6 +58,9 @@ impl Inner {
             r.manifests_expired += 1;
             left -= 1;
         }
+        let n = self.reap_holds(left);
+        r.holds_expired = n;
+        left -= n;
         let hold = self.config.quarantine_hold_ms;
         let mut rounds = self.quarantine.len();
         while left > 0 && rounds > 0 {
@@ -139,6 +142,12 @@ impl Inner {
                 }
             }
         }
+        for (i, g) in self.holds.pins() {
+            if self.slots[i as usize].generation != g {
+                return Err(format!("a hold on slot {i} outlived its block"));
+            }
+            pins[i as usize] += 1;
+        }
         let mut lru = 0;
         for (i, s) in self.slots.iter().enumerate() {
             if s.pins != pins[i] {
@@ -173,6 +182,7 @@ impl Inner {
         self.lru.check(&self.slots)?;
         self.sessions.check()?;
         self.manifests.check()?;
+        self.holds.check()?;
         self.reservations.check()?;
         self.events.check()?;
         let pinned: u64 = self

@@ -118,6 +118,8 @@ pub(crate) struct Inner {
     pub namespaces: HashMap<NamespaceId, NamespaceDescriptor>,
     /// Checkpoint manifests, their deadlines, and the recently ended ones.
     pub manifests: Manifests,
+    /// Hand-off holds ([`crate::holds`]).
+    pub holds: crate::holds::Holds,
     /// Space reservations and the pages they hold back.
     pub reservations: Reservations,
     pub quarantine: VecDeque<u32>,
@@ -150,6 +152,7 @@ impl Inner {
             pins: PinIndex::default(),
             namespaces: HashMap::new(),
             manifests: Manifests::default(),
+            holds: crate::holds::Holds::default(),
             reservations: Reservations::default(),
             quarantine: VecDeque::new(),
             counters: Counters::default(),

@@ -1279,3 +1279,6 @@ fn alloc_for_write_marks_every_new_block_writing_and_says_which_keys_were_held_a
     assert!(e.to_string().contains("session"), "{e}");
     assert_eq!(f.store.stats().accounting.free, 3);
 }
+
+#[path = "holds_tests.rs"]
+mod holds;

@@ -15,8 +15,8 @@ use crate::Error;
 use crate::error::{BlockState, Corruption};
 use crate::keys::{BlockKey, BlockTag, NamespaceDescriptor, NamespaceId};
 use crate::types::{
-    Allocation, BlockClass, BlockInfo, BlockVersion, EventBatch, Handle, ManifestInfo, PrefixHit,
-    RequestId, ReservationId, RestorePrefix, SessionId, StoreStats,
+    Allocation, BlockClass, BlockInfo, BlockVersion, EventBatch, Handle, HoldInfo, ManifestInfo,
+    PrefixHit, RequestId, ReservationId, RestorePrefix, SessionId, StoreStats,
 };
 
 use super::frame::PROTOCOL_VERSION;
@@ -349,6 +349,44 @@ pub enum Op {
         /// This rank's blocks of it.
         handles: Vec<Handle>,
     },
+    /// A prefill hands its prompt's run off: hold the leading PUBLISHED run of `keys` for
+    /// `request` at `epoch`, owned by the daemon (it outlives this session), until it is ended,
+    /// taken by the decode that fetched it, or its TTL passes → [`Reply::Hold`]. The same epoch
+    /// again renews it; a newer one supersedes it; an older or ended one is `StaleEpoch`.
+    /// Refused while draining.
+    HoldBegin {
+        /// The request (the front's id, or one the connector derives).
+        request: RequestId,
+        /// The epoch of the attempt.
+        epoch: u64,
+        /// The run's keys, first block first (one namespace).
+        keys: Vec<BlockKey>,
+        /// How long it is kept unless ended, ms.
+        ttl_ms: u64,
+    },
+    /// End `request`'s hand-off hold if its epoch is at most `epoch` → [`Reply::Ended`].
+    HoldEnd {
+        /// The request.
+        request: RequestId,
+        /// The newest epoch to end.
+        epoch: u64,
+    },
+    /// A decode's hand-off read: fetch `keys` from `peer`'s hold of `request` at `epoch`
+    /// (the peer refuses unless that hold lives and holds every key) → [`Reply::Transfer`];
+    /// like [`Op::Fetch`] otherwise. With `end_hold`, the peer's hold ends once every block
+    /// is published here.
+    FetchHeld {
+        /// The prefill's node id.
+        peer: u64,
+        /// The request the run is held for.
+        request: RequestId,
+        /// The epoch it was held at.
+        epoch: u64,
+        /// The blocks.
+        keys: Vec<BlockKey>,
+        /// End the hold once the run is here.
+        end_hold: bool,
+    },
 }
 
 /// Where a transfer is.
@@ -420,6 +458,8 @@ impl Op {
             Op::Transfers { ids } => ids.len(),
             Op::InstanceJoin { .. } => 1,
             Op::InstanceCommit { handles, .. } => handles.len(),
+            Op::HoldBegin { keys, .. } | Op::FetchHeld { keys, .. } => keys.len(),
+            Op::HoldEnd { .. } => 1,
         }
     }
 }
@@ -476,6 +516,10 @@ pub enum Reply {
         /// Every rank had committed: the step's blocks are PUBLISHED.
         published: bool,
     },
+    /// A hand-off hold as it stands.
+    Hold(HoldInfo),
+    /// Whether something ended.
+    Ended(bool),
 }
 
 /// [`Error`] as it travels: the same variants and fields, with owned strings (so that a reply

@@ -24,6 +24,7 @@ use super::wire::{Binding, CheckpointStep, Offered, PeerReply, PeerRequest, Serv
 use crate::POOL_SEGMENT;
 use crate::keys::{BlockKey, NamespaceDescriptor};
 use crate::protocol::WireError;
+use crate::store::holds::HoldEnd;
 use crate::store::{BlockClass, Handle, SessionId, Store};
 use crate::{Error, Result};
 
@@ -249,6 +250,21 @@ impl Incoming {
                 self.abort(backends, transfer);
                 Ok(PeerReply::Released)
             }
+            PeerRequest::EndHold { binding } => {
+                self.check_binding(backends, peer, &binding, End::Source)?;
+                let ended = self
+                    .store
+                    .hold_end(binding.request, binding.epoch, HoldEnd::Taken);
+                if ended {
+                    tracing::debug!(
+                        request = binding.request,
+                        epoch = binding.epoch,
+                        node = peer.node_id,
+                        "hand-off hold taken by the decode's node"
+                    );
+                }
+                Ok(PeerReply::HoldEnded(ended))
+            }
         }
     }
 
@@ -395,6 +411,16 @@ impl Incoming {
         keys: &[BlockKey],
     ) -> Result<PeerReply> {
         self.check_binding(backends, peer, &binding, End::Source)?;
+        if binding.request != 0 {
+            // a hand-off fetch: only the live hold of that request and epoch, only its run
+            self.store
+                .hold_check(binding.request, binding.epoch, keys)
+                .inspect_err(|_| {
+                    self.counters
+                        .binding_mismatches
+                        .fetch_add(1, Ordering::Relaxed);
+                })?;
+        }
         self.serve_keys(backends, connection, peer, binding, keys)
     }
 

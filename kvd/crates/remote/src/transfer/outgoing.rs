@@ -53,6 +53,25 @@ pub enum Kind {
         /// Its token history.
         tokens: Vec<u32>,
     },
+    /// A hand-off: the peer's blocks to us, by key, from its hold of `request` at `epoch`
+    /// (refused unless that hold lives and holds every key).
+    FetchHeld {
+        /// The request the run was held for.
+        request: u64,
+        /// The epoch of the attempt that held it.
+        epoch: u64,
+        /// End the hold once every block is published here (no one else will read it).
+        end_hold: bool,
+    },
+}
+
+/// What a fetch asks the peer for.
+#[derive(Debug)]
+enum Wanted {
+    /// These keys (a hand-off's when bound to a hold: request, epoch, end it after).
+    Keys(Option<(u64, u64, bool)>),
+    /// The longest verified checkpoint prefix of a request that these tokens continue.
+    Prefix(u64, Vec<u32>),
 }
 
 /// Blocks, bytes and (for a prefix) tokens a transfer moved.
@@ -238,7 +257,7 @@ impl Outgoing {
     pub fn run(&self, backends: &Backends, id: u64, kind: Kind, peer: u64, keys: &[BlockKey]) {
         let started = Instant::now();
         let kind_label = match kind {
-            Kind::Fetch | Kind::FetchPrefix { .. } => "fetch",
+            Kind::Fetch | Kind::FetchPrefix { .. } | Kind::FetchHeld { .. } => "fetch",
             Kind::Push | Kind::PushCheckpoint { .. } => "push",
         };
         let outcome = match kind {
@@ -255,9 +274,17 @@ impl Outgoing {
                 };
                 self.push(backends, peer, keys, Some((request, epoch, step)))
             }
-            Kind::Fetch => self.fetch(backends, peer, keys, None),
+            Kind::Fetch => self.fetch(backends, peer, keys, Wanted::Keys(None)),
+            Kind::FetchHeld {
+                request,
+                epoch,
+                end_hold,
+            } => {
+                let held = Some((request, epoch, end_hold));
+                self.fetch(backends, peer, keys, Wanted::Keys(held))
+            }
             Kind::FetchPrefix { request, tokens } => {
-                self.fetch(backends, peer, &[], Some((request, tokens)))
+                self.fetch(backends, peer, &[], Wanted::Prefix(request, tokens))
             }
         };
         let mut t = self.table();
@@ -503,12 +530,12 @@ impl Outgoing {
         backends: &Backends,
         peer: u64,
         keys: &[BlockKey],
-        prefix: Option<(u64, Vec<u32>)>,
+        wanted: Wanted,
     ) -> Result<Moved> {
         // a prefix's namespace is the holder's manifest's; it names it in its answer
-        let ns = match (keys.first(), &prefix) {
-            (Some(first), None) => first.namespace,
-            (None, Some(_)) => crate::keys::NamespaceId([0; 32]),
+        let ns = match (keys.first(), &wanted) {
+            (Some(first), Wanted::Keys(_)) => first.namespace,
+            (None, Wanted::Prefix(..)) => crate::keys::NamespaceId([0; 32]),
             _ => return Err(Error::InvalidArgument("a fetch of no blocks".into())),
         };
         if keys.iter().any(|k| k.namespace != ns) {
@@ -516,7 +543,12 @@ impl Outgoing {
                 "a fetch holds blocks of one namespace".into(),
             ));
         }
-        let request = prefix.as_ref().map_or(0, |(r, _)| *r);
+        // what the transfer is bound to: a prefix's or a hand-off's request and epoch
+        let (request, epoch) = match &wanted {
+            Wanted::Keys(None) => (0, 1),
+            Wanted::Keys(Some((r, e, _))) => (*r, *e),
+            Wanted::Prefix(r, _) => (*r, 1),
+        };
         let tcp_peer = PeerAddr {
             addr: self
                 .addr_of(peer)
@@ -530,18 +562,19 @@ impl Outgoing {
             source_generation: bind.node_generation,
             destination_node: self.node_id,
             destination_generation: backends.target().node_generation(),
-            epoch: 1,
+            epoch,
         };
-        let want = |bind: &Bind| match &prefix {
-            Some((_, tokens)) => PeerRequest::WantPrefix {
+        let want = |bind: &Bind| match &wanted {
+            Wanted::Prefix(_, tokens) => PeerRequest::WantPrefix {
                 binding: binding_for(bind),
                 tokens: tokens.clone(),
             },
-            None => PeerRequest::Want {
+            Wanted::Keys(_) => PeerRequest::Want {
                 binding: binding_for(bind),
                 keys: keys.to_vec(),
             },
         };
+        let prefix = matches!(wanted, Wanted::Prefix(..));
         let (mut s, bind, first) = self.first_ask(backends, &tcp_peer, want)?;
         let binding = binding_for(&bind);
         let (transfer, segment, namespace, served, prefix_keys, tokens) = match first {
@@ -554,15 +587,16 @@ impl Outgoing {
                 tokens,
             } => (transfer, segment, namespace, blocks, keys, tokens),
             // nothing of the request to restore there
-            PeerReply::Refused(WireError::NotFound(_)) if prefix.is_some() => {
+            PeerReply::Refused(WireError::NotFound(_)) if prefix => {
                 self.park(peer, s, bind);
                 return Ok((0, 0, 0));
             }
             r => return Err(refusal(r)),
         };
-        let (keys, expected_ns) = match prefix {
-            Some(_) => (&prefix_keys[..], None),
-            None => (keys, Some(binding.namespace)),
+        let (keys, expected_ns) = if prefix {
+            (&prefix_keys[..], None)
+        } else {
+            (keys, Some(binding.namespace))
         };
         let r = self
             .receive(
@@ -584,9 +618,23 @@ impl Outgoing {
             let _ = s.stream().set_read_timeout(Some(ABORT_TIMEOUT));
             let _ = s.stream().set_write_timeout(Some(ABORT_TIMEOUT));
         }
-        if let Ok(PeerReply::Released) = ask(&mut s, &PeerRequest::Release { transfer })
-            && r.is_ok()
-        {
+        let released = matches!(
+            ask(&mut s, &PeerRequest::Release { transfer }),
+            Ok(PeerReply::Released)
+        );
+        // a hand-off whose whole run is here now: its hold at the source ends (a failure to
+        // say so leaves it to the hold's TTL)
+        let whole = served.iter().all(Option::is_some);
+        let ended = match (&r, &wanted) {
+            (Ok(_), Wanted::Keys(Some((_, _, true)))) if released && whole => {
+                matches!(
+                    ask(&mut s, &PeerRequest::EndHold { binding }),
+                    Ok(PeerReply::HoldEnded(_))
+                )
+            }
+            _ => true,
+        };
+        if released && ended && r.is_ok() {
             self.park(peer, s, bind);
         }
         r

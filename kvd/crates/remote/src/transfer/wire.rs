@@ -34,6 +34,12 @@
 //! Release { transfer } ─────────────────────────────▶ revoke the grants, unpin
 //!   ◀──────────────────────────── Released
 //! ```
+//!
+//! A hand-off fetch is the same with the binding naming the run's request and epoch: A serves
+//! it only while its hold of that request lives at exactly that epoch and only for keys inside
+//! the held run (`kvd_store::holds`). When B asked for it, it ends the hold once everything
+//! was published: `EndHold { binding }` ─▶ A ends the hold (if still of that epoch) ◀─
+//! `HoldEnded`.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -173,6 +179,12 @@ pub enum PeerRequest {
         /// The source's transfer number.
         transfer: u64,
     },
+    /// A hand-off fetch published its whole run here: end the hold it was bound to (the
+    /// binding's request and epoch) → [`PeerReply::HoldEnded`].
+    EndHold {
+        /// The fetch's binding.
+        binding: Binding,
+    },
 }
 
 /// A reply.
@@ -212,6 +224,8 @@ pub enum PeerReply {
     },
     /// Unpinned.
     Released,
+    /// The hold ended (`true`), or there was none of that epoch (`false`).
+    HoldEnded(bool),
     /// Refused; nothing changed (or everything was undone).
     Refused(WireError),
 }

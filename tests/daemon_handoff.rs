@@ -1,0 +1,190 @@
+//! Prefill/decode hand-off holds between two real daemons (DESIGN §7b): a prefill's node holds
+//! its prompt's run for the decode, owned by the daemon (it outlives the engine's session),
+//! bound to (request, epoch); the decode's node fetches it bound to the same pair. A read of
+//! another epoch, another request or a block outside the run is refused and moves nothing; the
+//! run ends when the decode has it, when its owner ends it over HTTP, or when its TTL passes
+//! (counted).
+
+mod support;
+
+use std::time::Duration;
+
+use kvd::protocol::{TransferState, WireError};
+use support::Daemon;
+use support::cluster::secret_file;
+
+/// Node 1 (the prefill's) and node 2 (the decode's, which knows node 1), both with data ports.
+fn pair(secret: &std::path::Path) -> (Daemon, Daemon) {
+    let s = secret.to_str().unwrap();
+    let data = |node: &'static str| {
+        vec![
+            "--cluster-secret-file",
+            s,
+            "--data-listen",
+            "127.0.0.1:0",
+            "--node-id",
+            node,
+        ]
+    };
+    let a = Daemon::start(&data("1"));
+    let to = format!("1={}", a.data_addr());
+    let mut args = data("2");
+    args.extend(["--peer", &to]);
+    let b = Daemon::start(&args);
+    (a, b)
+}
+
+/// A hand-off read of `keys` from node 1's hold of (`request`, `epoch`), waited for.
+fn fetch_held(
+    c: &mut kvd::client::Client,
+    request: u64,
+    epoch: u64,
+    keys: &[kvd::keys::BlockKey],
+    end_hold: bool,
+) -> kvd::protocol::TransferInfo {
+    let id = c.fetch_held(1, request, epoch, keys, end_hold).unwrap();
+    support::wait_transfer(c, id, Duration::from_secs(60))
+}
+
+fn refused(t: &kvd::protocol::TransferInfo) -> String {
+    match &t.state {
+        TransferState::Failed(e) => format!("{e:?}"),
+        s => panic!("the fetch was served: {s:?} ({t:?})"),
+    }
+}
+
+fn metric(d: &Daemon, name: &str) -> u64 {
+    let (_, m) = d.get("/metrics");
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /metrics"))
+}
+
+#[test]
+fn a_hand_off_is_served_only_to_its_epoch_and_run_and_ends_when_the_decode_has_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = pair(&secret_file(dir.path()));
+    let mut ca = a.client("prefill", 30_000);
+    let ns = ca.register_namespace(&support::namespace()).unwrap();
+    let keys = support::keys(ns, 3, 8);
+    for (i, k) in keys.iter().enumerate() {
+        support::put_one(&mut ca, *k, &support::pattern(64 << 10, i as u8));
+    }
+    let h = ca.hold_begin(9, 2, &keys[..6], 30_000).unwrap();
+    assert_eq!((h.keys.len(), h.epoch), (6, 2));
+    // the prefill engine leaves: the run stays, held by the daemon and no session
+    drop(ca);
+    support::wait_until(
+        Duration::from_secs(10),
+        "the engine's session closes",
+        || a.status().sessions.is_empty(),
+    );
+    let s = a.status();
+    assert_eq!(
+        (s.holds.holds, s.holds.blocks, s.stats.pins),
+        (1, 6, 0),
+        "{:?}",
+        s.holds
+    );
+
+    let mut cb = b.client("decode", 30_000);
+    cb.register_namespace(&support::namespace()).unwrap();
+    // an older attempt's read, another request's, a block outside the run: refused, nothing moves
+    for (request, epoch, ks, why) in [
+        (9, 1, &keys[..6], "epoch 1"),
+        (8, 2, &keys[..6], "request 8"),
+        (9, 2, &keys[..8], "not in the hand-off run"),
+    ] {
+        let t = fetch_held(&mut cb, request, epoch, ks, true);
+        let e = refused(&t);
+        assert!(e.contains(why), "{why}: {e}");
+    }
+    assert!(
+        cb.exists(&keys).unwrap().iter().all(|b| !b),
+        "nothing of the run arrived"
+    );
+    assert_eq!(a.get("/holds/9").0, 200, "refusals end nothing");
+
+    // the decode's read, kept for another decode (the front ends it)
+    let t = fetch_held(&mut cb, 9, 2, &keys[..6], false);
+    assert_eq!(
+        (t.state.clone(), t.blocks),
+        (TransferState::Done, 6),
+        "{t:?}"
+    );
+    let info = cb.acquire(&keys[5..6], None).unwrap().remove(0).unwrap();
+    let mut buf = vec![0u8; 64 << 10];
+    cb.read_verified(&info.handle, &mut buf).unwrap();
+    assert!(buf == support::pattern(64 << 10, 5), "byte-exact");
+    cb.release(&[info.handle]).unwrap();
+    let (code, body) = a.get("/holds/9");
+    assert_eq!(code, 200, "{body}");
+    let r: kvd::daemon::admin::HoldReport = serde_json::from_str(&body).unwrap();
+    assert_eq!((r.epoch, r.blocks), (2, 6), "{r:?}");
+
+    // a read that ends the hold once the run is here (it is already: nothing moves)
+    let t = fetch_held(&mut cb, 9, 2, &keys[..6], true);
+    assert_eq!(
+        (t.state.clone(), t.blocks),
+        (TransferState::Done, 0),
+        "{t:?}"
+    );
+    support::wait_until(Duration::from_secs(5), "the hold ends", || {
+        a.get("/holds/9").0 == 404
+    });
+    assert_eq!(metric(&a, "kvd_handoff_holds_taken_total"), 1);
+    assert_eq!(metric(&a, "kvd_handoff_holds"), 0);
+    // a late read of the ended hold is refused
+    let t = fetch_held(&mut cb, 9, 2, &keys[..1], false);
+    assert!(
+        matches!(t.state, TransferState::Failed(WireError::NotFound(_))),
+        "{t:?}"
+    );
+    let s = a.status();
+    assert_eq!((s.holds.holds, s.stats.pins), (0, 0));
+}
+
+#[test]
+fn a_hold_nobody_reads_expires_counted_and_its_owner_ends_one_over_http() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _b) = pair(&secret_file(dir.path()));
+    let mut ca = a.client("prefill", 30_000);
+    let ns = ca.register_namespace(&support::namespace()).unwrap();
+    let keys = support::keys(ns, 5, 4);
+    for (i, k) in keys.iter().enumerate() {
+        support::put_one(&mut ca, *k, &support::pattern(64 << 10, i as u8));
+    }
+    ca.hold_begin(11, 1, &keys, 300).unwrap();
+    support::wait_until(Duration::from_secs(10), "the unread hold expires", || {
+        a.status().holds.holds == 0
+    });
+    assert_eq!(metric(&a, "kvd_handoff_holds_expired_total"), 1);
+    assert!(a.log().contains("expired unread"), "one log line says so");
+
+    ca.hold_begin(12, 3, &keys, 30_000).unwrap();
+    assert!(metric(&a, "kvd_handoff_held_bytes") >= 4 * (64 << 10));
+    assert_eq!(a.get("/holds/12").0, 200);
+    // an older epoch's end changes nothing; the hold's own epoch ends it; again is no error
+    assert_eq!(
+        kvd::daemon::status::http(a.admin, "DELETE", "/holds/12?epoch=2")
+            .unwrap()
+            .0,
+        204
+    );
+    assert_eq!(a.get("/holds/12").0, 200);
+    for _ in 0..2 {
+        let (code, _) = kvd::daemon::status::http(a.admin, "DELETE", "/holds/12?epoch=3").unwrap();
+        assert_eq!(code, 204);
+    }
+    assert_eq!(a.get("/holds/12").0, 404);
+    assert_eq!(metric(&a, "kvd_handoff_holds_ended_total"), 1);
+    // an ended epoch cannot be held again; a newer one can, and the owner's client ends it
+    let e = ca.hold_begin(12, 3, &keys, 30_000).unwrap_err();
+    assert!(e.to_string().contains("epoch"), "{e}");
+    ca.hold_begin(12, 4, &keys, 30_000).unwrap();
+    assert!(!ca.hold_end(12, 3).unwrap(), "an older epoch ends nothing");
+    assert!(ca.hold_end(12, 4).unwrap());
+    assert_eq!(metric(&a, "kvd_handoff_holds_begun_total"), 3);
+    let s = a.status();
+    assert_eq!((s.holds.holds, s.stats.pins), (0, 0));
+}
