@@ -43,14 +43,18 @@ def body(prompt: str) -> dict:
             "return_token_ids": True}
 
 
-def proxy(prefill: str, decode: str, prompt: str, edit: Optional[Callable[[dict], dict]] = None) -> tuple[dict, dict]:
+def proxy(prefill: str, decode: str, prompt: str, edit: Optional[Callable[[dict], dict]] = None,
+          binding: Optional[dict] = None) -> tuple[dict, dict]:
     """vLLM's toy P/D proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py), as
     small as it gets: the prefill, then the decode with the prefill's parameters unchanged
-    (``edit`` only for the cases that forge them)."""
+    (``edit`` only for the cases that forge them; ``binding``: the (request, epoch) a front
+    names in the prefill's ``kv_transfer_params.kvd``)."""
     rid = str(uuid.uuid4())
     pre = dict(body(prompt), stream=False, max_tokens=1, kv_transfer_params={
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None})
+    if binding is not None:
+        pre["kv_transfer_params"]["kvd"] = binding
     params = post(prefill, pre, rid).get("kv_transfer_params") or {}
     if edit is not None:
         params = edit(params)
@@ -131,11 +135,16 @@ def test_greedy_tokens_through_the_proxy_match_a_colocated_run_and_the_prompt_wa
     assert daemon_metric(nodes[1], "kvd_handoff_holds_taken_total") >= 1
 
 
-@pytest.mark.parametrize("forge", ["namespace", "node_without_the_run", "unknown_node"])
-def test_parameters_naming_another_namespace_or_an_empty_node_are_a_miss_with_the_same_tokens(pd, forge):
+FORGED = {"namespace": OTHER, "node_without_the_run": NOBODY, "unknown_node": words(123, 220, 17),
+          "older_epoch": words(131, 230, 5), "newer_epoch": words(137, 230, 9),
+          "another_request": words(139, 230, 11)}
+
+
+@pytest.mark.parametrize("forge", list(FORGED))
+def test_parameters_naming_another_namespace_node_epoch_or_request_are_a_miss_with_the_same_tokens(pd, forge):
     nodes, srv = pd
     p, d = srv["prefill"], srv["decode"]
-    prompt = {"namespace": OTHER, "node_without_the_run": NOBODY, "unknown_node": words(123, 220, 17)}[forge]
+    prompt = FORGED[forge]
 
     def edit(params: dict) -> dict:
         params = json.loads(json.dumps(params))
@@ -143,16 +152,28 @@ def test_parameters_naming_another_namespace_or_an_empty_node_are_a_miss_with_th
             params["kvd"]["handoff"]["namespace"] = "ab" * 32
         elif forge == "node_without_the_run":  # the consumer's own node, which never saw this prompt
             params["kvd"]["handoff"]["node"] = 2
-        else:  # no such peer: the fetch fails, a failed receive that is recomputed
+        elif forge == "unknown_node":  # no such peer: the fetch fails, a failed receive that is recomputed
             params["kvd"]["handoff"]["node"] = 9
+        elif forge == "another_request":  # the source holds no run for it: refused, recomputed
+            params["kvd"]["handoff"]["request"] += 2
+        else:  # a stale (or not yet made) attempt's epoch: refused at the source, recomputed
+            params["kvd"]["handoff"]["epoch"] += -1 if forge == "older_epoch" else 1
         return params
 
-    loaded0 = loaded_tokens(d)
-    out, _ = proxy(p.url, d.url, prompt, edit)
+    loaded0, refused0 = loaded_tokens(d), daemon_metric(nodes[1], "kvd_transfer_binding_mismatches_total")
+    # the epoch cases hold at epoch 3, as a front's third attempt would
+    binding = {"request": 1000 + len(forge), "epoch": 3} if "epoch" in forge else None
+    out, params = proxy(p.url, d.url, prompt, edit, binding)
+    if binding is not None:
+        assert params["kvd"]["handoff"]["keep"], "the front ends a hold it bound"
+        assert params["kvd"]["handoff"]["request"] == binding["request"]
     colocated = post(p.url, body(prompt), str(uuid.uuid4()))
     assert tokens(out) == tokens(colocated), "a miss is recomputed, with the same tokens"
-    if forge == "namespace":
-        assert loaded_tokens(d) == loaded0, "another namespace's parameters load nothing"
+    if forge in ("namespace", "older_epoch", "newer_epoch", "another_request"):
+        assert loaded_tokens(d) == loaded0, "forged parameters load nothing"
+    if forge in ("older_epoch", "newer_epoch", "another_request"):
+        assert daemon_metric(nodes[1], "kvd_transfer_binding_mismatches_total") > refused0, \
+            "the source refused the read, bound to what it does not hold"
 
 
 def test_a_held_run_is_released_after_handoff_ttl(pd):
