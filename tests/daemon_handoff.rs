@@ -42,8 +42,28 @@ fn fetch_held(
     keys: &[kvd::keys::BlockKey],
     end_hold: bool,
 ) -> kvd::protocol::TransferInfo {
-    let id = c.fetch_held(1, request, epoch, keys, end_hold).unwrap();
+    let id = start_held(c, request, epoch, keys, end_hold);
     support::wait_transfer(c, id, Duration::from_secs(60))
+}
+
+/// Start a hand-off read, waiting out the short avoidance of a peer that just failed one.
+fn start_held(
+    c: &mut kvd::client::Client,
+    request: u64,
+    epoch: u64,
+    keys: &[kvd::keys::BlockKey],
+    end_hold: bool,
+) -> u64 {
+    let mut id = None;
+    support::wait_until(Duration::from_secs(10), "the read starts", || {
+        match c.fetch_held(1, request, epoch, keys, end_hold) {
+            Ok(i) => id = Some(i),
+            Err(kvd::Error::Unavailable(_)) => std::thread::sleep(Duration::from_millis(200)),
+            Err(e) => panic!("{e}"),
+        }
+        id.is_some()
+    });
+    id.unwrap()
 }
 
 fn refused(t: &kvd::protocol::TransferInfo) -> String {
@@ -187,4 +207,162 @@ fn a_hold_nobody_reads_expires_counted_and_its_owner_ends_one_over_http() {
     assert_eq!(metric(&a, "kvd_handoff_holds_begun_total"), 3);
     let s = a.status();
     assert_eq!((s.holds.holds, s.stats.pins), (0, 0));
+}
+
+/// Publish `n` blocks of 64 KiB on `d` (block i's bytes are `pattern(64 KiB, i)`); their keys.
+fn run_on(c: &mut kvd::client::Client, seed: u64, n: usize) -> Vec<kvd::keys::BlockKey> {
+    let ns = c.register_namespace(&support::namespace()).unwrap();
+    let keys = support::keys(ns, seed, n);
+    for (i, k) in keys.iter().enumerate() {
+        support::put_one(c, *k, &support::pattern(64 << 10, i as u8));
+    }
+    keys
+}
+
+#[test]
+fn a_run_corrupted_at_rest_at_the_source_fails_its_checksum_and_is_never_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = pair(&secret_file(dir.path()));
+    let mut ca = a.client("prefill", 30_000);
+    let keys = run_on(&mut ca, 21, 6);
+    ca.hold_begin(31, 1, &keys, 30_000).unwrap();
+    // a bit flip at rest in the fourth block of the held run
+    let info = ca.acquire(&keys[3..4], None).unwrap().remove(0).unwrap();
+    support::scribble_on_the_pool(a.pid(), info.offset);
+    ca.release(&[info.handle]).unwrap();
+
+    let mut cb = b.client("decode", 30_000);
+    cb.register_namespace(&support::namespace()).unwrap();
+    for attempt in 0..2 {
+        let t = fetch_held(&mut cb, 31, 1, &keys, true);
+        let e = refused(&t);
+        assert!(e.contains("CRC-32C"), "{attempt}: {e}");
+        assert!(
+            cb.exists(&keys).unwrap().iter().all(|b| !b),
+            "no block of a run with a corrupt block is published"
+        );
+    }
+    let sb = b.status();
+    assert!(sb.data_port.unwrap().transfers.transfers_failed >= 2);
+    assert_eq!(
+        sb.stats.accounting.writing + sb.stats.accounting.allocated,
+        0
+    );
+    // the decode's node did not take the hold: it is still the source's to end or expire
+    assert_eq!(a.get("/holds/31").0, 200);
+}
+
+#[test]
+fn a_prefill_node_killed_before_the_decode_reads_fails_the_read_and_its_successor_holds_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path());
+    let (mut a, b) = pair(&secret);
+    let mut ca = a.client("prefill", 30_000);
+    let keys = run_on(&mut ca, 23, 4);
+    ca.hold_begin(41, 1, &keys, 30_000).unwrap();
+    drop(ca);
+    let addr = a.data_addr();
+    support::signal(a.pid(), rustix::process::Signal::KILL);
+    a.wait_exit(Duration::from_secs(10)).expect("node 1 died");
+    let mut cb = b.client("decode", 30_000);
+    cb.register_namespace(&support::namespace()).unwrap();
+    let t = fetch_held(&mut cb, 41, 1, &keys, true);
+    refused(&t);
+    assert!(cb.exists(&keys).unwrap().iter().all(|b| !b));
+    // node 1 back at the same data address: a new incarnation, which holds nothing of the old
+    let s = secret.to_str().unwrap();
+    let listen = addr.to_string();
+    let a2 = Daemon::start(&[
+        "--cluster-secret-file",
+        s,
+        "--data-listen",
+        &listen,
+        "--node-id",
+        "1",
+    ]);
+    let mut c2 = a2.client("prefill-again", 30_000);
+    let again = run_on(&mut c2, 23, 4);
+    assert_eq!(again, keys, "the same prompt's blocks, prefilled again");
+    let t = fetch_held(&mut cb, 41, 1, &keys, true);
+    assert!(
+        matches!(t.state, TransferState::Failed(WireError::NotFound(_))),
+        "the old hold died with its node: {t:?}"
+    );
+    assert!(cb.exists(&keys).unwrap().iter().all(|b| !b));
+}
+
+#[test]
+fn a_hand_off_read_cut_halfway_publishes_nothing_keeps_the_hold_and_the_retry_lands_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = secret_file(tmp.path());
+    let s = secret.to_str().unwrap();
+    let hosts = support::TwoHosts::new();
+    let (a_addr, b_addr) = ("10.77.0.1:7471", "10.77.0.2:7471");
+    let a = Daemon::start_in_netns(
+        &hosts.a,
+        &[
+            "--cluster-secret-file",
+            s,
+            "--node-id",
+            "1",
+            "--data-listen",
+            a_addr,
+        ],
+    );
+    let peer = format!("1={a_addr}");
+    let b = Daemon::start_in_netns(
+        &hosts.b,
+        &[
+            "--cluster-secret-file",
+            s,
+            "--node-id",
+            "2",
+            "--data-listen",
+            b_addr,
+            "--peer",
+            &peer,
+        ],
+    );
+    let mut ca = a.client("prefill", 60_000);
+    let keys = run_on(&mut ca, 25, 40);
+    ca.hold_begin(51, 2, &keys, 60_000).unwrap();
+    // the decode reads the run over a slowed link, cut mid-way
+    hosts.slow(&hosts.a, &hosts.dev_a(), "40mbit");
+    let mut cb = b.client("decode", 60_000);
+    cb.register_namespace(&support::namespace()).unwrap();
+    let free = cb.stats().unwrap().accounting.free;
+    let id = cb.fetch_held(1, 51, 2, &keys, true).unwrap();
+    support::wait_until(Duration::from_secs(20), "the read has pages on B", || {
+        cb.stats().unwrap().accounting.free < free
+    });
+    support::ip(&["-n", &hosts.a, "link", "set", &hosts.dev_a(), "down"]);
+    let t = support::wait_transfer(&mut cb, id, Duration::from_secs(60));
+    refused(&t);
+    assert!(
+        cb.exists(&keys).unwrap().iter().all(|b| !b),
+        "nothing partial is published on B"
+    );
+    let st = cb.stats().unwrap().accounting;
+    assert_eq!((st.writing, st.allocated, st.free), (0, 0, free), "{st:?}");
+    let held = support::cluster::status_in(&hosts.a, &a).holds;
+    assert_eq!(held.blocks, 40, "the source still holds the run: {held:?}");
+    // the link comes back; the retry from the source lands whole and takes the hold
+    support::ip(&["-n", &hosts.a, "link", "set", &hosts.dev_a(), "up"]);
+    let id = start_held(&mut cb, 51, 2, &keys, true);
+    let t = support::wait_transfer(&mut cb, id, Duration::from_secs(120));
+    assert_eq!(
+        (t.state.clone(), t.blocks),
+        (TransferState::Done, 40),
+        "{t:?}"
+    );
+    for (i, got) in cb.acquire(&keys, None).unwrap().into_iter().enumerate() {
+        let info = got.unwrap();
+        let mut buf = vec![0u8; 64 << 10];
+        cb.read_verified(&info.handle, &mut buf).unwrap();
+        assert!(buf == support::pattern(64 << 10, i as u8), "block {i}");
+        cb.release(&[info.handle]).unwrap();
+    }
+    support::wait_until(Duration::from_secs(10), "the hold is taken", || {
+        support::cluster::status_in(&hosts.a, &a).holds.holds == 0
+    });
 }
