@@ -14,12 +14,25 @@
 //!  Prefilling/Decoding ── no client for the grace ──▶ Cancelling ──▶ Cancelled
 //! ```
 //!
+//! In P/D mode ([`Request::disaggregated`], `--prefill-engine`) an attempt with no token yet
+//! prefills on a prefill worker first ([`pd`] has the failure table):
+//!
+//! ```text
+//!  Admitted ──Start──▶ Prefilling ──answer──▶ Transferring ──first token──▶ Decoding ─▶ …
+//!                      (PickPrefill,  │        (Forward/Resume with the      (EndHold)
+//!                       Prefill)      │         answer's kv_transfer_params)
+//!      broken: epoch + 1, next prefill worker (none left, or no hand-off in the answer:
+//!      the decode worker prefills itself, a colocated attempt); refused: Failed
+//!  Transferring ── broken ──▶ Migrating ──plan──▶ Transferring on the survivor (same params)
+//!  Prefilling/Transferring ── no client for the grace ──▶ Cancelling (prefill dropped, EndHold)
+//! ```
+//!
 //! Every transition is a compare-and-swap on the request epoch: an engine event, a health
 //! answer or a failed recovery names the epoch of the attempt it belongs to, and one that
 //! names another epoch (an older attempt's late event) changes nothing and is counted in
 //! [`Request::stale_dropped`]. A plan moves the epoch forward only (a plan for an epoch not above
-//! the current one is stale too). The TRANSFERRING state of DESIGN §7b belongs to the
-//! prefill/decode hand-off, which this front does not do yet.
+//! the current one is stale too). A prefill answer of another epoch is dropped the same way, and
+//! the hold it names ends.
 
 pub mod body;
 pub mod pd;
