@@ -99,7 +99,7 @@ pub struct ControlArgs {
     /// How to reach etcd (cluster mode), as for `kvd serve`.
     #[command(flatten)]
     pub etcd: kvd_cluster::EtcdArgs,
-    /// The streaming front (`--engine` turns it on).
+    /// The streaming front (`--engine` turns it on; `--prefill-engine` adds P/D).
     #[command(flatten)]
     pub front: kvd_front::FrontArgs,
 }
@@ -413,7 +413,7 @@ pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u6
             "--engine needs --etcd: the front learns the workers, their capacities and the holders' admin addresses from the nodes' registrations".into(),
         ));
     }
-    kvd_front::http::parse_engines(&args.front.engines)?;
+    kvd_front::http::parse_pools(&args.front.engines, &args.front.prefill_engines)?;
     if !args.listen.ip().is_loopback() && !args.allow_remote {
         return Err(Error::InvalidArgument(format!(
             "{} is not a loopback address; pass --allow-remote to listen there",
@@ -500,7 +500,7 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
         let shared = hub(controller, offset);
         let mut app = routes(Arc::clone(&shared));
         if !args.front.engines.is_empty() {
-            let engines = match kvd_front::http::HttpEngines::new(&args.front.engines, args.front.engine_timeout()) {
+            let engines = match kvd_front::http::HttpEngines::with_prefill(&args.front.engines, &args.front.prefill_engines, args.front.engine_timeout()) {
                 Ok(e) => Arc::new(e),
                 Err(e) => {
                     eprintln!("kvd control: {e}");
@@ -512,6 +512,9 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
             front.spawn_health_watch();
             app = app.merge(crate::front::routes(front));
             println!("kvd control: the streaming front serves POST /v1/completions for {} engines", args.front.engines.len());
+            if args.front.pd() {
+                println!("kvd control: P/D: {} prefill engines prefill, the {} engines decode", args.front.prefill_engines.len(), args.front.engines.len());
+            }
         }
         if args.etcd.is_on() {
             tokio::spawn(crate::membership::run(

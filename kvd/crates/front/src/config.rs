@@ -12,6 +12,15 @@ pub struct FrontArgs {
     /// registrations).
     #[arg(long = "engine", value_name = "ID=URL")]
     pub engines: Vec<String>,
+    /// A prefill worker's engine, as ID=URL (prefill/decode disaggregation): the
+    /// OpenAI-compatible server of a vLLM started with kvd's connector as `kv_producer`, on the
+    /// node whose kvd daemon has node id ID. Repeat per prefill worker. With at least one, the
+    /// front runs in P/D mode: each request's prompt is prefilled on the prefill worker with the
+    /// fewest prefills running (ties: the lowest id), then decoded on the --engine worker the
+    /// controller placed, which loads the prompt's blocks from the prefill node's daemon. An id
+    /// may not be in both pools.
+    #[arg(long = "prefill-engine", value_name = "ID=URL")]
+    pub prefill_engines: Vec<String>,
     /// KV bytes per token of the served model (layers × 2 × KV heads × head dim × dtype
     /// bytes): a request's checkpoint reservation is (prompt + max_tokens), rounded up to whole
     /// blocks of --kv-tokens-per-block, × this.
@@ -51,6 +60,11 @@ impl FrontArgs {
         Duration::from_millis(self.engine_timeout_ms)
     }
 
+    /// Whether the front runs prefill/decode disaggregation (a prefill pool is given).
+    pub fn pd(&self) -> bool {
+        !self.prefill_engines.is_empty()
+    }
+
     /// The pool bytes a request of `tokens` tokens reserves for its checkpoint: whole blocks,
     /// since a holder stores a partly filled last block in a whole page.
     pub fn reservation_bytes(&self, tokens: u64) -> u64 {
@@ -64,6 +78,8 @@ impl FrontArgs {
 
 /// Most recoveries `/status` lists.
 pub const RECOVERIES_KEPT: usize = 64;
+/// Most hand-offs `/status` lists.
+pub const HANDOFFS_KEPT: usize = 64;
 /// How often the health watch asks each engine.
 pub const HEALTH_EVERY: Duration = Duration::from_secs(1);
 /// Longest wait for one health check or holder call.

@@ -2,10 +2,13 @@
 //! happens (the engine's stream, plans, clients, time) and carries out what it decides, through
 //! the [`crate::engine`] traits and the [`crate::hub::Hub`]. Every wait is bounded: an engine's
 //! answer and each event of its stream by `--engine-timeout-ms` (a silent stream is a broken
-//! one), health checks by [`PROBE_TIMEOUT`]; a follow-up of one action is fed back before the
-//! next wait.
+//! one), health checks by [`PROBE_TIMEOUT`], a P/D prefill's whole
+//! answer by `--engine-timeout-ms` (it runs beside the other waits and answers as an input); a
+//! follow-up of one action is fed back before the next wait.
 
 use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,13 +16,22 @@ use kvd_control::{Epoch, Event};
 use tokio::time::{MissedTickBehavior, interval, sleep, timeout};
 
 use crate::config::{PROBE_TIMEOUT, PROGRESS_EVERY};
-use crate::engine::{EventStream, Opened};
-use crate::front::Front;
+use crate::engine::{EventStream, Opened, PrefillAnswer};
+use crate::front::{Front, PrefillSlot};
 use crate::log::{StreamLog, changed};
 use crate::machine::{Action, Attempt, Ending, Input, Request};
 
 /// Most follow-up inputs one input leads to (each action answers with at most one).
 const FOLLOW_UPS_MAX: usize = 64;
+
+/// A prefill in flight, as the machine's input it ends with; dropping it drops the connection.
+struct PrefillCall(Pin<Box<dyn Future<Output = Input> + Send>>);
+
+impl std::fmt::Debug for PrefillCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PrefillCall")
+    }
+}
 
 /// Drives one request until it ends.
 #[derive(Debug)]
@@ -29,6 +41,8 @@ pub struct Driver {
     log: Arc<StreamLog>,
     /// The current attempt's stream, with its epoch.
     stream: Option<(Epoch, Box<dyn EventStream>)>,
+    /// P/D: the prefill in flight, with its epoch.
+    prefill: Option<(Epoch, PrefillCall)>,
     clients: u32,
 }
 
@@ -39,6 +53,7 @@ impl Driver {
             m,
             log,
             stream: None,
+            prefill: None,
             clients: 1,
         }
     }
@@ -72,6 +87,7 @@ impl Driver {
             let engine_timeout = self.front.args().engine_timeout();
             let next = tokio::select! {
                 ev = next_event(&mut self.stream, engine_timeout) => Some(ev),
+                ev = prefill_answer(&mut self.prefill) => Some(ev),
                 () = changed(&mut plans) => None,
                 () = changed(&mut clients) => None,
                 _ = progress.tick() => Some(Input::ProgressDue),
@@ -82,6 +98,7 @@ impl Driver {
             }
         }
         self.stream = None;
+        self.prefill = None;
         self.log.close();
         self.front.request_done(id);
     }
@@ -130,7 +147,32 @@ impl Driver {
                 if self.stream.as_ref().is_some_and(|(e, _)| *e == epoch) {
                     self.stream = None;
                 }
+                if self.prefill.as_ref().is_some_and(|(e, _)| *e == epoch) {
+                    self.prefill = None;
+                }
             }
+            Action::PickPrefill { epoch, tried } => {
+                let worker = f.pick_prefill(&tried);
+                return Some(Input::PrefillWorker { epoch, worker });
+            }
+            Action::Prefill(at) => {
+                // counted in its worker's load from now, so the next pick sees it
+                let slot = f.prefill_slot(at.worker);
+                self.prefill = Some((at.epoch, PrefillCall(Box::pin(prefill(f, at, slot)))));
+            }
+            Action::EndHold {
+                node,
+                request,
+                epoch,
+            } => {
+                let end = async move { f.end_hold(node, request, epoch).await };
+                if self.m.state().is_terminal() {
+                    end.await;
+                } else {
+                    tokio::spawn(end);
+                }
+            }
+            Action::Handoff(note) => f.handoff_noted(self.m.id(), self.m.epoch(), note),
             Action::CheckHealth { epoch, worker } => {
                 let alive = timeout(PROBE_TIMEOUT, f.engines().health(worker))
                     .await
@@ -250,6 +292,44 @@ async fn next_event(stream: &mut Option<(Epoch, Box<dyn EventStream>)>, wait: Du
         Ok(Ok(None)) => Input::EngineEnded { epoch },
         Ok(Ok(Some(data))) => Input::EngineEvent { epoch, data },
     }
+}
+
+/// Prefill `at` on its prefill worker (counted in its load while it runs), within
+/// `--engine-timeout-ms`; the answer as the machine's input.
+async fn prefill(front: Arc<Front>, at: Attempt, _running: PrefillSlot) -> Input {
+    let epoch = at.epoch;
+    let name = front.engines().name(at.worker);
+    let t = front.args().engine_timeout();
+    match timeout(t, front.engines().prefill(at.worker, at.body)).await {
+        Ok(Ok(PrefillAnswer::Done(answer))) => Input::PrefillDone { epoch, answer },
+        Ok(Ok(PrefillAnswer::Refused { status, text })) if status >= 500 => Input::PrefillBroken {
+            epoch,
+            reason: format!("{name} answered {status}: {text}"),
+        },
+        Ok(Ok(PrefillAnswer::Refused { status, text })) => Input::PrefillRefused {
+            epoch,
+            status,
+            text,
+        },
+        Ok(Err(e)) => Input::PrefillBroken {
+            epoch,
+            reason: e.to_string(),
+        },
+        Err(_) => Input::PrefillBroken {
+            epoch,
+            reason: format!("{name}: no prefill answer within {} ms", t.as_millis()),
+        },
+    }
+}
+
+/// The prefill's answer (never, without one); the prefill is done with then.
+async fn prefill_answer(p: &mut Option<(Epoch, PrefillCall)>) -> Input {
+    let Some((_, call)) = p.as_mut() else {
+        return std::future::pending().await;
+    };
+    let input = (&mut call.0).await;
+    *p = None;
+    input
 }
 
 async fn sleep_opt(d: Option<Duration>) {

@@ -1,8 +1,8 @@
 //! The seams to the outside: the workers' engines ([`Engines`]) and the checkpoint holders'
 //! admin calls ([`Holders`]). The front names the calls it makes (tokenize, stream a
-//! completion, health; what a holder holds, end a checkpoint), never an engine's URLs: vLLM's
-//! OpenAI server ([`crate::http::HttpEngines`]) is one implementation, the tests' scripted
-//! engine another, and prefill/decode roles are further ones. Every wait on these calls is
+//! completion, prefill, health; what a holder holds, end a checkpoint, end a hand-off's hold),
+//! never an engine's URLs: vLLM's OpenAI server ([`crate::http::HttpEngines`]) is one
+//! implementation, the tests' scripted engine another. Every wait on these calls is
 //! bounded by the caller (the front), so an implementation that hangs is a silent engine.
 
 use std::fmt::Debug;
@@ -25,6 +25,22 @@ pub enum Opened {
     Stream(Box<dyn EventStream>),
     /// It answered with an error status before streaming: 5xx is the engine's trouble (the
     /// stream counts as broken), anything else a refusal of the request itself.
+    Refused {
+        /// The HTTP status.
+        status: u16,
+        /// What it said.
+        text: String,
+    },
+}
+
+/// How a prefill worker answered a prefill request (P/D).
+#[derive(Debug, Clone, PartialEq)]
+pub enum PrefillAnswer {
+    /// The engine's JSON response (vLLM's completion, with the producer connector's
+    /// `kv_transfer_params`).
+    Done(Value),
+    /// It answered with an error status: 4xx is a refusal of the request itself, 5xx the
+    /// worker's trouble (a broken prefill).
     Refused {
         /// The HTTP status.
         status: u16,
@@ -68,6 +84,22 @@ pub trait Engines: Send + Sync + Debug {
     /// The engine is unreachable (the front treats it as a broken stream).
     fn complete(&self, worker: WorkerId, body: Value) -> BoxFuture<'_, Result<Opened>>;
 
+    /// The prefill workers (P/D's prefill pool; none when the front runs colocated), in id
+    /// order. Disjoint from [`Engines::workers`].
+    fn prefill_workers(&self) -> Vec<WorkerId> {
+        Vec::new()
+    }
+
+    /// Prefill `body` on prefill worker `worker`: a non-streaming `/v1/completions` (token-id
+    /// prompt, `max_tokens` 1, `stream` false, the producer's `kv_transfer_params`), answered
+    /// once the prompt's blocks are held for the decode worker. Dropping the future drops the
+    /// connection (vLLM aborts the request).
+    ///
+    /// # Errors
+    /// The engine is unreachable or its answer is not JSON (the front treats it as a broken
+    /// prefill).
+    fn prefill(&self, worker: WorkerId, body: Value) -> BoxFuture<'_, Result<PrefillAnswer>>;
+
     /// Whether `worker`'s engine answers its health check.
     fn health(&self, worker: WorkerId) -> BoxFuture<'_, bool>;
 }
@@ -84,7 +116,7 @@ pub struct Held {
 }
 
 /// The checkpoint holders' admin calls (`GET` and `DELETE /checkpoints/{request}` on a
-/// daemon's admin address).
+/// daemon's admin address), and the end of a P/D hand-off's hold (`DELETE /holds/{request}`).
 pub trait Holders: Send + Sync + Debug {
     /// What `holder` holds for `request` (`None`: nothing).
     ///
@@ -97,4 +129,17 @@ pub trait Holders: Send + Sync + Debug {
     /// # Errors
     /// The holder does not answer.
     fn end(&self, holder: WorkerId, request: RequestId, epoch: Epoch) -> BoxFuture<'_, Result<()>>;
+
+    /// End the hand-off hold of `request` at `node`'s daemon (P/D: the prefill node pinned the
+    /// prompt's blocks for the decode worker), if the hold's epoch is at most `epoch`. Nothing
+    /// there is no error.
+    ///
+    /// # Errors
+    /// The node's daemon does not answer.
+    fn end_hold(
+        &self,
+        node: WorkerId,
+        request: RequestId,
+        epoch: Epoch,
+    ) -> BoxFuture<'_, Result<()>>;
 }

@@ -9,14 +9,17 @@ use kvd_core::{Error, Result};
 use serde_json::{Value, json};
 use tokio::time::{MissedTickBehavior, interval, timeout};
 
-use crate::config::{FrontArgs, HEALTH_EVERY, HEALTH_MISSES, PROBE_TIMEOUT, RECOVERIES_KEPT};
+use crate::config::{
+    FrontArgs, HANDOFFS_KEPT, HEALTH_EVERY, HEALTH_MISSES, PROBE_TIMEOUT, RECOVERIES_KEPT,
+};
 use crate::driver::Driver;
 use crate::engine::{Engines, Held, Holders};
 use crate::hub::Hub;
 use crate::log::{ClientGuard, StreamLog};
 use crate::machine::body::{Asked, Prompt, parse_body};
+use crate::machine::pd::HandoffNote;
 use crate::machine::{Active, Admitted, Input, Request};
-use crate::stats::{FrontStats, RecoveryRecord};
+use crate::stats::{FrontStats, HandoffRecord, RecoveryRecord};
 
 /// A stream the front serves: its id, its log, and the client counted in.
 pub type Opened = (RequestId, Arc<StreamLog>, ClientGuard);
@@ -33,6 +36,25 @@ pub struct Front {
     finished: Mutex<VecDeque<(u64, RequestId)>>,
     active: Mutex<HashMap<RequestId, Active>>,
     recoveries: Mutex<VecDeque<RecoveryRecord>>,
+    /// P/D: prefills running per prefill worker (each worker of the pool is in it).
+    prefill_load: Mutex<BTreeMap<WorkerId, u32>>,
+    /// P/D: the last hand-offs.
+    handoffs: Mutex<VecDeque<HandoffRecord>>,
+}
+
+/// A prefill counted in its worker's load while it lives.
+#[derive(Debug)]
+pub(crate) struct PrefillSlot {
+    front: Arc<Front>,
+    worker: WorkerId,
+}
+
+impl Drop for PrefillSlot {
+    fn drop(&mut self) {
+        if let Some(n) = lock(&self.front.prefill_load).get_mut(&self.worker) {
+            *n = n.saturating_sub(1);
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -73,7 +95,14 @@ impl Front {
         engines: Arc<dyn Engines>,
         holders: Arc<dyn Holders>,
     ) -> Arc<Front> {
+        let prefill_load = engines
+            .prefill_workers()
+            .into_iter()
+            .map(|w| (w, 0))
+            .collect();
         Arc::new(Front {
+            prefill_load: Mutex::new(prefill_load),
+            handoffs: Mutex::default(),
             hub,
             args,
             engines,
@@ -124,6 +153,33 @@ impl Front {
             .filter(|w| engines.contains(&w.id))
             .min_by_key(|w| (w.serving_requests, w.id))
             .map(|w| w.id)
+    }
+
+    /// P/D: the prefill worker not in `tried` with the fewest prefills running (ties: the
+    /// lowest id).
+    pub(crate) fn pick_prefill(&self, tried: &[WorkerId]) -> Option<WorkerId> {
+        lock(&self.prefill_load)
+            .iter()
+            .filter(|(w, _)| !tried.contains(w))
+            .min_by_key(|(w, n)| (**n, **w))
+            .map(|(w, _)| *w)
+    }
+
+    /// P/D: count a prefill on `worker` while the slot lives.
+    pub(crate) fn prefill_slot(self: &Arc<Self>, worker: WorkerId) -> PrefillSlot {
+        if let Some(n) = lock(&self.prefill_load).get_mut(&worker) {
+            *n += 1;
+        }
+        self.count(|s| s.prefills_started += 1);
+        PrefillSlot {
+            front: Arc::clone(self),
+            worker,
+        }
+    }
+
+    /// Whether the front runs P/D (it has a prefill pool).
+    fn disaggregated(&self) -> bool {
+        !lock(&self.prefill_load).is_empty()
     }
 
     async fn prompt_ids(&self, asked: &mut Asked, worker: WorkerId) -> Result<Vec<u32>> {
@@ -187,7 +243,7 @@ impl Front {
         lock(&self.streams).insert(id, Arc::clone(&log));
         self.hub.watch_request(id);
         tracing::info!(request = id, worker = serving, holder = ?adm.holder, prompt = prompt.len(), max_tokens = asked.max_tokens, "front: admitted");
-        let m = Request::new(Admitted {
+        let m = Admitted {
             id,
             body: asked.body,
             prompt,
@@ -199,7 +255,12 @@ impl Front {
             holder: adm.holder,
             deadline_ms,
             grace_ms: self.args.reconnect_grace_ms,
-        });
+        };
+        let m = if self.disaggregated() {
+            Request::disaggregated(m)
+        } else {
+            Request::new(m)
+        };
         self.set_active(&m);
         self.count(|s| s.streams_started += 1);
         tokio::spawn(Driver::new(Arc::clone(self), m, Arc::clone(&log)).run());
@@ -260,13 +321,23 @@ impl Front {
             .map(|(id, a)| (id.to_string(), *a))
             .collect();
         let recoveries: Vec<RecoveryRecord> = lock(&self.recoveries).iter().cloned().collect();
-        json!({
+        let mut v = json!({
             "controller": self.hub.stats(),
             "front": self.stats(),
             "streams": lock(&self.streams).len(),
             "active": active,
             "recoveries": recoveries,
-        })
+        });
+        if self.disaggregated() {
+            let handoffs: Vec<HandoffRecord> = lock(&self.handoffs).iter().cloned().collect();
+            let load: BTreeMap<String, u32> = lock(&self.prefill_load)
+                .iter()
+                .map(|(w, n)| (w.to_string(), *n))
+                .collect();
+            v["handoffs"] = json!(handoffs);
+            v["prefilling"] = json!(load);
+        }
+        v
     }
 
     /// A recovery is done: log, count and list it.
@@ -291,6 +362,124 @@ impl Front {
             r.pop_front();
         }
         r.push_back(rec);
+    }
+
+    /// P/D: end `id`'s hand-off hold at `node`'s daemon (epochs up to `epoch`), within
+    /// [`PROBE_TIMEOUT`]; counted either way (a hold not ended runs out with its lease).
+    pub(crate) async fn end_hold(&self, node: WorkerId, id: RequestId, epoch: Epoch) {
+        let end = async {
+            if self.hub.node_admin(u64::from(node)).is_none() {
+                return Err(Error::NotFound(format!("node {node} is not registered")));
+            }
+            timeout(PROBE_TIMEOUT, self.holders.end_hold(node, id, epoch))
+                .await
+                .map_err(|_| Error::Unavailable(format!("node {node}: no answer")))?
+        };
+        match end.await {
+            Ok(()) => self.count(|s| s.holds_ended += 1),
+            Err(e) => {
+                self.count(|s| s.hold_ends_failed += 1);
+                tracing::warn!(request = id, node, epoch, error = %e, "front: P/D: ending the hand-off hold failed; its lease ends it");
+            }
+        }
+    }
+
+    /// P/D: one line and one counter per hand-off window (and the hand-off list).
+    pub(crate) fn handoff_noted(&self, id: RequestId, epoch: Epoch, note: HandoffNote) {
+        match note {
+            HandoffNote::Started {
+                prefill,
+                decode,
+                prefill_ms,
+            } => {
+                self.count(|s| {
+                    s.handoffs_started += 1;
+                    s.prefill_ms += prefill_ms;
+                });
+                tracing::info!(
+                    request = id,
+                    epoch,
+                    prefill,
+                    decode,
+                    prefill_ms,
+                    "front: P/D: prefilled; the decode worker takes the hand-off"
+                );
+            }
+            HandoffNote::Done(rec) => self.handoff_done(rec),
+            HandoffNote::PrefillRetried {
+                from,
+                epoch,
+                reason,
+            } => {
+                self.count(|s| s.prefill_retries += 1);
+                tracing::warn!(request = id, epoch, from, reason = %reason, "front: P/D: the prefill broke; prefilling again under a new epoch on another prefill worker (or the decode worker)");
+            }
+            HandoffNote::SelfPrefill { reason } => {
+                self.count(|s| s.self_prefills += 1);
+                tracing::warn!(request = id, epoch, reason = %reason, "front: P/D: no hand-off; the decode worker prefills the prompt itself");
+            }
+            HandoffNote::PrefillRefused { status } => {
+                self.count(|s| s.prefills_refused += 1);
+                tracing::warn!(
+                    request = id,
+                    epoch,
+                    status,
+                    "front: P/D: the prefill worker refused the request; it fails"
+                );
+            }
+            HandoffNote::DecodeRefused => {
+                self.count(|s| s.handoffs_refused += 1);
+                tracing::warn!(
+                    request = id,
+                    epoch,
+                    "front: P/D: the decode worker failed the hand-off's request; the hold ends and the request fails"
+                );
+            }
+            HandoffNote::Resumed { to } => {
+                self.count(|s| s.handoffs_resumed += 1);
+                tracing::warn!(
+                    request = id,
+                    epoch,
+                    to,
+                    "front: P/D: the decode broke before its first token; the survivor takes the hand-off (the source still holds the blocks)"
+                );
+            }
+            HandoffNote::Cancelled { during } => {
+                self.count(|s| s.handoffs_cancelled += 1);
+                tracing::info!(request = id, epoch, during = %during, "front: P/D: the client left during the hand-off; the prefill is dropped and the hold ends");
+            }
+            HandoffNote::StaleAnswer { epoch: old } => {
+                self.count(|s| s.prefill_answers_stale += 1);
+                tracing::info!(
+                    request = id,
+                    epoch,
+                    answer_epoch = old,
+                    "front: P/D: an older epoch's prefill answer came late; dropped, its hold ends"
+                );
+            }
+        }
+    }
+
+    fn handoff_done(&self, rec: HandoffRecord) {
+        tracing::info!(
+            request = rec.request,
+            epoch = rec.epoch,
+            prefill = rec.prefill,
+            decode = rec.decode,
+            hold_node = ?rec.hold_node,
+            prefill_ms = rec.prefill_ms,
+            handoff_ms = rec.handoff_ms,
+            "front: P/D: the decode's first token; the hand-off is done and its hold ends"
+        );
+        self.count(|s| {
+            s.handoffs_done += 1;
+            s.handoff_ms += rec.handoff_ms;
+        });
+        let mut h = lock(&self.handoffs);
+        if h.len() >= HANDOFFS_KEPT {
+            h.pop_front();
+        }
+        h.push_back(rec);
     }
 
     /// `id`'s attempt on `worker` broke and its engine is gone: fail the worker (and the holders

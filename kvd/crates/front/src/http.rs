@@ -1,7 +1,8 @@
 //! The traits over plain HTTP/1.1 (hyper): [`HttpEngines`] speaks to vLLM's OpenAI-compatible
-//! server (`POST /tokenize`, `POST /v1/completions` streaming, `GET /health`), [`HttpHolders`]
-//! to the daemons' admin port (`GET`/`DELETE /checkpoints/{request}`). One connection per call;
-//! every wait bounded.
+//! server (`POST /tokenize`, `POST /v1/completions` streaming, and not streaming for a P/D
+//! prefill, `GET /health`), [`HttpHolders`] to the daemons' admin port (`GET`/`DELETE
+//! /checkpoints/{request}`, `DELETE /holds/{request}`). One connection per call; every wait
+//! bounded.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpStream;
 
 use crate::config::PROBE_TIMEOUT;
-use crate::engine::{BoxFuture, Engines, EventStream, Held, Holders, Opened};
+use crate::engine::{BoxFuture, Engines, EventStream, Held, Holders, Opened, PrefillAnswer};
 use crate::hub::Hub;
 use crate::sse::{EventBuffer, token_ids};
 
@@ -59,19 +60,47 @@ impl std::fmt::Display for Endpoint {
 /// # Errors
 /// [`Error::InvalidArgument`] for a malformed entry or a repeated id.
 pub fn parse_engines(list: &[String]) -> Result<BTreeMap<WorkerId, Endpoint>> {
+    parse_pool("--engine", list)
+}
+
+/// Parse the decode pool (`--engine`) and the prefill pool (`--prefill-engine`).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a malformed entry, a repeated id, an id in both pools, or a
+/// prefill pool without a decode pool.
+pub fn parse_pools(
+    engines: &[String],
+    prefill: &[String],
+) -> Result<(BTreeMap<WorkerId, Endpoint>, BTreeMap<WorkerId, Endpoint>)> {
+    let decode = parse_engines(engines)?;
+    let prefill = parse_pool("--prefill-engine", prefill)?;
+    if !prefill.is_empty() && decode.is_empty() {
+        return Err(Error::InvalidArgument(
+            "--prefill-engine needs --engine: the prefill workers hand their prompts to decode workers".into(),
+        ));
+    }
+    if let Some(id) = prefill.keys().find(|id| decode.contains_key(id)) {
+        return Err(Error::InvalidArgument(format!(
+            "worker {id} is in both --engine and --prefill-engine: a worker is either a decode worker (placed by the controller) or a prefill worker, not both"
+        )));
+    }
+    Ok((decode, prefill))
+}
+
+fn parse_pool(flag: &str, list: &[String]) -> Result<BTreeMap<WorkerId, Endpoint>> {
     let mut out = BTreeMap::new();
     for e in list {
         let (id, url) = e.split_once('=').ok_or_else(|| {
             Error::InvalidArgument(format!(
-                "--engine {e:?}: expected ID=URL, e.g. 1=http://127.0.0.1:8000"
+                "{flag} {e:?}: expected ID=URL, e.g. 1=http://127.0.0.1:8000"
             ))
         })?;
         let id: WorkerId = id.trim().parse().map_err(|_| {
-            Error::InvalidArgument(format!("--engine {e:?}: {id:?} is not a node id"))
+            Error::InvalidArgument(format!("{flag} {e:?}: {id:?} is not a node id"))
         })?;
         if out.insert(id, url.trim().parse()?).is_some() {
             return Err(Error::InvalidArgument(format!(
-                "--engine: worker {id} given twice"
+                "{flag}: worker {id} given twice"
             )));
         }
     }
@@ -202,29 +231,81 @@ impl EventStream for HttpEventStream {
     }
 }
 
-/// vLLM's OpenAI-compatible servers, one per worker (`--engine ID=URL`).
+/// vLLM's OpenAI-compatible servers, one per worker (`--engine ID=URL`, and the prefill pool's
+/// `--prefill-engine ID=URL`).
 #[derive(Debug, Clone)]
 pub struct HttpEngines {
     endpoints: BTreeMap<WorkerId, Endpoint>,
+    prefill: BTreeMap<WorkerId, Endpoint>,
     timeout: Duration,
 }
 
 impl HttpEngines {
-    /// The engines `--engine` names; `timeout` bounds a connect and an answer's head.
+    /// The engines `--engine` names; `timeout` bounds a connect and an answer's head (and a
+    /// prefill's whole answer).
     ///
     /// # Errors
     /// As [`parse_engines`].
     pub fn new(list: &[String], timeout: Duration) -> Result<HttpEngines> {
+        Self::with_prefill(list, &[], timeout)
+    }
+
+    /// The decode pool `--engine` names and the prefill pool `--prefill-engine` names.
+    ///
+    /// # Errors
+    /// As [`parse_pools`].
+    pub fn with_prefill(
+        list: &[String],
+        prefill: &[String],
+        timeout: Duration,
+    ) -> Result<HttpEngines> {
+        let (endpoints, prefill) = parse_pools(list, prefill)?;
         Ok(HttpEngines {
-            endpoints: parse_engines(list)?,
+            endpoints,
+            prefill,
             timeout,
         })
     }
 
     fn endpoint(&self, worker: WorkerId) -> Result<&Endpoint> {
-        self.endpoints.get(&worker).ok_or_else(|| {
-            Error::NotFound(format!("worker {worker} has no engine address (--engine)"))
-        })
+        self.endpoints
+            .get(&worker)
+            .or_else(|| self.prefill.get(&worker))
+            .ok_or_else(|| {
+                Error::NotFound(format!(
+                    "worker {worker} has no engine address (--engine, --prefill-engine)"
+                ))
+            })
+    }
+
+    /// A non-streaming completion on a prefill worker: its JSON answer, or its refusal. The
+    /// whole answer within the timeout and [`MAX_JSON_BYTES`].
+    async fn prefill_at(&self, worker: WorkerId, body: Value) -> Result<PrefillAnswer> {
+        let ep = self.prefill.get(&worker).ok_or_else(|| {
+            Error::NotFound(format!(
+                "worker {worker} has no prefill engine address (--prefill-engine)"
+            ))
+        })?;
+        let body = body.to_string().into_bytes();
+        let go = call(
+            ep,
+            Method::POST,
+            "/v1/completions",
+            Some(body),
+            self.timeout,
+        );
+        let (status, b) = tokio::time::timeout(self.timeout, go)
+            .await
+            .map_err(|_| unavailable(ep, "prefill", "no whole answer in time"))??;
+        if !status.is_success() {
+            return Ok(PrefillAnswer::Refused {
+                status: status.as_u16(),
+                text: String::from_utf8_lossy(&b).into_owned(),
+            });
+        }
+        serde_json::from_slice(&b)
+            .map(PrefillAnswer::Done)
+            .map_err(|e| unavailable(ep, "prefill: the answer is not JSON", e))
     }
 
     async fn tokenize_at(&self, worker: WorkerId, model: Value, text: String) -> Result<Vec<u32>> {
@@ -291,6 +372,7 @@ impl Engines for HttpEngines {
     fn name(&self, worker: WorkerId) -> String {
         self.endpoints
             .get(&worker)
+            .or_else(|| self.prefill.get(&worker))
             .map_or_else(|| format!("worker {worker}"), ToString::to_string)
     }
 
@@ -305,6 +387,14 @@ impl Engines for HttpEngines {
 
     fn complete(&self, worker: WorkerId, body: Value) -> BoxFuture<'_, Result<Opened>> {
         Box::pin(self.complete_at(worker, body))
+    }
+
+    fn prefill_workers(&self) -> Vec<WorkerId> {
+        self.prefill.keys().copied().collect()
+    }
+
+    fn prefill(&self, worker: WorkerId, body: Value) -> BoxFuture<'_, Result<PrefillAnswer>> {
+        Box::pin(self.prefill_at(worker, body))
     }
 
     fn health(&self, worker: WorkerId) -> BoxFuture<'_, bool> {
@@ -345,9 +435,14 @@ impl HttpHolders {
     }
 
     async fn end_at(&self, holder: WorkerId, id: RequestId, epoch: Epoch) -> Result<()> {
-        let ep = self.admin(holder)?;
-        let path = format!("/checkpoints/{id}?epoch={epoch}");
-        let (status, body) = call(&ep, Method::DELETE, &path, None, PROBE_TIMEOUT).await?;
+        self.delete(holder, &format!("/checkpoints/{id}?epoch={epoch}"))
+            .await
+    }
+
+    /// `DELETE path` on `node`'s admin port: 2xx and 404 (nothing there) are success.
+    async fn delete(&self, node: WorkerId, path: &str) -> Result<()> {
+        let ep = self.admin(node)?;
+        let (status, body) = call(&ep, Method::DELETE, path, None, PROBE_TIMEOUT).await?;
         if status.is_success() || status == StatusCode::NOT_FOUND {
             Ok(())
         } else {
@@ -367,6 +462,18 @@ impl Holders for HttpHolders {
     fn end(&self, holder: WorkerId, request: RequestId, epoch: Epoch) -> BoxFuture<'_, Result<()>> {
         Box::pin(self.end_at(holder, request, epoch))
     }
+
+    fn end_hold(
+        &self,
+        node: WorkerId,
+        request: RequestId,
+        epoch: Epoch,
+    ) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            self.delete(node, &format!("/holds/{request}?epoch={epoch}"))
+                .await
+        })
+    }
 }
 
 #[cfg(test)]
@@ -385,6 +492,18 @@ mod tests {
         assert!(parse_engines(&["1=http://a:1".into(), "1=http://b:2".into()]).is_err());
         assert!(parse_engines(&["x=http://a:1".into()]).is_err());
         assert!(parse_engines(&["http://a:1".into()]).is_err());
+    }
+
+    #[test]
+    fn a_worker_is_in_the_decode_pool_or_the_prefill_pool_never_both() {
+        let (d, p) = parse_pools(&["1=http://a:1".into()], &["7=http://b:2".into()]).unwrap();
+        assert_eq!((d.len(), p[&7].authority.as_str()), (1, "b:2"));
+        let e = parse_pools(&["1=http://a:1".into()], &["1=http://b:2".into()]).unwrap_err();
+        assert!(e.to_string().contains("worker 1 is in both"), "{e}");
+        let e = parse_pools(&[], &["7=http://b:2".into()]).unwrap_err();
+        assert!(e.to_string().contains("needs --engine"), "{e}");
+        let e = parse_pools(&["1=http://a:1".into()], &["x=http://b:2".into()]).unwrap_err();
+        assert!(e.to_string().contains("--prefill-engine"), "{e}");
     }
 
     #[test]

@@ -23,10 +23,10 @@
 //!
 //! | Module       | What lives there                                                          |
 //! |--------------|---------------------------------------------------------------------------|
-//! | [`machine`]  | one request's state machine ([`machine::Request`]): [`machine::Input`] in, [`machine::Action`] out; the client's body ([`machine::body`]) and an engine event rewritten for the client ([`machine::relay`]) |
+//! | [`machine`]  | one request's state machine ([`machine::Request`]): [`machine::Input`] in, [`machine::Action`] out; the client's body ([`machine::body`]), an engine event rewritten for the client ([`machine::relay`]), the P/D hand-off's state and failure table ([`machine::pd`]) |
 //! | [`driver`]   | one request's task: feeds the machine, carries out its actions            |
 //! | [`front`]    | the [`Front`]: admission, the streams, recovery of a failed worker's requests, the health watch |
-//! | [`engine`]   | the seams: [`Engines`] (tokenize, stream a completion, health) and [`Holders`] (what a holder holds, end a checkpoint) |
+//! | [`engine`]   | the seams: [`Engines`] (tokenize, stream a completion, P/D prefill, health) and [`Holders`] (what a holder holds, end a checkpoint, end a hand-off's hold) |
 //! | [`http`]     | the seams over HTTP: vLLM's OpenAI server, the daemons' admin port         |
 //! | [`hub`]      | the [`Hub`]: the controller under its lock, its clock, the plans for the front's requests, the nodes' admin addresses |
 //! | [`log`]      | one request's numbered, bounded event log and the clients reading it     |
@@ -48,6 +48,10 @@
 //! - **A client that disconnects** and does not come back within `--reconnect-grace-ms`
 //!   cancels the request: the engine's connection is dropped (vLLM aborts the request), the
 //!   holder's checkpoint is ended, and the controller releases the reservation.
+//! - **P/D** (`--prefill-engine`): a prompt is prefilled on a prefill worker the front picks,
+//!   and its answer's `kv_transfer_params` hand the blocks to the decode worker the controller
+//!   placed; a broken prefill is redone (epoch + 1) elsewhere, the hold at the prefill node ends
+//!   exactly once ([`machine::pd`]; docs/CONTROL.md, "Prefill/decode disaggregation").
 //! - **Events of an older epoch are dropped**: every transition is a compare-and-swap on the
 //!   request epoch, and a plan that arrives while an attempt runs ends it before anything more
 //!   is relayed.

@@ -1,5 +1,5 @@
-//! What the front counts (`/status`, and `/metrics` as `kvd_control_front_<name>`) and the
-//! recoveries it lists.
+//! What the front counts (`/status`, and `/metrics` as `kvd_control_front_<name>`), the
+//! recoveries and the P/D hand-offs it lists.
 
 use kvd_control::{Epoch, RequestId, WorkerId};
 use serde::{Deserialize, Serialize};
@@ -47,6 +47,36 @@ pub struct FrontStats {
     pub holder_calls_failed: u64,
     /// Checkpoint reports whose bytes passed the reservation (--kv-bytes-per-token too small).
     pub checkpoint_reports_clamped: u64,
+    /// P/D: prefills sent to a prefill worker.
+    pub prefills_started: u64,
+    /// P/D: prefill answers that handed the prompt over (a decode attempt with their params).
+    pub handoffs_started: u64,
+    /// P/D: hand-offs done (the decode's first token came).
+    pub handoffs_done: u64,
+    /// P/D: decode attempts resumed on a survivor with the hand-off params (the decode broke
+    /// before its first token).
+    pub handoffs_resumed: u64,
+    /// P/D: prefills redone on another prefill worker (or the decode worker) after one broke.
+    pub prefill_retries: u64,
+    /// P/D: requests whose decode worker prefilled the prompt itself (no prefill worker left,
+    /// or an answer that handed nothing over).
+    pub self_prefills: u64,
+    /// P/D: requests a prefill worker refused.
+    pub prefills_refused: u64,
+    /// P/D: hand-offs the decode worker refused.
+    pub handoffs_refused: u64,
+    /// P/D: requests cancelled during their prefill or transfer.
+    pub handoffs_cancelled: u64,
+    /// P/D: prefill answers of an older epoch, dropped.
+    pub prefill_answers_stale: u64,
+    /// P/D: hand-off holds ended at the prefill nodes.
+    pub holds_ended: u64,
+    /// P/D: hold ends the prefill node did not confirm (its lease ends the hold).
+    pub hold_ends_failed: u64,
+    /// P/D: sum over hand-offs of the prefill's time (sent to answered), ms.
+    pub prefill_ms: u64,
+    /// P/D: sum over hand-offs of the prefill's answer to the decode's first token, ms.
+    pub handoff_ms: u64,
 }
 
 impl FrontStats {
@@ -87,4 +117,23 @@ pub struct RecoveryRecord {
     pub recovery_ms: u64,
     /// Why it broke.
     pub reason: String,
+}
+
+/// One P/D hand-off, as `/status` lists it (the last ones).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandoffRecord {
+    /// The request.
+    pub request: RequestId,
+    /// The epoch of the decode attempt whose first token ended it.
+    pub epoch: Epoch,
+    /// The prefill worker.
+    pub prefill: WorkerId,
+    /// The decode worker.
+    pub decode: WorkerId,
+    /// The node whose daemon held the prompt's blocks (`None`: the answer named no hold).
+    pub hold_node: Option<WorkerId>,
+    /// The prefill's time, sent to answered, ms.
+    pub prefill_ms: u64,
+    /// The prefill's answer to the decode's first token, ms.
+    pub handoff_ms: u64,
 }

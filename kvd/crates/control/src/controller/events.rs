@@ -45,6 +45,17 @@ pub enum Event {
         /// Its epoch.
         epoch: Epoch,
     },
+    /// A prefill worker outside the controller's pool (P/D: the front's own prefill pool) failed
+    /// the prefill of `epoch`: the request starts again under epoch + 1 (`MIGRATING`, then
+    /// `PREFILLING` with the next `PrefillStarted`), served by the same worker; every late event
+    /// of the old epoch is dropped. It spends no migration budget (the front bounds its retries
+    /// by its prefill pool).
+    PrefillRetried {
+        /// The request.
+        request_id: RequestId,
+        /// The epoch whose prefill failed.
+        epoch: Epoch,
+    },
     /// KV hand-off from the prefill worker to the decode worker `to` started.
     TransferStarted {
         /// The request.
@@ -189,6 +200,9 @@ impl Controller {
             Event::Admit(req) => Ok(vec![Decision::Admitted(self.admit(*req, now_ms)?)]),
             Event::PrefillStarted { request_id, epoch } => {
                 self.prefill_started(*request_id, *epoch, now_ms)
+            }
+            Event::PrefillRetried { request_id, epoch } => {
+                self.prefill_retried(*request_id, *epoch, now_ms)
             }
             Event::TransferStarted {
                 request_id,

@@ -160,6 +160,33 @@ impl Controller {
         Ok(vec![])
     }
 
+    /// The prefill of `epoch` failed on a prefill worker the controller does not place (P/D):
+    /// a new incarnation under epoch + 1, `MIGRATING`, on the same serving worker. Only a request
+    /// that has not begun its transfer can retry its prefill.
+    ///
+    /// # Errors
+    /// As the epoch check; [`Error::InvalidArgument`] past `PREFILLING`.
+    pub fn prefill_retried(
+        &mut self,
+        id: RequestId,
+        epoch: Epoch,
+        _now_ms: u64,
+    ) -> Result<Vec<Decision>> {
+        let Found::Live = self.checked(id, epoch)? else {
+            return Ok(vec![]);
+        };
+        let rec = self.requests.get_mut(&id).expect("live");
+        if !matches!(rec.state, RequestState::Admitted | RequestState::Prefilling) {
+            return Err(Error::InvalidArgument(format!(
+                "request {id} is {}: only a prefill retries",
+                rec.state
+            )));
+        }
+        rec.epoch += 1;
+        rec.state = RequestState::Migrating;
+        Ok(vec![])
+    }
+
     /// KV hand-off to decode worker `to` started; `to` serves the request from now on. When `to`
     /// was its holder, the checkpoint moves elsewhere ([`Decision::Checkpoint`]).
     ///

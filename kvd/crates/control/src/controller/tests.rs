@@ -84,6 +84,31 @@ fn a_handoff_to_the_holder_moves_the_checkpoint_elsewhere() {
 }
 
 #[test]
+fn a_retried_prefill_moves_the_epoch_on_and_drops_the_old_epochs_events() {
+    let mut c = cluster(3, 1000);
+    c.admit(req(1, 0, 100), 0).unwrap();
+    c.prefill_started(1, 1, 1).unwrap();
+    c.prefill_retried(1, 1, 2).unwrap();
+    let r = c.request(1).unwrap();
+    assert_eq!(
+        (r.epoch, r.state, r.serving),
+        (2, RequestState::Migrating, 0)
+    );
+    assert!(matches!(
+        c.transfer_started(1, 1, 0, 3),
+        Err(Error::StaleEpoch { .. })
+    ));
+    c.prefill_started(1, 2, 3).unwrap();
+    c.transfer_started(1, 2, 0, 4).unwrap();
+    assert!(
+        matches!(c.prefill_retried(1, 2, 5), Err(Error::InvalidArgument(_))),
+        "past the prefill, a retry is refused"
+    );
+    assert_eq!(c.request(1).unwrap().migrations, 0, "no budget spent");
+    c.check_invariants().unwrap();
+}
+
+#[test]
 fn an_epoch_never_issued_is_refused() {
     let mut c = cluster(2, 1000);
     c.admit(req(1, 0, 0), 0).unwrap();

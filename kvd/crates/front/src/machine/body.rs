@@ -1,5 +1,7 @@
 //! Request bodies: what the client's `/v1/completions` body asks for (checked once, at
-//! admission), and the body each attempt sends to an engine.
+//! admission), the body each attempt sends to an engine, and in P/D the prefill's body and what
+//! its answer hands over (vLLM's own P/D proxy contract: NixlConnector's `kv_transfer_params`
+//! keys, kvd's own under `kvd`).
 
 use kvd_control::{Epoch, RequestId, WorkerId};
 use kvd_core::{Error, Result};
@@ -128,11 +130,15 @@ pub struct AttemptSpec<'a> {
     pub holder: Option<WorkerId>,
     /// Where it loads its prefix from.
     pub restore: Option<RestoreFrom>,
+    /// P/D: the prefill answer's `kv_transfer_params`, passed on unchanged (kvd's own entries
+    /// added inside its `kvd` object).
+    pub handoff: Option<&'a Map<String, Value>>,
 }
 
 /// The engine body of an attempt: prompt + committed tokens, the remaining budget, and kvd's
 /// `kv_transfer_params` (`checkpoint`: where the connector streams blocks; `restore`: where
-/// it loads the prefix from).
+/// it loads the prefix from). With a P/D hand-off, the params are the prefill answer's, kvd's
+/// entries added inside their `kvd` object.
 pub fn attempt_body(a: &AttemptSpec<'_>) -> Value {
     let mut b = a.body.clone();
     let mut prompt = a.prompt.to_vec();
@@ -161,10 +167,92 @@ pub fn attempt_body(a: &AttemptSpec<'_>) -> Value {
             json!({"holder": r.holder, "request": a.id, "epoch": r.epoch, "local": r.local}),
         );
     }
-    if !kvd.is_empty() {
+    if let Some(h) = a.handoff {
+        let mut params = h.clone();
+        match params.get_mut("kvd") {
+            Some(Value::Object(theirs)) => theirs.extend(kvd),
+            _ => {
+                params.insert("kvd".into(), Value::Object(kvd));
+            }
+        }
+        b.insert("kv_transfer_params".into(), Value::Object(params));
+    } else if !kvd.is_empty() {
         b.insert("kv_transfer_params".into(), json!({ "kvd": kvd }));
     }
     Value::Object(b)
+}
+
+/// The body of a P/D prefill (vLLM's `toy_proxy_server.py` contract): the client's body with
+/// the prompt's ids, one token, no stream, and the producer's `kv_transfer_params`
+/// (`do_remote_decode`), kvd's `{request, epoch}` naming the hold the prefill node's daemon
+/// keeps the prompt's blocks under.
+pub fn prefill_body(
+    body: &Map<String, Value>,
+    prompt: &[u32],
+    id: RequestId,
+    epoch: Epoch,
+) -> Value {
+    let mut b = body.clone();
+    b.insert("prompt".into(), json!(prompt));
+    b.insert("max_tokens".into(), json!(1));
+    if b.contains_key("max_completion_tokens") {
+        b.insert("max_completion_tokens".into(), json!(1));
+    }
+    b.insert("stream".into(), json!(false));
+    b.remove("stream_options");
+    b.remove("min_tokens");
+    b.insert(
+        "kv_transfer_params".into(),
+        json!({
+            "do_remote_decode": true,
+            "do_remote_prefill": false,
+            "remote_engine_id": null,
+            "remote_block_ids": null,
+            "remote_host": null,
+            "remote_port": null,
+            "kvd": {"request": id, "epoch": epoch},
+        }),
+    );
+    Value::Object(b)
+}
+
+/// A hand-off hold: the prefill node's daemon keeps the prompt's blocks for the decode worker
+/// under (request, epoch) until the front ends it (or its lease runs out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    /// The prefill node.
+    pub node: WorkerId,
+    /// The epoch the hold is bound to.
+    pub epoch: Epoch,
+}
+
+/// What a prefill answer hands to the decode worker: its `kv_transfer_params` when usable (an
+/// object with `do_remote_prefill` true), and the hold it names (`kvd.handoff`) when it names one
+/// for request `id`.
+pub fn handoff_of(answer: &Value, id: RequestId) -> (Option<Map<String, Value>>, Option<Hold>) {
+    let hold = hold_of(answer, id);
+    let params = match answer.get("kv_transfer_params") {
+        Some(Value::Object(p)) if p.get("do_remote_prefill") == Some(&Value::Bool(true)) => {
+            Some(p.clone())
+        }
+        _ => None,
+    };
+    (params, hold)
+}
+
+/// The hold a prefill answer names (`kv_transfer_params.kvd.handoff {node, request, epoch}`).
+pub fn hold_of(answer: &Value, id: RequestId) -> Option<Hold> {
+    let h = answer
+        .get("kv_transfer_params")?
+        .get("kvd")?
+        .get("handoff")?;
+    if h.get("request")?.as_u64()? != id {
+        return None;
+    }
+    Some(Hold {
+        node: WorkerId::try_from(h.get("node")?.as_u64()?).ok()?,
+        epoch: h.get("epoch")?.as_u64()?,
+    })
 }
 
 #[cfg(test)]
@@ -205,6 +293,7 @@ mod tests {
                 epoch: 1,
                 local: true,
             }),
+            handoff: None,
         });
         assert_eq!(v["prompt"], json!([1, 2, 3]));
         assert_eq!(
@@ -216,5 +305,62 @@ mod tests {
             json!({"checkpoint": {"holder": 3, "request": 7, "epoch": 2},
                    "restore": {"holder": 2, "request": 7, "epoch": 1, "local": true}})
         );
+    }
+
+    #[test]
+    fn a_prefill_body_asks_one_token_without_a_stream_and_names_the_hold() {
+        let body = json!({"temperature": 0, "min_tokens": 3, "stream_options": {}});
+        let v = prefill_body(body.as_object().unwrap(), &[1, 2], 7, 3);
+        assert_eq!(
+            (&v["prompt"], &v["max_tokens"], &v["stream"]),
+            (&json!([1, 2]), &json!(1), &json!(false))
+        );
+        assert!(v.get("min_tokens").is_none() && v.get("stream_options").is_none());
+        assert_eq!(v["temperature"], 0);
+        let p = &v["kv_transfer_params"];
+        assert_eq!(
+            (&p["do_remote_decode"], &p["do_remote_prefill"]),
+            (&json!(true), &json!(false))
+        );
+        assert!(p["remote_engine_id"].is_null() && p["remote_block_ids"].is_null());
+        assert_eq!(p["kvd"], json!({"request": 7, "epoch": 3}));
+    }
+
+    #[test]
+    fn a_decode_body_carries_the_prefill_answers_params_unchanged_with_kvds_entries_added() {
+        let answer = json!({"choices": [], "kv_transfer_params": {"do_remote_prefill": true,
+            "do_remote_decode": false, "remote_engine_id": "e", "remote_block_ids": [1, 2],
+            "remote_host": "h", "remote_port": 5,
+            "kvd": {"handoff": {"node": 4, "namespace": "ab", "blocks": 2, "request": 7, "epoch": 1}}}});
+        let (params, hold) = handoff_of(&answer, 7);
+        assert_eq!(hold, Some(Hold { node: 4, epoch: 1 }));
+        let body = Map::new();
+        let v = attempt_body(&AttemptSpec {
+            id: 7,
+            body: &body,
+            prompt: &[1, 2],
+            generated: &[],
+            max_tokens: 4,
+            min_tokens: 0,
+            epoch: 1,
+            holder: Some(3),
+            restore: None,
+            handoff: params.as_ref(),
+        });
+        let mut want = answer["kv_transfer_params"].clone();
+        want["kvd"]["checkpoint"] = json!({"holder": 3, "request": 7, "epoch": 1});
+        assert_eq!(v["kv_transfer_params"], want);
+        assert_eq!(
+            handoff_of(&answer, 8).1,
+            None,
+            "another request's hold is not ours"
+        );
+        for unusable in [
+            json!({}),
+            json!({"kv_transfer_params": 3}),
+            json!({"kv_transfer_params": {"remote_host": "h"}}),
+        ] {
+            assert_eq!(handoff_of(&unusable, 7).0, None, "{unusable}");
+        }
     }
 }

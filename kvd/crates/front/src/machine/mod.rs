@@ -14,14 +14,28 @@
 //!  Prefilling/Decoding ── no client for the grace ──▶ Cancelling ──▶ Cancelled
 //! ```
 //!
+//! In P/D mode ([`Request::disaggregated`], `--prefill-engine`) an attempt with no token yet
+//! prefills on a prefill worker first ([`pd`] has the failure table):
+//!
+//! ```text
+//!  Admitted ──Start──▶ Prefilling ──answer──▶ Transferring ──first token──▶ Decoding ─▶ …
+//!                      (PickPrefill,  │        (Forward/Resume with the      (EndHold)
+//!                       Prefill)      │         answer's kv_transfer_params)
+//!      broken: epoch + 1, next prefill worker (none left, or no hand-off in the answer:
+//!      the decode worker prefills itself, a colocated attempt); refused: Failed
+//!  Transferring ── broken ──▶ Migrating ──plan──▶ Transferring on the survivor (same params)
+//!  Prefilling/Transferring ── no client for the grace ──▶ Cancelling (prefill dropped, EndHold)
+//! ```
+//!
 //! Every transition is a compare-and-swap on the request epoch: an engine event, a health
 //! answer or a failed recovery names the epoch of the attempt it belongs to, and one that
 //! names another epoch (an older attempt's late event) changes nothing and is counted in
 //! [`Request::stale_dropped`]. A plan moves the epoch forward only (a plan for an epoch not above
-//! the current one is stale too). The TRANSFERRING state of DESIGN §7b belongs to the
-//! prefill/decode hand-off, which this front does not do yet.
+//! the current one is stale too). A prefill answer of another epoch is dropped the same way, and
+//! the hold it names ends.
 
 pub mod body;
+pub mod pd;
 pub mod relay;
 
 use kvd_control::{Decision, Epoch, Event, RequestId, RestorePlan, WorkerId};
@@ -29,16 +43,17 @@ use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use crate::sse::frame;
-use crate::stats::RecoveryRecord;
-use body::{AttemptSpec, RestoreFrom, attempt_body};
+use crate::stats::{HandoffRecord, RecoveryRecord};
+use body::{AttemptSpec, Hold, RestoreFrom, attempt_body, handoff_of, hold_of, prefill_body};
+use pd::{Handoff, HandoffNote, Pd, Prefill};
 use relay::{RelayContext, rewrite, stamp};
 
 /// A request's state: the controller's own ([`kvd_control::RequestState`], DESIGN §7b).
 pub use kvd_control::RequestState as State;
 
-/// Whether an attempt runs (its engine's events count).
+/// Whether an attempt runs (its engine's events count; in P/D, or its prefill's answer).
 fn attempt_runs(s: State) -> bool {
-    matches!(s, State::Prefilling | State::Decoding)
+    matches!(s, State::Prefilling | State::Transferring | State::Decoding)
 }
 
 /// What happens to a request.
@@ -104,6 +119,37 @@ pub enum Input {
     Tick,
     /// Time to read the checkpoint's progress from the holder.
     ProgressDue,
+    /// P/D: the answer to [`Action::PickPrefill`] (`None`: no prefill worker is left).
+    PrefillWorker {
+        /// The attempt.
+        epoch: Epoch,
+        /// The prefill worker to send it to.
+        worker: Option<WorkerId>,
+    },
+    /// P/D: attempt `epoch`'s prefill answered (the engine's JSON response).
+    PrefillDone {
+        /// The attempt.
+        epoch: Epoch,
+        /// The answer.
+        answer: Value,
+    },
+    /// P/D: attempt `epoch`'s prefill broke (5xx, no connection, no answer in time): the
+    /// prefill worker is in trouble.
+    PrefillBroken {
+        /// The attempt.
+        epoch: Epoch,
+        /// Why.
+        reason: String,
+    },
+    /// P/D: the prefill worker refused the request itself (4xx): no recovery.
+    PrefillRefused {
+        /// The attempt.
+        epoch: Epoch,
+        /// The HTTP status.
+        status: u16,
+        /// What it said.
+        text: String,
+    },
 }
 
 /// One attempt on a worker.
@@ -137,6 +183,27 @@ pub enum Action {
     Forward(Attempt),
     /// Start an attempt that resumes the request on a survivor.
     Resume(Attempt),
+    /// P/D: choose a prefill worker not in `tried` (answer with [`Input::PrefillWorker`]).
+    PickPrefill {
+        /// The attempt.
+        epoch: Epoch,
+        /// The prefill workers whose prefill of this request broke.
+        tried: Vec<WorkerId>,
+    },
+    /// P/D: send the prefill (answer with [`Input::PrefillDone`], [`Input::PrefillBroken`] or
+    /// [`Input::PrefillRefused`]); [`Action::Cancel`] of its epoch drops it.
+    Prefill(Attempt),
+    /// P/D: end the hand-off hold of `request` at `node`'s daemon (epochs up to `epoch`).
+    EndHold {
+        /// The prefill node.
+        node: WorkerId,
+        /// The request.
+        request: RequestId,
+        /// The hold's epoch.
+        epoch: Epoch,
+    },
+    /// P/D: a hand-off window to log and count.
+    Handoff(HandoffNote),
     /// Append a frame to the client's log.
     Relay {
         /// Its sequence number.
@@ -146,7 +213,8 @@ pub enum Action {
         /// Tokens it carries.
         tokens: u32,
     },
-    /// Drop attempt `epoch`'s engine connection (the engine aborts the request).
+    /// Drop attempt `epoch`'s engine connection, stream or prefill (the engine aborts the
+    /// request).
     Cancel {
         /// The attempt.
         epoch: Epoch,
@@ -212,6 +280,8 @@ pub struct Active {
     pub epoch: Epoch,
     /// Tokens generated.
     pub generated: u32,
+    /// P/D: the prefill worker whose prefill is in flight.
+    pub prefill: Option<WorkerId>,
 }
 
 /// A request as admitted.
@@ -268,6 +338,8 @@ pub struct Request {
     clients: u32,
     alone_since_ms: Option<u64>,
     stale_dropped: u64,
+    /// P/D mode: the hand-off (`None`: colocated).
+    pd: Option<Pd>,
 }
 
 impl Request {
@@ -288,8 +360,17 @@ impl Request {
             clients: 1,
             alone_since_ms: None,
             stale_dropped: 0,
+            pd: None,
             a,
         }
+    }
+
+    /// A request as admitted in P/D mode: its prompt is prefilled on a prefill worker, then
+    /// decoded on its serving worker.
+    pub fn disaggregated(a: Admitted) -> Request {
+        let mut r = Request::new(a);
+        r.pd = Some(Pd::default());
+        r
     }
 
     /// Its id.
@@ -325,7 +406,12 @@ impl Request {
             holder: self.holder,
             epoch: self.epoch,
             generated: self.generated.len() as u32,
+            prefill: self.prefill_in_flight().map(|p| p.worker),
         }
+    }
+
+    fn prefill_in_flight(&self) -> Option<Prefill> {
+        self.pd.as_ref().and_then(|pd| pd.prefill)
     }
 
     /// When, on the front's clock, it wants a [`Input::Tick`] (the end of a client's grace).
@@ -344,7 +430,7 @@ impl Request {
         }
         let runs = |e: Epoch, s: &Self| e == s.epoch && attempt_runs(s.state);
         match input {
-            Input::Start if self.state == State::Admitted => self.start_attempt(false, &mut out),
+            Input::Start if self.state == State::Admitted => self.start_attempt(&mut out),
             Input::EngineEvent { epoch, data } if runs(epoch, self) => {
                 self.on_engine_event(&data, now_ms, &mut out);
             }
@@ -387,6 +473,26 @@ impl Request {
             }
             Input::Tick => {}
             Input::ProgressDue => self.progress(&mut out),
+            Input::PrefillWorker { epoch, worker } if self.picking(epoch) => {
+                self.on_prefill_worker(worker, now_ms, &mut out);
+            }
+            Input::PrefillDone { epoch, answer } if self.prefilling(epoch) => {
+                self.on_prefill_done(&answer, now_ms, &mut out);
+            }
+            Input::PrefillDone { epoch, answer } => self.stale_answer(epoch, &answer, &mut out),
+            Input::PrefillBroken { epoch, reason } if self.prefilling(epoch) => {
+                self.on_prefill_broken(reason, now_ms, &mut out);
+            }
+            Input::PrefillRefused {
+                epoch,
+                status,
+                text,
+            } if self.prefilling(epoch) => {
+                self.take_prefill();
+                out.push(Action::Handoff(HandoffNote::PrefillRefused { status }));
+                let why = format!("the prefill worker refused the request ({status}): {text}");
+                self.engine_failed(why, &mut out);
+            }
             _ => self.stale_dropped += 1,
         }
         self.check_grace(now_ms, &mut out);
@@ -395,6 +501,26 @@ impl Request {
 
     fn migrating(&self, epoch: Epoch) -> bool {
         epoch == self.epoch && self.state == State::Migrating
+    }
+
+    /// P/D: attempt `epoch` waits for its prefill worker.
+    fn picking(&self, epoch: Epoch) -> bool {
+        epoch == self.epoch
+            && self.state == State::Prefilling
+            && self
+                .pd
+                .as_ref()
+                .is_some_and(|pd| pd.prefill.is_none() && pd.handoff.is_none() && !pd.self_prefill)
+    }
+
+    /// P/D: attempt `epoch`'s prefill is in flight.
+    fn prefilling(&self, epoch: Epoch) -> bool {
+        self.state == State::Prefilling
+            && self.prefill_in_flight().is_some_and(|p| p.epoch == epoch)
+    }
+
+    fn take_prefill(&mut self) -> Option<Prefill> {
+        self.pd.as_mut().and_then(|pd| pd.prefill.take())
     }
 
     fn push(&mut self, data: &str, tokens: u32, out: &mut Vec<Action>) {
@@ -411,21 +537,57 @@ impl Request {
         out.push(Action::Control(e));
     }
 
-    fn start_attempt(&mut self, resume: bool, out: &mut Vec<Action>) {
+    fn start_attempt(&mut self, out: &mut Vec<Action>) {
         if self.generated.len() as u32 >= self.a.max_tokens || self.finish_reason.is_some() {
             self.finish(out);
             return;
         }
         self.state = State::Prefilling;
         self.decoding = false;
-        let id = self.a.id;
-        self.control(
-            Event::PrefillStarted {
-                request_id: id,
+        let n = self.generated.len();
+        if self.pd.as_ref().is_some_and(|pd| pd.wants_prefill(n)) {
+            let tried = self
+                .pd
+                .as_ref()
+                .map(|pd| pd.tried.clone())
+                .unwrap_or_default();
+            out.push(Action::PickPrefill {
                 epoch: self.epoch,
-            },
-            out,
-        );
+                tried,
+            });
+            return;
+        }
+        let handoff = n == 0 && self.pd.as_ref().is_some_and(|pd| pd.handoff.is_some());
+        let (request_id, epoch) = (self.a.id, self.epoch);
+        if handoff {
+            self.state = State::Transferring;
+            let to = self.serving;
+            self.control(
+                Event::TransferStarted {
+                    request_id,
+                    epoch,
+                    to,
+                },
+                out,
+            );
+            if self.pending.is_some() {
+                out.push(Action::Handoff(HandoffNote::Resumed { to }));
+            }
+        } else {
+            self.control(Event::PrefillStarted { request_id, epoch }, out);
+        }
+        self.decode_attempt(handoff, out);
+    }
+
+    /// Send the attempt that streams the tokens (with the hand-off's params, in P/D).
+    fn decode_attempt(&mut self, handoff: bool, out: &mut Vec<Action>) {
+        let id = self.a.id;
+        let params = self
+            .pd
+            .as_ref()
+            .and_then(|pd| pd.handoff.as_ref())
+            .filter(|_| handoff)
+            .map(|h| &h.params);
         let attempt = Attempt {
             epoch: self.epoch,
             worker: self.serving,
@@ -439,13 +601,139 @@ impl Request {
                 epoch: self.epoch,
                 holder: self.holder,
                 restore: self.restore,
+                handoff: params,
             }),
         };
-        out.push(if resume {
+        out.push(if self.pending.is_some() {
             Action::Resume(attempt)
         } else {
             Action::Forward(attempt)
         });
+    }
+
+    /// P/D: the prefill worker for this attempt (`None`: the decode worker prefills itself).
+    fn on_prefill_worker(&mut self, worker: Option<WorkerId>, now_ms: u64, out: &mut Vec<Action>) {
+        let (request_id, epoch) = (self.a.id, self.epoch);
+        let pd = self.pd.as_mut().expect("picking is P/D");
+        let Some(worker) = worker else {
+            pd.self_prefill = true;
+            let reason = format!("no prefill worker is left ({} broke)", pd.tried.len());
+            out.push(Action::Handoff(HandoffNote::SelfPrefill { reason }));
+            self.control(Event::PrefillStarted { request_id, epoch }, out);
+            return self.decode_attempt(false, out);
+        };
+        pd.prefill = Some(Prefill {
+            epoch,
+            worker,
+            at_ms: now_ms,
+        });
+        self.control(Event::PrefillStarted { request_id, epoch }, out);
+        out.push(Action::Prefill(Attempt {
+            epoch,
+            worker,
+            body: prefill_body(&self.a.body, &self.a.prompt, request_id, epoch),
+        }));
+    }
+
+    /// P/D: the prefill answered: the decode attempt carries its hand-off (or, with none, the
+    /// decode worker prefills itself).
+    fn on_prefill_done(&mut self, answer: &Value, now_ms: u64, out: &mut Vec<Action>) {
+        let p = self.take_prefill().expect("prefilling");
+        let (params, hold) = handoff_of(answer, self.a.id);
+        let prefill_ms = now_ms.saturating_sub(p.at_ms);
+        self.end_hold(out); // none is held before a prefill answers; never leave one pinned
+        let pd = self.pd.as_mut().expect("prefilling is P/D");
+        pd.hold = hold;
+        let Some(params) = params else {
+            pd.self_prefill = true;
+            let reason = format!(
+                "worker {}'s prefill answer hands nothing over (no usable kv_transfer_params)",
+                p.worker
+            );
+            out.push(Action::Handoff(HandoffNote::SelfPrefill { reason }));
+            self.end_hold(out);
+            return self.decode_attempt(false, out);
+        };
+        pd.handoff = Some(Handoff {
+            params,
+            from: p.worker,
+            answered_ms: now_ms,
+            prefill_ms,
+        });
+        out.push(Action::Handoff(HandoffNote::Started {
+            prefill: p.worker,
+            decode: self.serving,
+            prefill_ms,
+        }));
+        self.start_attempt(out);
+    }
+
+    /// P/D: the prefill broke: epoch + 1 and prefill again elsewhere (at most once per prefill
+    /// worker, never past the deadline).
+    fn on_prefill_broken(&mut self, reason: String, now_ms: u64, out: &mut Vec<Action>) {
+        let p = self.take_prefill().expect("prefilling");
+        if now_ms >= self.a.deadline_ms {
+            let msg = format!("the prefill broke ({reason}) past the request's deadline");
+            return self.fail(&msg, out);
+        }
+        let pd = self.pd.as_mut().expect("prefilling is P/D");
+        pd.tried.push(p.worker);
+        self.control(
+            Event::PrefillRetried {
+                request_id: self.a.id,
+                epoch: self.epoch,
+            },
+            out,
+        );
+        self.epoch += 1;
+        out.push(Action::Handoff(HandoffNote::PrefillRetried {
+            from: p.worker,
+            epoch: self.epoch,
+            reason,
+        }));
+        self.start_attempt(out);
+    }
+
+    /// P/D: a prefill answer of an older epoch (or one that came after the request moved on):
+    /// dropped, and the hold it names ended so nothing stays pinned.
+    fn stale_answer(&mut self, epoch: Epoch, answer: &Value, out: &mut Vec<Action>) {
+        self.stale_dropped += 1;
+        let Some(pd) = self.pd.as_mut() else { return };
+        out.push(Action::Handoff(HandoffNote::StaleAnswer { epoch }));
+        if let Some(h) = hold_of(answer, self.a.id).and_then(|h| pd.end(h)) {
+            out.push(self.end_hold_action(h));
+        }
+    }
+
+    fn end_hold_action(&self, h: Hold) -> Action {
+        Action::EndHold {
+            node: h.node,
+            request: self.a.id,
+            epoch: h.epoch,
+        }
+    }
+
+    /// P/D: end the hand-off's hold, if one is held and not ended yet.
+    fn end_hold(&mut self, out: &mut Vec<Action>) {
+        let Some(pd) = self.pd.as_mut() else { return };
+        if let Some(h) = pd.hold.and_then(|h| pd.end(h)) {
+            out.push(self.end_hold_action(h));
+        }
+    }
+
+    /// P/D: the prefill in flight is dropped (its connection closes): the prefill may have
+    /// finished and held the prompt's blocks at its node under its epoch, so that hold ends.
+    fn drop_prefill(&mut self, out: &mut Vec<Action>) {
+        let Some(p) = self.take_prefill() else { return };
+        out.push(Action::Cancel { epoch: p.epoch });
+        let pd = self.pd.as_mut().expect("a prefill is P/D");
+        let h = Hold {
+            node: p.worker,
+            epoch: p.epoch,
+        };
+        if let Some(h) = pd.end(h) {
+            out.push(self.end_hold_action(h));
+        }
     }
 
     fn on_engine_event(&mut self, data: &str, now_ms: u64, out: &mut Vec<Action>) {
@@ -491,6 +779,7 @@ impl Request {
             self.decoding = true;
             self.state = State::Decoding;
             self.control(Event::DecodingStarted { request_id, epoch }, out);
+            self.handoff_done(now_ms, out);
             if let Some(p) = self.pending.take() {
                 let mut record = p.record;
                 record.recovery_ms = now_ms.saturating_sub(p.at_ms);
@@ -508,6 +797,25 @@ impl Request {
             },
             out,
         );
+    }
+
+    /// P/D: the decode's first token: the blocks are loaded, the source's hold ends.
+    fn handoff_done(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let Some(h) = self.pd.as_mut().and_then(|pd| pd.handoff.take()) else {
+            return;
+        };
+        let hold_node = self.pd.as_ref().and_then(|pd| pd.hold).map(|h| h.node);
+        self.end_hold(out);
+        let handoff_ms = now_ms.saturating_sub(h.answered_ms);
+        out.push(Action::Handoff(HandoffNote::Done(HandoffRecord {
+            request: self.a.id,
+            epoch: self.epoch,
+            prefill: h.from,
+            decode: self.serving,
+            hold_node,
+            prefill_ms: h.prefill_ms,
+            handoff_ms,
+        })));
     }
 
     fn broken(&mut self, reason: String, now_ms: u64, out: &mut Vec<Action>) {
@@ -564,6 +872,7 @@ impl Request {
                 if attempt_runs(self.state) {
                     out.push(Action::Cancel { epoch: self.epoch });
                 }
+                self.drop_prefill(out);
                 self.fail(&format!("recovery is impossible: {reason}"), out);
             }
             _ => self.stale_dropped += 1,
@@ -575,6 +884,7 @@ impl Request {
         if attempt_runs(self.state) {
             out.push(Action::Cancel { epoch: self.epoch });
         }
+        self.drop_prefill(out);
         if now_ms >= self.a.deadline_ms {
             return self.fail("the request's deadline passed during recovery", out);
         }
@@ -606,7 +916,7 @@ impl Request {
                 reason,
             },
         });
-        self.start_attempt(true, out);
+        self.start_attempt(out);
     }
 
     fn on_decided(&mut self, ds: &[Decision], out: &mut Vec<Action>) {
@@ -641,6 +951,12 @@ impl Request {
             return;
         }
         out.push(Action::Cancel { epoch: self.epoch });
+        let during = self.state;
+        if self.pd.is_some() && matches!(during, State::Prefilling | State::Transferring) {
+            out.push(Action::Handoff(HandoffNote::Cancelled { during }));
+            self.drop_prefill(out);
+            self.end_hold(out);
+        }
         self.state = State::Cancelling;
         self.control(
             Event::Cancel {
@@ -678,6 +994,11 @@ impl Request {
     /// The engine refused or failed the request: it fails, no recovery.
     fn engine_failed(&mut self, reason: String, out: &mut Vec<Action>) {
         out.push(Action::Cancel { epoch: self.epoch });
+        if self.state == State::Transferring {
+            // the source holds the prompt's blocks for a decode that will not come
+            out.push(Action::Handoff(HandoffNote::DecodeRefused));
+            self.end_hold(out);
+        }
         self.control(
             Event::RequestFailed {
                 request_id: self.a.id,
@@ -701,7 +1022,9 @@ impl Request {
     /// The stream is over; its checkpoints end (the request's own, measured; a restore source
     /// not ended yet).
     fn end(&mut self, how: Ending, out: &mut Vec<Action>) {
+        self.drop_prefill(out);
         out.push(Action::End(how));
+        self.end_hold(out);
         if let Some(h) = self.holder {
             out.push(Action::EndCheckpoint {
                 holder: h,

@@ -7,6 +7,12 @@
 //! refuse connections until it comes back; a stalled engine goes silent, health included.
 //! While it streams, the engine checkpoints to the holder the body names (one token at a time,
 //! as kvd's connector does per block), and [`Cluster`] keeps what each holder holds.
+//!
+//! P/D ([`Cluster::pd`]): prefill workers answer a prefill after [`PREFILL_MS`] and pin the
+//! prompt's blocks under a hold bound to (request, epoch) at their node, as kvd's producer
+//! connector does; a decode attempt with the hand-off's params loads from that hold (recorded,
+//! hit or miss). Their faults: `KillAt(_)` dies, `StallAt(_)` hangs, `DropAt(_)` answers 500,
+//! `Refuse` 400, `NoHandoff` answers without `kv_transfer_params`.
 
 #![allow(dead_code)]
 
@@ -16,7 +22,7 @@ use std::time::Duration;
 
 use kvd_control::{ControlConfig, Controller, Epoch, Event, RequestId, WorkerId};
 use kvd_core::{Error, Result};
-use kvd_front::engine::{BoxFuture, Engines, EventStream, Held, Holders, Opened};
+use kvd_front::engine::{BoxFuture, Engines, EventStream, Held, Holders, Opened, PrefillAnswer};
 use kvd_front::log::{ClientGuard, Read, StreamLog, changed};
 use kvd_front::{Front, FrontArgs, Hub, TokioClock};
 use serde_json::{Value, json};
@@ -27,6 +33,10 @@ pub const PROMPT_TOKENS: u32 = 40;
 pub const TOKEN_MS: u64 = 10;
 /// Pool bytes a checkpoint takes per token.
 pub const BYTES_PER_TOKEN: u64 = 1024;
+/// Time a scripted prefill takes.
+pub const PREFILL_MS: u64 = 20;
+/// The first prefill worker's id in [`Cluster::pd`] (the others follow).
+pub const FIRST_PREFILL: WorkerId = 11;
 
 /// What one completion on an engine does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +49,8 @@ pub enum Fault {
     StallAt(usize),
     /// The engine answers 400: it refuses the request itself.
     Refuse,
+    /// A prefill worker answers without `kv_transfer_params` (it hands nothing over).
+    NoHandoff,
 }
 
 /// The greedy model: the token after `history`.
@@ -88,6 +100,19 @@ struct World {
     holders_down: Vec<WorkerId>,
     /// Faults for the next completions, whichever engine is asked (before its own).
     any: VecDeque<Fault>,
+    /// P/D: the prefill workers.
+    prefill: Vec<WorkerId>,
+    /// P/D: the prefills asked for.
+    prefills: Vec<Call>,
+    /// P/D: prefills whose connection is open, per worker.
+    prefills_open: BTreeMap<WorkerId, usize>,
+    /// P/D: holds pinned: (node, request) → epoch.
+    holds: BTreeMap<(WorkerId, RequestId), Epoch>,
+    /// P/D: holds ended: (node, request, epoch) as asked.
+    hold_ends: Vec<(WorkerId, RequestId, Epoch)>,
+    /// P/D: decode attempts that loaded a hand-off: (decode worker, node, epoch, the hold was
+    /// there).
+    loads: Vec<(WorkerId, WorkerId, Epoch, bool)>,
 }
 
 /// The scripted engines and holders, shared.
@@ -97,6 +122,19 @@ pub struct Scripted(Arc<Mutex<World>>);
 impl Scripted {
     fn w(&self) -> MutexGuard<'_, World> {
         self.0.lock().unwrap()
+    }
+}
+
+/// A prefill's open connection (closed when its future is dropped or done).
+#[derive(Debug)]
+struct OpenPrefill {
+    world: Scripted,
+    worker: WorkerId,
+}
+
+impl Drop for OpenPrefill {
+    fn drop(&mut self) {
+        *self.world.w().prefills_open.get_mut(&self.worker).unwrap() -= 1;
     }
 }
 
@@ -277,7 +315,17 @@ impl Scripted {
             });
         }
         w.engines.get_mut(&worker).unwrap().open += 1;
-        let cp = &body["kv_transfer_params"]["kvd"]["checkpoint"];
+        let kvd = &body["kv_transfer_params"]["kvd"];
+        if body["kv_transfer_params"]["do_remote_prefill"] == json!(true) {
+            let h = &kvd["handoff"];
+            let (node, epoch) = (
+                h["node"].as_u64().unwrap() as WorkerId,
+                h["epoch"].as_u64().unwrap(),
+            );
+            let there = w.holds.get(&(node, h["request"].as_u64().unwrap())) == Some(&epoch);
+            w.loads.push((worker, node, epoch, there));
+        }
+        let cp = &kvd["checkpoint"];
         let checkpoint = cp.get("holder").map(|h| {
             (
                 h.as_u64().unwrap() as WorkerId,
@@ -298,6 +346,120 @@ impl Scripted {
         })))
     }
 
+    /// P/D: make workers `ids` the prefill pool.
+    pub fn set_prefill_pool(&self, ids: &[WorkerId]) {
+        let mut w = self.w();
+        for id in ids {
+            w.engines.insert(*id, EngineState::default());
+        }
+        w.prefill = ids.to_vec();
+    }
+
+    /// P/D: the prefills asked for so far.
+    pub fn prefills(&self) -> Vec<Call> {
+        self.w().prefills.clone()
+    }
+
+    /// P/D: prefills whose connection is open on `worker`.
+    pub fn open_prefills(&self, worker: WorkerId) -> usize {
+        self.w().prefills_open.get(&worker).copied().unwrap_or(0)
+    }
+
+    /// P/D: the holds pinned now: (node, request, epoch).
+    pub fn holds(&self) -> Vec<(WorkerId, RequestId, Epoch)> {
+        self.w()
+            .holds
+            .iter()
+            .map(|(&(n, r), &e)| (n, r, e))
+            .collect()
+    }
+
+    /// P/D: the hold ends asked for: (node, request, epoch).
+    pub fn hold_ends(&self) -> Vec<(WorkerId, RequestId, Epoch)> {
+        self.w().hold_ends.clone()
+    }
+
+    /// P/D: the decode attempts that loaded a hand-off: (decode worker, node, epoch, hit).
+    pub fn loads(&self) -> Vec<(WorkerId, WorkerId, Epoch, bool)> {
+        self.w().loads.clone()
+    }
+
+    /// Nothing runs on any engine: no stream, no prefill open.
+    pub fn idle(&self) -> bool {
+        let w = self.w();
+        w.engines.values().all(|e| e.open == 0) && w.prefills_open.values().all(|n| *n == 0)
+    }
+
+    /// A prefill: the call recorded, its fault taken, its connection counted open.
+    fn prefill_call(&self, worker: WorkerId, body: &Value) -> (Option<Fault>, Option<OpenPrefill>) {
+        let mut w = self.w();
+        w.prefills.push(Call {
+            worker,
+            body: body.clone(),
+        });
+        let e = w.engines.get_mut(&worker).unwrap();
+        if e.dead || e.stalled {
+            return (None, None);
+        }
+        let fault = e.faults.pop_front();
+        *w.prefills_open.entry(worker).or_default() += 1;
+        let open = OpenPrefill {
+            world: self.clone(),
+            worker,
+        };
+        (fault, Some(open))
+    }
+
+    async fn prefill_at(&self, worker: WorkerId, body: Value) -> Result<PrefillAnswer> {
+        let (fault, open) = self.prefill_call(worker, &body);
+        let Some(_open) = open else {
+            return Err(Error::Unavailable(format!(
+                "worker {worker}: connect: refused"
+            )));
+        };
+        tokio::time::sleep(Duration::from_millis(PREFILL_MS)).await;
+        let refused = |status: u16| {
+            Ok(PrefillAnswer::Refused {
+                status,
+                text: format!("scripted {status}"),
+            })
+        };
+        match fault {
+            Some(Fault::KillAt(_)) => {
+                self.kill(worker);
+                return Err(Error::Unavailable("connection reset".into()));
+            }
+            Some(Fault::StallAt(_)) => {
+                self.w().engines.get_mut(&worker).unwrap().stalled = true;
+                return std::future::pending().await;
+            }
+            Some(Fault::DropAt(_)) => return refused(500),
+            Some(Fault::Refuse) => return refused(400),
+            Some(Fault::NoHandoff) => {
+                return Ok(PrefillAnswer::Done(json!({"choices": [{"text": " x"}]})));
+            }
+            None => {}
+        }
+        if self.w().engines[&worker].dead {
+            return Err(Error::Unavailable("connection reset".into()));
+        }
+        let kvd = &body["kv_transfer_params"]["kvd"];
+        let (request, epoch) = (
+            kvd["request"].as_u64().unwrap(),
+            kvd["epoch"].as_u64().unwrap(),
+        );
+        let blocks = ids(&body["prompt"]).len().div_ceil(16);
+        self.w().holds.insert((worker, request), epoch);
+        Ok(PrefillAnswer::Done(
+            json!({"choices": [{"text": " x", "finish_reason": "length"}],
+            "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false,
+                "remote_engine_id": format!("scripted-{worker}"), "remote_block_ids": (0..blocks).collect::<Vec<_>>(),
+                "remote_host": "127.0.0.1", "remote_port": 5600,
+                "kvd": {"handoff": {"node": worker, "namespace": "00ab", "blocks": blocks,
+                    "request": request, "epoch": epoch}}}}),
+        ))
+    }
+
     async fn health_of(&self, worker: WorkerId) -> bool {
         let (dead, stalled) = {
             let w = self.w();
@@ -312,7 +474,20 @@ impl Scripted {
 
 impl Engines for Scripted {
     fn workers(&self) -> Vec<WorkerId> {
-        self.w().engines.keys().copied().collect()
+        let w = self.w();
+        w.engines
+            .keys()
+            .copied()
+            .filter(|id| !w.prefill.contains(id))
+            .collect()
+    }
+
+    fn prefill_workers(&self) -> Vec<WorkerId> {
+        self.w().prefill.clone()
+    }
+
+    fn prefill(&self, worker: WorkerId, body: Value) -> BoxFuture<'_, Result<PrefillAnswer>> {
+        Box::pin(self.prefill_at(worker, body))
     }
 
     fn name(&self, worker: WorkerId) -> String {
@@ -355,6 +530,20 @@ impl Holders for Scripted {
         }
         Box::pin(async { Ok(()) })
     }
+
+    fn end_hold(
+        &self,
+        node: WorkerId,
+        request: RequestId,
+        epoch: Epoch,
+    ) -> BoxFuture<'_, Result<()>> {
+        let mut w = self.w();
+        w.hold_ends.push((node, request, epoch));
+        if w.holds.get(&(node, request)).is_some_and(|e| *e <= epoch) {
+            w.holds.remove(&(node, request));
+        }
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// A front over `n` scripted workers (each with 1 GiB of checkpoint capacity, registered).
@@ -370,6 +559,7 @@ pub struct Cluster {
 pub fn args() -> FrontArgs {
     FrontArgs {
         engines: vec![],
+        prefill_engines: vec![],
         kv_bytes_per_token: BYTES_PER_TOKEN,
         kv_tokens_per_block: 1,
         reconnect_grace_ms: 500,
@@ -387,8 +577,18 @@ impl Cluster {
         Cluster::with(n, ControlConfig::default(), args())
     }
 
+    /// P/D: `n` decode workers (placed by the controller) and `m` prefill workers
+    /// ([`FIRST_PREFILL`] on; registered nodes, not the controller's workers).
+    pub fn pd(n: u32, m: u32, args: FrontArgs) -> Cluster {
+        Cluster::build(n, m, ControlConfig::default(), args)
+    }
+
     /// `n` workers with this controller and these settings.
     pub fn with(n: u32, config: ControlConfig, args: FrontArgs) -> Cluster {
+        Cluster::build(n, 0, config, args)
+    }
+
+    fn build(n: u32, m: u32, config: ControlConfig, args: FrontArgs) -> Cluster {
         let hub = Hub::new(
             Controller::new(config).unwrap(),
             Arc::new(TokioClock::new()),
@@ -403,6 +603,11 @@ impl Cluster {
             hub.node_registered(u64::from(w), &format!("holder-{w}"));
         }
         let engines = Scripted::new(n);
+        let pool: Vec<WorkerId> = (FIRST_PREFILL..FIRST_PREFILL + m).collect();
+        for p in &pool {
+            hub.node_registered(u64::from(*p), &format!("prefill-{p}"));
+        }
+        engines.set_prefill_pool(&pool);
         let front = Front::new(
             hub,
             args,
