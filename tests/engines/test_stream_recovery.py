@@ -133,8 +133,17 @@ class Node:
         assert self.daemon is not None
         self.starts += 1
         self.vllm = VllmServer(self.model, self.vllm_port, self.tmp / f"vllm{self.i}.{self.starts}.log",
-                               connector(self.daemon.socket))
+                               self.connector(), extra_args=self.vllm_args())
         self.vllm.start()
+
+    def vllm_args(self) -> list[str]:
+        """Flags for this node's vLLM beyond vllm_server.py's."""
+        return []
+
+    def connector(self) -> dict:
+        """The kvd connector's settings for this node's vLLM."""
+        assert self.daemon is not None
+        return connector(self.daemon.socket)
 
     @property
     def url(self) -> str:
@@ -166,9 +175,11 @@ class Node:
 class Front:
     """``kvd control`` with the streaming front over the three engines."""
 
-    def __init__(self, tmp: Path, etcd: Etcd, nodes: dict[int, Node]) -> None:
+    def __init__(self, tmp: Path, etcd: Etcd, nodes: dict[int, Node],
+                 prefill: Optional[dict[int, Node]] = None) -> None:
         binary = os.environ["KVD_BIN"]
         engines = [a for n in nodes.values() for a in ("--engine", f"{n.i}={n.url}")]
+        engines += [a for n in (prefill or {}).values() for a in ("--prefill-engine", f"{n.i}={n.url}")]
         self.log = open(tmp / "control.log", "wb")
         self.proc = subprocess.Popen(
             [binary, "control", "--listen", "127.0.0.1:0", "--etcd", etcd.url, *engines,

@@ -507,6 +507,10 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
                     return Err(std::io::Error::other(e.to_string()));
                 }
             };
+            // P/D's prefill nodes stay out of the controller's pool: no decode is placed or
+            // recovered on them, and they hold no checkpoint
+            use kvd_front::engine::Engines as _;
+            shared.keep_outside_the_pool(engines.prefill_workers().into_iter().map(u64::from));
             let holders = Arc::new(kvd_front::http::HttpHolders::new(Arc::clone(&shared)));
             let front = kvd_front::Front::new(Arc::clone(&shared), args.front.clone(), engines, holders);
             front.spawn_health_watch();

@@ -90,6 +90,9 @@ fn apply(shared: &Hub, e: &Event) {
 fn registered(shared: &Hub, seen: &mut Seen, r: &Registration) {
     let Some(w) = worker(r.node_id) else { return };
     shared.node_registered(r.node_id, &r.admin_addr);
+    if !shared.in_pool(r.node_id) {
+        return; // a P/D prefill node: its admin address only
+    }
     match seen.nodes.get(&r.node_id).copied() {
         Some((g, _)) if r.generation < g => {
             seen.fenced += 1;
@@ -127,6 +130,9 @@ fn registered(shared: &Hub, seen: &mut Seen, r: &Registration) {
 fn gone(shared: &Hub, seen: &mut Seen, node: u64) {
     let Some(w) = worker(node) else { return };
     shared.node_gone(node);
+    if !shared.in_pool(node) {
+        return;
+    }
     let silent = seen.nodes.get(&node).map(|(_, at)| at.elapsed());
     tracing::info!(
         node,
@@ -246,6 +252,25 @@ mod tests {
         // the restarted node (a higher generation) recovers
         registered(&h, &mut seen, &reg(2, 8));
         assert_ne!(phase(&h, 2), Some(WorkerPhase::Failed));
+    }
+
+    #[test]
+    fn a_node_outside_the_pool_is_reachable_but_never_a_worker() {
+        let h = hub();
+        h.keep_outside_the_pool([3]);
+        let mut seen = Seen::default();
+        registered(&h, &mut seen, &reg(3, 1));
+        registered(&h, &mut seen, &reg(4, 1));
+        assert_eq!(
+            phase(&h, 3),
+            None,
+            "a prefill node neither serves nor holds"
+        );
+        assert_eq!(phase(&h, 4), Some(WorkerPhase::FullService));
+        assert_eq!(h.node_admin(3).as_deref(), Some("127.0.0.1:7103"));
+        gone(&h, &mut seen, 3);
+        assert_eq!(h.node_admin(3), None);
+        assert_eq!(phase(&h, 3), None);
     }
 
     #[test]

@@ -27,6 +27,10 @@ pub struct Hub {
     plans_tx: watch::Sender<u64>,
     /// node → its admin address, from its registration in etcd.
     nodes: Mutex<BTreeMap<u64, String>>,
+    /// Nodes kept out of the controller's pool (P/D's prefill nodes): their admin addresses
+    /// are known, but they neither serve a placed request nor hold a checkpoint, so recovery
+    /// never lands a decode on them.
+    outside: Mutex<std::collections::BTreeSet<u64>>,
     front_stats: Mutex<FrontStats>,
 }
 
@@ -52,6 +56,7 @@ impl Hub {
             plans: Mutex::default(),
             plans_tx: watch::channel(0).0,
             nodes: Mutex::default(),
+            outside: Mutex::default(),
             front_stats: Mutex::default(),
         })
     }
@@ -198,6 +203,17 @@ impl Hub {
     /// A node's registration is gone.
     pub fn node_gone(&self, node: u64) {
         lock(&self.nodes).remove(&node);
+    }
+
+    /// Keep `nodes` out of the controller's pool (P/D's prefill nodes): the membership watch
+    /// records their admin addresses and nothing else.
+    pub fn keep_outside_the_pool(&self, nodes: impl IntoIterator<Item = u64>) {
+        lock(&self.outside).extend(nodes);
+    }
+
+    /// Whether `node` belongs in the controller's pool (serves and holds checkpoints).
+    pub fn in_pool(&self, node: u64) -> bool {
+        !lock(&self.outside).contains(&node)
     }
 
     /// A registered node's admin address.

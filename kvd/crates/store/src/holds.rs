@@ -10,7 +10,8 @@
 //! A hold ends when its owner says so (the front, at the decode's first token or the
 //! request's end; the producer's engine), when the decode that fetched it says so (`taken`),
 //! or when its TTL passes (the reaper; counted as `holds_expired`). A newer epoch supersedes
-//! an older one, and an ended epoch cannot be held again (a late begin is stale). Holds are
+//! an older one, and an ended epoch cannot be held again (a late begin is stale), even when
+//! the end came before the begin (a cancel that overtook the prefill's answer). Holds are
 //! bounded in number (`max_manifests`) and in length (`max_manifest_blocks`), with a TTL within
 //! `max_manifest_ttl_ms`, like checkpoint manifests.
 
@@ -196,7 +197,10 @@ impl Inner {
         why.map_or(Ok(()), |w| Err(Error::InvalidArgument(w)))
     }
 
-    /// End `request`'s hold if its epoch is at most `epoch`; whether one ended.
+    /// End `request`'s hold if its epoch is at most `epoch`; whether one ended. With no hold
+    /// of that request, `epoch` is remembered as ended all the same: a prefill that answers
+    /// after its request was cancelled cannot hold its run at that epoch any more (a late
+    /// begin is stale), so a cancel that comes first still releases everything.
     pub fn hold_end(&mut self, request: RequestId, epoch: u64, how: HoldEnd) -> bool {
         match self.holds.by_request.get(&request) {
             Some(h) if h.epoch <= epoch => {
@@ -207,7 +211,14 @@ impl Inner {
                 }
                 true
             }
-            _ => false,
+            Some(_) => false,
+            None => {
+                if self.holds.ended.epoch(request).is_none_or(|e| e < epoch) {
+                    let cap = self.config.max_manifests as usize;
+                    self.holds.ended.record(request, epoch, cap);
+                }
+                false
+            }
         }
     }
 

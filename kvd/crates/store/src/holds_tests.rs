@@ -175,3 +175,21 @@ fn bad_holds_are_refused_and_change_nothing() {
     assert_eq!(f.store.stats().counters.holds_begun, 1);
     f.invariants();
 }
+
+#[test]
+fn an_end_that_overtakes_the_begin_makes_the_late_begin_stale() {
+    let f = fixture(4);
+    let keys = published(&f, &[1, 2]);
+    // the front cancelled epoch 2 before the prefill held its run
+    assert!(!f.store.hold_end(7, 2, HoldEnd::Ended));
+    for epoch in [1, 2] {
+        let e = f.store.hold_begin(7, epoch, &keys, 5_000).unwrap_err();
+        assert!(matches!(e, Error::StaleEpoch { current: 2, .. }), "{e}");
+    }
+    assert_eq!(f.store.holds_summary().holds, 0, "nothing pinned");
+    // an end of an older epoch does not lower the mark; a newer attempt may hold
+    assert!(!f.store.hold_end(7, 1, HoldEnd::Ended));
+    assert!(f.store.hold_begin(7, 2, &keys, 5_000).is_err());
+    f.store.hold_begin(7, 3, &keys, 5_000).unwrap();
+    f.invariants();
+}
