@@ -124,8 +124,8 @@ async fn a_prefill_that_dies_is_redone_on_another_prefill_worker() {
     assert_eq!(tried, [(P1, 1), (P2, 2)], "epoch + 1 on the other worker");
     assert_eq!(
         c.engines.hold_ends(),
-        [(P2, id, 2)],
-        "the hold that exists, once"
+        [(P1, id, 1), (P2, id, 2)],
+        "the broken prefill's epoch (it may have held), then the hold that exists, once each"
     );
     assert_eq!(
         c.engines.calls()[0].body["kv_transfer_params"]["kvd"]["checkpoint"]["epoch"],
@@ -157,7 +157,7 @@ async fn a_silent_prefill_is_given_up_after_the_engine_timeout_and_its_connectio
         "the silent prefill's connection is dropped"
     );
     nothing_left(&c, id, RequestState::Completed).await;
-    assert_eq!(c.engines.hold_ends(), [(P2, id, 2)]);
+    assert_eq!(c.engines.hold_ends(), [(P1, id, 1), (P2, id, 2)]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -184,9 +184,10 @@ async fn when_no_prefill_worker_is_left_the_decode_worker_prefills_the_prompt_it
         decode["kv_transfer_params"]["kvd"]["checkpoint"]["epoch"],
         3
     );
-    assert!(
-        c.engines.hold_ends().is_empty(),
-        "no prefill answered: no hold to end"
+    assert_eq!(
+        c.engines.hold_ends(),
+        [(P1, id, 1), (P2, id, 2)],
+        "each broken prefill's epoch ends (a late hold there is refused), nothing more"
     );
     let s = c.front.stats();
     assert_eq!(
@@ -405,6 +406,11 @@ fn retried_on_12() -> Request {
         epoch: 1,
     };
     assert!(a.contains(&Action::Control(retried)));
+    assert_eq!(
+        holds_ended(&a),
+        [(11, 1)],
+        "the broken prefill's epoch ends"
+    );
     assert!(
         a.contains(&Action::PickPrefill {
             epoch: 2,
@@ -432,7 +438,10 @@ fn an_older_epochs_prefill_answer_is_dropped_counted_and_its_hold_ended() {
         },
         6,
     );
-    assert_eq!(holds_ended(&a), [(11, 1)], "the late answer's hold ends");
+    assert!(
+        holds_ended(&a).is_empty(),
+        "the late answer's hold was ended at the break already (once)"
+    );
     assert_eq!(
         (m.stale_dropped(), m.state(), m.epoch()),
         (1, State::Prefilling, 2)

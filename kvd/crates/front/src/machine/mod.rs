@@ -672,6 +672,15 @@ impl Request {
     /// worker, never past the deadline).
     fn on_prefill_broken(&mut self, reason: String, now_ms: u64, out: &mut Vec<Action>) {
         let p = self.take_prefill().expect("prefilling");
+        // the engine may have held its run just before it broke, or may still: that epoch's
+        // hold ends (a hold begun after the end is refused as stale at the node)
+        let h = self.pd.as_mut().expect("prefilling is P/D").end(Hold {
+            node: p.worker,
+            epoch: p.epoch,
+        });
+        if let Some(h) = h {
+            out.push(self.end_hold_action(h));
+        }
         if now_ms >= self.a.deadline_ms {
             let msg = format!("the prefill broke ({reason}) past the request's deadline");
             return self.fail(&msg, out);

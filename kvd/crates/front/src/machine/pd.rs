@@ -5,7 +5,7 @@
 //!
 //! | Window                                   | What the front does                                  |
 //! |------------------------------------------|------------------------------------------------------|
-//! | prefill breaks (5xx, no connection, silence) | epoch + 1, prefill on another prefill worker; none left: the decode worker prefills itself |
+//! | prefill breaks (5xx, no connection, silence) | its epoch's hold ends; epoch + 1, prefill on another prefill worker; none left: the decode worker prefills itself |
 //! | prefill refuses (4xx)                    | the request fails with the refusal                    |
 //! | answer hands nothing over                | the decode worker prefills itself (its hold, if any, ends) |
 //! | decode breaks before its first token     | the usual recovery; the survivor gets the hand-off params |
