@@ -3,18 +3,23 @@ beside vLLM's own NixlConnector: the same tiny model, prompts and proxy, in one 
 
     scripts/bench-pd.sh [ROUNDS] [LENGTHS]      (defaults 20 and 256,1024,2000)
 
-Engines (vLLM's CPU build, the tiny model, float32): a plain server (colocated: no connector),
-a kvd pair (``kv_producer`` on node 1's daemon, ``kv_consumer`` on node 2's; the daemons are
-each other's peers) and, when ``nixl`` is importable, a NIXL pair (``NixlConnector``,
+Engines (vLLM's CPU build, the tiny model, float32, one core each: prefill and colocated
+engines on core 0, decode engines on core 1): a plain server (colocated: no connector), a kvd
+pair (``kv_producer`` on node 1's daemon, ``kv_consumer`` on node 2's; the daemons are each
+other's peers) and, when ``nixl`` is importable, a NIXL pair (``NixlConnector``,
 ``kv_buffer_device: cpu``, UCX over TCP on loopback). The proxy is vLLM's toy P/D proxy's
 contract: the prefill request carries ``do_remote_decode`` and ``max_tokens`` 1, its response's
 ``kv_transfer_params`` go unchanged into the streamed decode request.
 
-Per prompt length and round, one fresh prompt (no engine has seen it) goes to every
-configuration, in an order that rotates with the round: time to first token at the client
-(TTFT), for P/D also the prefill's answer time and the hand-off (prefill's answer to the
-decode's first token). For kvd the decode node's daemon's fetch bytes and fetch seconds give the
-hand-off's transfer rate. Every P/D output must equal the colocated output of the same prompt.
+Two phases, one per pair, each beside the colocated engine (the other pair is stopped: an idle
+NIXL engine keeps a core busy here, which the figures report). Per prompt length and round,
+one fresh prompt (no engine has seen it) goes to the colocated engine and to the pair, in an
+order that alternates with the round, each request starting ``SETTLE_S`` after the last ended:
+time to first token at the client (TTFT); for P/D also the prefill's answer time and the
+hand-off (prefill's answer to the decode's first token), and the decode engine's floor (the
+same prompt again, its KV now in the engine's own prefix cache). For kvd the decode node's
+daemon's fetch bytes and fetch seconds give the hand-off's transfer rate. Every P/D output must
+equal the colocated output of the same prompt.
 
 The bound, per length: colocated TTFT + bytes ÷ (0.9 × R) + 5 ms, with R the fetch rate of
 ``kvd-bench remote`` for the same block size and blocks per transfer, one in flight, measured
@@ -27,6 +32,7 @@ import argparse
 import http.client
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -46,20 +52,41 @@ from test_vllm_checkpoint import peer_daemons, tiny_model  # noqa: E402
 from vllm_server import SERVED_NAME, VllmServer  # noqa: E402
 
 BLOCK = 32  # tokens per block (vllm_server.py's --block-size)
+# vLLM's workers busy-loop on their input queue for 1 s after their last step
+# (shm_broadcast.SpinCondition's busy_loop_s): on two cores, a request started within that
+# second of another engine's shares the CPU with it. Every timed request starts this long after
+# the last one ended, whatever its configuration.
+SETTLE_S = 1.3
 
 
 def cpu(core: int) -> dict[str, str]:
-    """Each engine computes on one core of its own kind (prefill and colocated engines on core 0,
-    decode engines on core 1; vLLM's CPU backend binds its OpenMP threads to one core by
-    default, the same one for every engine), and no engine's threads spin after their work
-    (OpenMP's active wait would take the core from the next engine to compute)."""
+    """An engine computes on one core (prefill and colocated engines on core 0, decode engines on
+    core 1; vLLM's CPU backend binds its OpenMP threads to one core by default, the same one
+    for every engine), and no engine's threads spin after their work (OpenMP's active wait
+    would take the core from the next engine to compute)."""
     return {"VLLM_CPU_OMP_THREADS_BIND": str(core), "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+
+
+class Engine(VllmServer):
+    """A vLLM server whose every process runs on one core, as if the engine had a machine of
+    its own: vLLM's worker busy-polls its input queue for a second after each step, and on a
+    shared core that would slow whichever engine computes next (the decode, in P/D)."""
+
+    def __init__(self, core: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.core = core
+        self.extra_env.update(cpu(core))
+
+    def command(self) -> list[str]:
+        return ["taskset", "-c", str(self.core), *super().command()]
 MAX_TOKENS = 4
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
-    """A fresh prompt of ``length`` token ids (ids below the tiny model's vocabulary)."""
-    return [(seed * 7919 + i * 104_729) % 1000 + 5 for i in range(length)]
+    """A fresh prompt of ``length`` token ids (ids below the tiny model's vocabulary): no two
+    seeds share a first block, so no prompt is a prefix hit of another anywhere."""
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1005) for _ in range(length)]
 
 
 def post(url: str, body: dict) -> dict:
@@ -133,9 +160,9 @@ def nixl_pair(tmp: Path, model: Path) -> Optional[tuple[VllmServer, VllmServer]]
     conf = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
     out = []
     for core, name in enumerate(("nixl-prefill", "nixl-decode")):
-        env = {**cpu(core), "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo",
+        env = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo",
                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-        out.append(VllmServer(model, free_port(), tmp / f"{name}.log", conf, extra_env=env))
+        out.append(Engine(core, model, free_port(), tmp / f"{name}.log", conf, extra_env=env))
     return out[0], out[1]
 
 
@@ -146,42 +173,51 @@ def main() -> None:
     ap.add_argument("--remote-gbps", type=json.loads, default={},
                     help='kvd-bench remote fetch GB/s per length, e.g. {"256": 0.5}')
     ap.add_argument("--nixl", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--nixl-rounds", type=int, default=5,
+                    help="rounds per length of the NIXL phase (its hand-offs take long here)")
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-pd-"))
     nodes = peer_daemons(tmp, 2)
     model = tiny_model(tmp)
-    servers: dict[str, VllmServer] = {
-        "colocated": VllmServer(model, free_port(), tmp / "plain.log", None, extra_env=cpu(0)),
-        "kvd-prefill": VllmServer(model, free_port(), tmp / "kvd-prefill.log",
-                                  dict(connector(nodes[1].socket, node_id=1), kv_role="kv_producer"),
-                                  extra_env=cpu(0)),
-        "kvd-decode": VllmServer(model, free_port(), tmp / "kvd-decode.log",
-                                 dict(connector(nodes[2].socket, node_id=2), kv_role="kv_consumer"),
-                                 extra_env=cpu(1)),
-    }
-    pair = nixl_pair(tmp, model) if args.nixl else None
-    if pair:
-        servers["nixl-prefill"], servers["nixl-decode"] = pair
-    figures: dict[str, Any] = {"lengths": {}}
+    plain = Engine(0, model, free_port(), tmp / "plain.log", None)
+    kvd = (Engine(0, model, free_port(), tmp / "kvd-prefill.log",
+                  dict(connector(nodes[1].socket, node_id=1), kv_role="kv_producer")),
+           Engine(1, model, free_port(), tmp / "kvd-decode.log",
+                  dict(connector(nodes[2].socket, node_id=2), kv_role="kv_consumer")))
+    nixl = nixl_pair(tmp, model) if args.nixl else None
+    figures: dict[str, Any] = {"kvd": {}, "nixl": {}, "idle_cpu_percent": {}}
+    every = [plain, *kvd, *(nixl or ())]
     try:
-        for s in servers.values():
-            s.start()
-        for s in servers.values():
-            s.wait_ready(900)
-        print(f"{len(servers)} engines up; logs in {tmp}", file=sys.stderr, flush=True)
-        # one warm-up request per configuration (first-request costs are not the figure)
-        warm = prompt_of(300, 999_999)
-        stream(servers["colocated"].url, body(warm))
-        pd(servers["kvd-prefill"], servers["kvd-decode"], warm)
-        if pair:
-            pd(*pair, warm)
-        for length in lengths:
-            figures["lengths"][str(length)] = run_length(args, length, servers, nodes, pair)
+        # one phase per P/D pair, each beside the colocated engine: the other pair is not
+        # running (an idle NIXL engine keeps a core busy here: see idle_cpu_percent)
+        for name, pair, rounds in (("kvd", kvd, args.rounds), ("nixl", nixl, args.nixl_rounds)):
+            if pair is None or rounds == 0:
+                continue
+            for srv in (plain, *pair):
+                if not srv.alive():
+                    srv.start()
+            for srv in (plain, *pair):
+                srv.wait_ready(900)
+            print(f"{name} phase: engines up; logs in {tmp}", file=sys.stderr, flush=True)
+            figures["idle_cpu_percent"][name] = idle_cpu({"colocated": plain, "prefill": pair[0], "decode": pair[1]})
+            warm = prompt_of(300, 999_999 + len(name))  # first-request costs are not the figure
+            stream(plain.url, body(warm))
+            pd(pair[0], pair[1], warm)
+            for length in lengths:
+                figures[name][str(length)] = run_length(args, length, rounds, plain, name, pair,
+                                                        nodes if name == "kvd" else None)
+            if name == "kvd":  # every hold ended by its decode: none released unread, none reused
+                text = get_text(f"http://{nodes[1].admin}/metrics")
+                figures["kvd_holds"] = {k: metric(text, f"kvd_handoff_holds_{k}_total")
+                                        for k in ("begun", "taken", "ended", "expired")}
+            for srv in pair:
+                srv.stop()
     finally:
-        for s in servers.values():
-            s.stop()
+        for srv in every:
+            if srv.alive():
+                srv.stop()
         for d in nodes.values():
             d.stop()
         if os.environ.get("KVD_KEEP_LOGS") is None:
@@ -189,54 +225,83 @@ def main() -> None:
     report(figures, args)
 
 
-def run_length(args, length: int, servers: dict[str, VllmServer], nodes, pair) -> dict[str, Any]:
-    modes = ["colocated", "kvd"] + (["nixl"] if pair else [])
+def idle_cpu(servers: dict[str, VllmServer], seconds: float = 3.0) -> dict[str, float]:
+    """CPU each engine's processes take while no request runs, % of one core."""
+    def ticks(pgid: int) -> int:
+        total = 0
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(f[2]) == pgid:  # pgrp
+                total += int(f[11]) + int(f[12])  # utime + stime
+        return total
+    time.sleep(SETTLE_S)
+    pgids = {n: s.proc.pid for n, s in servers.items() if s.proc is not None}
+    before = {n: ticks(g) for n, g in pgids.items()}
+    time.sleep(seconds)
+    hz = os.sysconf("SC_CLK_TCK")
+    return {n: round((ticks(g) - before[n]) / hz / seconds * 100, 1) for n, g in pgids.items()}
+
+
+def run_length(args, length: int, rounds: int, plain: VllmServer, name: str,
+               pair: tuple[VllmServer, VllmServer], nodes) -> dict[str, Any]:
+    modes = ["colocated", name]
     got: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "prefill": [], "handoff": []} for m in modes}
-    rates, bytes_per, wrong = [], [], {m: 0 for m in modes}
-    for r in range(args.rounds):
-        prompt = prompt_of(length, length * 1000 + r)
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
+    rates, bytes_per, floor, wrong = [], [], [], 0
+    for r in range(rounds):
+        prompt = prompt_of(length, length * 1000 + r + (500 if name != "kvd" else 0))
         out: dict[str, Any] = {}
-        for m in order:
+        for m in (modes if r % 2 == 0 else modes[::-1]):
+            time.sleep(SETTLE_S)
             if m == "colocated":
-                t, tokens = stream(servers["colocated"].url, body(prompt))
+                t, tokens = stream(plain.url, body(prompt))
                 out[m] = {"ttft": t, "tokens": tokens}
-            elif m == "kvd":
+                continue
+            if nodes is not None:
                 b0, s0 = fetch_figures(nodes[2])
-                out[m] = pd(servers["kvd-prefill"], servers["kvd-decode"], prompt)
+            out[m] = pd(pair[0], pair[1], prompt)
+            if nodes is not None:
                 b1, s1 = fetch_figures(nodes[2])
                 if b1 > b0 and s1 > s0:
                     rates.append((b1 - b0) / (s1 - s0) / 1e9)
                     bytes_per.append(b1 - b0)
-            else:
-                out[m] = pd(pair[0], pair[1], prompt)
+            # the decode engine's own floor: the same prompt again, its blocks now in the
+            # engine's prefix cache (the last block computed, the first token out): what a
+            # hand-off would take if the KV were there already
+            time.sleep(SETTLE_S)
+            floor.append(stream(pair[1].url, body(prompt))[0])
         for m in modes:
             for k in ("ttft", "prefill", "handoff"):
                 if k in out[m]:
                     got[m][k].append(out[m][k])
-            if out[m]["tokens"] != out["colocated"]["tokens"]:
-                wrong[m] += 1
-        print(f"{length} tokens, round {r + 1}/{args.rounds}: " + ", ".join(
+        wrong += out[name]["tokens"] != out["colocated"]["tokens"]
+        print(f"{name}, {length} tokens, round {r + 1}/{rounds}: " + ", ".join(
             f"{m} {out[m]['ttft'] * 1000:.1f} ms" for m in modes), file=sys.stderr, flush=True)
-    res: dict[str, Any] = {"wrong_outputs": wrong}
+    res: dict[str, Any] = {"rounds": rounds, "wrong_outputs": wrong}
     for m in modes:
         for k, xs in got[m].items():
             if xs:
-                res[f"{m}_{k}_p50_ms"] = round(pct(xs, 50) * 1000, 2)
-                res[f"{m}_{k}_p99_ms"] = round(pct(xs, 99) * 1000, 2)
+                res[f"{m if m == 'colocated' else 'pd'}_{k}_p50_ms"] = round(pct(xs, 50) * 1000, 2)
+                res[f"{m if m == 'colocated' else 'pd'}_{k}_p99_ms"] = round(pct(xs, 99) * 1000, 2)
+    res["decode_floor_p50_ms"] = round(pct(floor, 50) * 1000, 2)
+    res["handoff_over_floor_p50_ms"] = round(res["pd_handoff_p50_ms"] - res["decode_floor_p50_ms"], 2)
+    res["handoff_share_p50"] = round(res["pd_handoff_p50_ms"] / res["pd_ttft_p50_ms"], 3)
     if rates:
-        res["kvd_handoff_gbps_p50"] = round(pct(rates, 50), 3)
-        res["kvd_handoff_bytes"] = int(statistics.median(bytes_per))
+        res["handoff_gbps_p50"] = round(pct(rates, 50), 3)
+        res["handoff_bytes"] = int(statistics.median(bytes_per))
     remote = args.remote_gbps.get(str(length))
     if remote and bytes_per:
         res["remote_gbps"] = remote
-        res["handoff_vs_remote"] = round(res["kvd_handoff_gbps_p50"] / remote, 3)
+        res["handoff_vs_remote"] = round(res["handoff_gbps_p50"] / remote, 3)
         slack_ms = statistics.median(bytes_per) / (0.9 * remote * 1e9) * 1000 + 5
         for q in (50, 99):
             bound = res[f"colocated_ttft_p{q}_ms"] + slack_ms
             res[f"bound_p{q}_ms"] = round(bound, 2)
-            res[f"kvd_within_bound_p{q}"] = res[f"kvd_ttft_p{q}_ms"] <= bound
-    res["kvd_handoff_share_p50"] = round(res["kvd_handoff_p50_ms"] / res["kvd_ttft_p50_ms"], 3)
+            res[f"within_bound_p{q}"] = res[f"pd_ttft_p{q}_ms"] <= bound
     return res
 
 
@@ -244,14 +309,19 @@ def report(figures: dict[str, Any], args) -> None:
     print(json.dumps(figures, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
-    rows = []
-    for length, r in figures["lengths"].items():
-        rows.append((length, r.get("colocated_ttft_p50_ms"), r.get("kvd_ttft_p50_ms"), r.get("kvd_ttft_p99_ms"),
-                     r.get("bound_p50_ms"), r.get("kvd_handoff_p50_ms"), r.get("nixl_ttft_p50_ms"),
-                     r.get("handoff_vs_remote")))
-    print("\nprompt | colocated p50 | kvd P/D p50 | kvd P/D p99 | bound p50 | hand-off p50 | NIXL P/D p50 | rate ÷ remote")
-    for row in rows:
-        print(" | ".join("-" if v is None else str(v) for v in row))
+    print("\npair | prompt | colocated p50/p99 | P/D p50/p99 | bound p50/p99 | prefill p50 | hand-off p50"
+          " | decode floor p50 | rate ÷ remote | wrong")
+    for name in ("kvd", "nixl"):
+        for length, r in figures[name].items():
+            def two(k: str) -> str:
+                a, b = r.get(f"{k}_p50_ms"), r.get(f"{k}_p99_ms")
+                return "-" if a is None else f"{a}/{b}"
+            print(" | ".join([name, length, two("colocated_ttft"), two("pd_ttft"), two("bound"),
+                              str(r.get("pd_prefill_p50_ms")), str(r.get("pd_handoff_p50_ms")),
+                              str(r.get("decode_floor_p50_ms")), str(r.get("handoff_vs_remote", "-")),
+                              str(r["wrong_outputs"])]))
+    print("idle CPU, % of a core:", figures["idle_cpu_percent"])
+    print("kvd's hand-off holds at the prefill node:", figures.get("kvd_holds"))
 
 
 if __name__ == "__main__":

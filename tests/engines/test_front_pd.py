@@ -25,22 +25,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvd_daemon import wait_until
-from test_stream_recovery import (Etcd, Front, Node, Stream, check_sequence, get_text,
-                                  metric, nothing_left, record)
-from test_vllm import BLOCK, HERE, connector, words
+from test_stream_recovery import (Etcd, Front, Node, Stream, check_sequence, cluster_folder, get_text,
+                                  metric, nothing_left, record, start_nodes, stop_cluster)
+from test_vllm import BLOCK, connector, words
 from vllm_server import SERVED_NAME
 
 START_TIMEOUT_S = 900
@@ -84,38 +79,19 @@ class PdNode(Node):
 
 @pytest.fixture(scope="module")
 def pd():
-    tmp = Path(tempfile.mkdtemp(prefix="kvd-front-pd-"))
-    model = tmp / "model"
-    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
-    secret = tmp / "secret"
-    secret.write_bytes(bytes(range(32)))
-    secret.chmod(0o600)
+    tmp, model, secret = cluster_folder("kvd-front-pd-")
     etcd = Etcd(tmp)
     roles = {1: "kv_producer", 2: "kv_consumer", 3: "kv_consumer"}
     nodes = {i: PdNode(role, i, tmp, etcd, secret, str(model)) for i, role in roles.items()}
     front = None
     try:
-        for n in nodes.values():
-            n.start_daemon()
-        for n in nodes.values():
-            n.start_vllm()
-        for n in nodes.values():
-            assert n.vllm is not None
-            n.vllm.wait_ready(START_TIMEOUT_S)
+        start_nodes(nodes)  # type: ignore[arg-type]
         front = Front(tmp, etcd, {2: nodes[2], 3: nodes[3]}, prefill={1: nodes[1]})
         wait_until("the decode workers in service", lambda: {2, 3} <= front.in_service(), timeout_s=60)
         yield tmp, nodes, front
     finally:
         print("\nP/D figures:", json.dumps(FIGURES, indent=1))
-        if front is not None:
-            front.stop()
-        for n in nodes.values():
-            n.stop()
-        etcd.stop()
-        if os.environ.get("KVD_KEEP_LOGS") is None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            print("logs kept in", tmp)
+        stop_cluster(tmp, front, nodes, etcd)  # type: ignore[arg-type]
 
 
 def body(prompt: Any, max_tokens: int = MAX_TOKENS) -> dict:
@@ -238,6 +214,7 @@ def test_a_decode_worker_killed_before_its_first_token_hands_off_to_the_other(pd
     prompt = tokenize(nodes[1], words(73, 900, 11))
     ref = colocated(nodes[1], prompt)
     st0 = front_stats(front)
+    loaded0 = {i: loaded(nodes[i]) for i in (2, 3)}
     for i in (2, 3):
         nodes[i].signal_vllm(signal.SIGSTOP)
     stopped = {2, 3}
@@ -257,6 +234,7 @@ def test_a_decode_worker_killed_before_its_first_token_hands_off_to_the_other(pd
     check_sequence(s.events, s.request)
     assert s.tokens() == ref, "the survivor continued the hand-off with the same tokens"
     assert record(front, s.request)["serving"] == other
+    assert loaded(nodes[other]) > loaded0[other], "the survivor loaded the held run, not recomputed it"
     st = front_stats(front)
     assert st["handoffs_resumed"] >= st0["handoffs_resumed"] + 1, st
     settled(nodes)

@@ -291,26 +291,50 @@ def check_sequence(events: list[tuple[str, Any, float]], request: int) -> None:
     assert not errors, errors
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    tmp = Path(tempfile.mkdtemp(prefix="kvd-stream-"))
+def cluster_folder(prefix: str) -> tuple[Path, Path, Path]:
+    """A fresh folder with the tiny model and a cluster secret in it: (folder, model, secret)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
     model = tmp / "model"
     subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
     secret = tmp / "secret"
     secret.write_bytes(bytes(range(32)))
     secret.chmod(0o600)
+    return tmp, model, secret
+
+
+def start_nodes(nodes: dict[int, Node]) -> None:
+    """Every node's daemon, then every node's vLLM (starting side by side), until all answer."""
+    for n in nodes.values():
+        n.start_daemon()
+    for n in nodes.values():
+        n.start_vllm()
+    for n in nodes.values():
+        assert n.vllm is not None
+        n.vllm.wait_ready(START_TIMEOUT_S)
+
+
+def stop_cluster(tmp: Path, front: Optional[Front], nodes: dict[int, Node], etcd: Etcd) -> None:
+    """Everything stopped; the folder removed unless KVD_KEEP_LOGS is set."""
+    if front is not None:
+        front.stop()
+    for n in nodes.values():
+        n.stop()
+    etcd.stop()
+    if os.environ.get("KVD_KEEP_LOGS") is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        print("logs kept in", tmp)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    tmp, model, secret = cluster_folder("kvd-stream-")
     etcd = Etcd(tmp)
     nodes = {i: Node(i, tmp, etcd, secret, str(model)) for i in (1, 2, 3)}
     front = None
     try:
-        for n in nodes.values():
-            n.start_daemon()
         t0 = time.monotonic()
-        for n in nodes.values():
-            n.start_vllm()
-        for n in nodes.values():
-            assert n.vllm is not None
-            n.vllm.wait_ready(START_TIMEOUT_S)
+        start_nodes(nodes)
         FIGURES["engines_start_s"] = round(time.monotonic() - t0, 1)
         front = Front(tmp, etcd, nodes)
         wait_until("three workers in service", lambda: front.in_service() == {1, 2, 3}, timeout_s=60)
@@ -320,15 +344,7 @@ def cluster():
         print("\nrecovery figures:", json.dumps(FIGURES, indent=1))
         if out:
             Path(out).write_text(json.dumps(FIGURES, indent=1))
-        if front is not None:
-            front.stop()
-        for n in nodes.values():
-            n.stop()
-        etcd.stop()
-        if os.environ.get("KVD_KEEP_LOGS") is None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            print("logs kept in", tmp)
+        stop_cluster(tmp, front, nodes, etcd)
 
 
 REFS: dict[str, list[int]] = {}

@@ -137,7 +137,7 @@ def test_greedy_tokens_through_the_proxy_match_a_colocated_run_and_the_prompt_wa
 
 FORGED = {"namespace": OTHER, "node_without_the_run": NOBODY, "unknown_node": words(123, 220, 17),
           "older_epoch": words(131, 230, 5), "newer_epoch": words(137, 230, 9),
-          "another_request": words(139, 230, 11)}
+          "another_request": words(139, 230, 11), "malformed": words(149, 230, 13)}
 
 
 @pytest.mark.parametrize("forge", list(FORGED))
@@ -154,6 +154,8 @@ def test_parameters_naming_another_namespace_node_epoch_or_request_are_a_miss_wi
             params["kvd"]["handoff"]["node"] = 2
         elif forge == "unknown_node":  # no such peer: the fetch fails, a failed receive that is recomputed
             params["kvd"]["handoff"]["node"] = 9
+        elif forge == "malformed":  # not parameters kvd can read: a miss, logged
+            params["kvd"]["handoff"] = {"node": "one", "blocks": -3}
         elif forge == "another_request":  # the source holds no run for it: refused, recomputed
             params["kvd"]["handoff"]["request"] += 2
         else:  # a stale (or not yet made) attempt's epoch: refused at the source, recomputed
@@ -169,7 +171,7 @@ def test_parameters_naming_another_namespace_node_epoch_or_request_are_a_miss_wi
         assert params["kvd"]["handoff"]["request"] == binding["request"]
     colocated = post(p.url, body(prompt), str(uuid.uuid4()))
     assert tokens(out) == tokens(colocated), "a miss is recomputed, with the same tokens"
-    if forge in ("namespace", "older_epoch", "newer_epoch", "another_request"):
+    if forge in ("namespace", "older_epoch", "newer_epoch", "another_request", "malformed"):
         assert loaded_tokens(d) == loaded0, "forged parameters load nothing"
     if forge in ("older_epoch", "newer_epoch", "another_request"):
         assert daemon_metric(nodes[1], "kvd_transfer_binding_mismatches_total") > refused0, \

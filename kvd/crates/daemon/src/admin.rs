@@ -640,18 +640,24 @@ async fn status(State(a): State<Arc<Admin>>) -> Json<StatusReport> {
     Json(report(&a.d, &a.budget))
 }
 
+/// The endpoints that change state answer loopback peers only, unless --allow-remote-drain:
+/// `403` (and a warning) for anyone else; `what` says what is refused ("drain is accepted").
+fn changes_refused(a: &Admin, peer: SocketAddr, what: &str) -> Option<Response> {
+    if peer.ip().is_loopback() || a.d.config.settings.allow_remote_drain {
+        return None;
+    }
+    tracing::warn!(%peer, "refused a state change from a remote peer: {what} from loopback only");
+    let body = format!("{what} from loopback only (see --allow-remote-drain)\n");
+    Some((StatusCode::FORBIDDEN, body).into_response())
+}
+
 async fn drain(
     State(a): State<Arc<Admin>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
 ) -> Response {
     let d = &a.d;
-    if !peer.ip().is_loopback() && !d.config.settings.allow_remote_drain {
-        tracing::warn!(%peer, "refused /drain from a remote peer");
-        return (
-            StatusCode::FORBIDDEN,
-            "drain is accepted from loopback only (see --allow-remote-drain)\n",
-        )
-            .into_response();
+    if let Some(refused) = changes_refused(&a, peer, "drain is accepted") {
+        return refused;
     }
     tracing::info!(%peer, "drain requested over HTTP");
     d.drain.request();
@@ -711,13 +717,8 @@ async fn end_checkpoint(
     axum::extract::Path(request): axum::extract::Path<u64>,
     axum::extract::Query(q): axum::extract::Query<EpochQuery>,
 ) -> Response {
-    if !peer.ip().is_loopback() && !a.d.config.settings.allow_remote_drain {
-        tracing::warn!(%peer, request, "refused to end a checkpoint for a remote peer");
-        return (
-            StatusCode::FORBIDDEN,
-            "checkpoints are ended from loopback only (see --allow-remote-drain)\n",
-        )
-            .into_response();
+    if let Some(refused) = changes_refused(&a, peer, "checkpoints are ended") {
+        return refused;
     }
     match a.d.store.manifest_end(request, q.epoch) {
         Ok(()) => {
@@ -769,13 +770,8 @@ async fn end_hold(
     axum::extract::Path(request): axum::extract::Path<u64>,
     axum::extract::Query(q): axum::extract::Query<EpochQuery>,
 ) -> Response {
-    if !peer.ip().is_loopback() && !a.d.config.settings.allow_remote_drain {
-        tracing::warn!(%peer, request, "refused to end a hand-off hold for a remote peer");
-        return (
-            StatusCode::FORBIDDEN,
-            "hand-off holds are ended from loopback only (see --allow-remote-drain)\n",
-        )
-            .into_response();
+    if let Some(refused) = changes_refused(&a, peer, "hand-off holds are ended") {
+        return refused;
     }
     let how = crate::store::holds::HoldEnd::Ended;
     if a.d.store.hold_end(request, q.epoch, how) {

@@ -6,8 +6,8 @@
 mod scripted;
 
 use kvd_control::{ControlConfig, Decision, RequestState, RestorePlan};
-use kvd_front::machine::{Action, Admitted, Input, Request, State};
-use scripted::{Cluster, Fault, args, eventually, greedy, prompt, resume};
+use kvd_front::machine::{Action, Input, Request, State};
+use scripted::{Cluster, Fault, admitted, args, eventually, greedy, prompt, resume};
 
 const PROMPT: u32 = scripted::PROMPT_TOKENS;
 
@@ -274,22 +274,6 @@ async fn a_plan_that_arrives_while_an_attempt_runs_ends_it_and_resumes_on_the_su
         0,
         "the front failed nobody: the plan came from outside"
     );
-}
-
-fn admitted(max_tokens: u32) -> Admitted {
-    Admitted {
-        id: 9,
-        body: serde_json::Map::new(),
-        prompt: vec![1, 2, 3],
-        max_tokens,
-        min_tokens: 0,
-        want_token_ids: true,
-        epoch: 1,
-        serving: 1,
-        holder: Some(2),
-        deadline_ms: 10_000,
-        grace_ms: 1_000,
-    }
 }
 
 fn token(t: u32) -> String {

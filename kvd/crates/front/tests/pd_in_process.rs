@@ -7,8 +7,8 @@
 mod scripted;
 
 use kvd_control::{Event, RequestState};
-use kvd_front::machine::{Action, Admitted, Input, Request, State};
-use scripted::{Cluster, FIRST_PREFILL, Fault, PREFILL_MS, args, eventually, prompt};
+use kvd_front::machine::{Action, Input, Request, State};
+use scripted::{Cluster, FIRST_PREFILL, Fault, PREFILL_MS, admitted, args, eventually, prompt};
 use serde_json::json;
 
 const P1: u32 = FIRST_PREFILL;
@@ -336,22 +336,6 @@ async fn a_client_that_leaves_during_the_transfer_cancels_the_decode_and_ends_th
     assert_eq!(c.front.stats().handoffs_cancelled, 1);
 }
 
-fn admitted() -> Admitted {
-    Admitted {
-        id: 9,
-        body: serde_json::Map::new(),
-        prompt: vec![1, 2, 3],
-        max_tokens: 2,
-        min_tokens: 0,
-        want_token_ids: true,
-        epoch: 1,
-        serving: 1,
-        holder: Some(2),
-        deadline_ms: 10_000,
-        grace_ms: 1_000,
-    }
-}
-
 fn answer(node: u32, epoch: u64) -> serde_json::Value {
     json!({"kv_transfer_params": {"do_remote_prefill": true,
         "kvd": {"handoff": {"node": node, "namespace": "00", "blocks": 1, "request": 9, "epoch": epoch}}}})
@@ -374,7 +358,7 @@ fn token(t: u32, last: bool) -> String {
 
 /// A P/D request whose prefill broke on 11 and was sent again to 12 under epoch 2.
 fn retried_on_12() -> Request {
-    let mut m = Request::disaggregated(admitted());
+    let mut m = Request::disaggregated(admitted(2));
     let a = m.on(Input::Start, 0);
     assert!(
         a.contains(&Action::PickPrefill {

@@ -24,6 +24,7 @@ use kvd_control::{ControlConfig, Controller, Epoch, Event, RequestId, WorkerId};
 use kvd_core::{Error, Result};
 use kvd_front::engine::{BoxFuture, Engines, EventStream, Held, Holders, Opened, PrefillAnswer};
 use kvd_front::log::{ClientGuard, Read, StreamLog, changed};
+use kvd_front::machine::Admitted;
 use kvd_front::{Front, FrontArgs, Hub, TokioClock};
 use serde_json::{Value, json};
 
@@ -811,5 +812,23 @@ pub fn now_in(log: &StreamLog) -> usize {
     match log.read(0) {
         Read::Frames(f, _) => f.len(),
         Read::Gone(_) => 0,
+    }
+}
+
+/// A request as admitted for the state machine's own tests: request 9, prompt [1, 2, 3],
+/// served by worker 1 with its checkpoint on worker 2.
+pub fn admitted(max_tokens: u32) -> Admitted {
+    Admitted {
+        id: 9,
+        body: serde_json::Map::new(),
+        prompt: vec![1, 2, 3],
+        max_tokens,
+        min_tokens: 0,
+        want_token_ids: true,
+        epoch: 1,
+        serving: 1,
+        holder: Some(2),
+        deadline_ms: 10_000,
+        grace_ms: 1_000,
     }
 }

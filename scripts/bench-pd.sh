@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Prefill/decode through kvd beside colocated vLLM and beside vLLM's NixlConnector: TTFT, the
+# hand-off and its rate against kvd-bench remote's for the same blocks per transfer, in one
+# sitting (benches/python/pd_handoff.py says how). Installs nixl into the engine venv.
+#
+#   scripts/bench-pd.sh [ROUNDS] [LENGTHS] [NIXL_ROUNDS]     (defaults 20, 256,1024,2000 and 5)
+#
+# KVD_PD_FIGURES=path also writes the figures as JSON.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-20}
+lengths=${2:-256,1024,2000}
+nixl_rounds=${3:-5}
+target=$(realpath "${CARGO_TARGET_DIR:-target}")
+echo "== building kvd, kvd-bench and libkvd (release)"
+cargo build --locked --release -p kvd -p kvd-bench -p kvd-ffi
+venv=$(KVD_LIBKVD="$target/release/libkvd.so" scripts/engine-venv.sh)
+if ! "$venv/bin/python" -c "import nixl" 2>/dev/null; then
+    echo "== installing nixl into the engine venv (its cu13 build; UCX runs over TCP here)"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps nixl nixl-cu13
+fi
+# the bound's rate: kvd-bench remote's fetch GB/s for 32 KiB blocks (the tiny model's block: 32 tokens
+# of 1 KiB), as
+# many per fetch as a hand-off of that prompt loads, one fetch in flight
+remote="{"
+for len in ${lengths//,/ }; do
+    blocks=$(( (len - 1) / 32 ))
+    echo "== kvd-bench remote: 32 KiB blocks, $blocks per fetch (a $len-token prompt's hand-off)"
+    out=$("$target/release/kvd-bench" remote --kvd "$target/release/kvd" --block-kib 32 --batch "$blocks" \
+        --in-flight 1 --gib-per-case 0.1 --repeat 3)
+    echo "$out" | grep -E "^(block|32 KiB)"
+    remote+="\"$len\": $(echo "$out" | awk '/^32 KiB/ {print $7}'),"
+done
+remote="${remote%,}}"
+echo "== P/D: colocated, kvd and NIXL ($rounds rounds per length, NIXL in the first $nixl_rounds)"
+KVD_BIN="$target/release/kvd" "$venv/bin/python" benches/python/pd_handoff.py --rounds "$rounds" \
+    --lengths "$lengths" --nixl-rounds "$nixl_rounds" --remote-gbps "$remote" \
+    ${KVD_PD_FIGURES:+--out "$KVD_PD_FIGURES"}
