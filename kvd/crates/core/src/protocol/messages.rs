@@ -765,6 +765,9 @@ mod tests {
             "transfers",
             "instance_join",
             "instance_commit",
+            "hold_begin",
+            "hold_end",
+            "fetch_held",
         ];
         labels.sort_unstable();
         assert_eq!(names, labels);
