@@ -17,7 +17,6 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use crate::error::BlockState;
 use crate::keys::BlockKey;
 use crate::manifest::Ended;
 use crate::state::Inner;
@@ -295,9 +294,7 @@ impl Inner {
             }
             debug_assert!(s.pins > 0);
             s.pins -= 1;
-            if s.state == Some(BlockState::Published) || s.state == Some(BlockState::Retired) {
-                self.settle(i);
-            }
+            self.settle(i);
         }
         let cap = self.config.max_manifests as usize;
         self.holds.ended.record(request, h.epoch, cap);
