@@ -1,10 +1,12 @@
 //! Cluster mode on a real etcd with three real daemons: registration, the membership view,
 //! detection of a dead node, a restart coming back with a higher generation, the data port's
-//! peer table fed by the view, and a paused etcd.
+//! peer table fed by the view (with each node's key), a paused etcd, and a node's key revoked
+//! with `kvd key revoke`.
 
 mod support;
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvd::daemon::transfer::wire::{Binding, Offered, PeerReply, PeerRequest};
@@ -13,6 +15,8 @@ use support::cluster::{Control, node_dirs, secret_file, view, wait_views};
 use support::{Daemon, Etcd};
 use transport::auth::ClusterSecret;
 use transport::link::PeerAddr;
+use transport::link::identity::NodeKey;
+use transport::link::members::{Member, Members};
 use transport::tcp::{TcpConfig, TcpTransport};
 
 const TTL_MS: u64 = 2_000;
@@ -21,30 +25,54 @@ fn node(dir: &Path, secret: &Path, etcd: &Etcd, id: u64) -> Daemon {
     support::cluster::node(dir, secret, etcd, id, TTL_MS, &[])
 }
 
-/// Offer one block to `d` as node `id` in incarnation `generation` (an engine of the test's
-/// own, with the cluster secret); the answer.
-fn raw_offer(secret: &Path, d: &Daemon, id: u64, generation: u64) -> PeerReply {
-    raw_offer_to(secret, d, id, generation, None)
+/// Node `n`'s key, as its daemon made it in its data directory `dir` at its first start.
+fn key_in(dir: &Path) -> NodeKey {
+    NodeKey::from_file(&dir.join("node.key")).unwrap()
+}
+
+/// Offer one block to `d` as node `id` with `key`, in incarnation `generation` (an engine of
+/// the test's own, with the cluster secret); the answer, or why the connection was refused.
+fn raw_offer(
+    secret: &Path,
+    d: &Daemon,
+    id: u64,
+    key: NodeKey,
+    generation: u64,
+) -> transport::Result<PeerReply> {
+    raw_offer_to(secret, d, id, key, generation, None)
 }
 
 /// As [`raw_offer`], bound to destination generation `to` (default: the one `d` introduces
 /// itself with).
-fn raw_offer_to(secret: &Path, d: &Daemon, id: u64, generation: u64, to: Option<u64>) -> PeerReply {
+fn raw_offer_to(
+    secret: &Path,
+    d: &Daemon,
+    id: u64,
+    key: NodeKey,
+    generation: u64,
+    to: Option<u64>,
+) -> transport::Result<PeerReply> {
     let s = ClusterSecret::from_file(secret).unwrap();
-    let e = TcpTransport::start(TcpConfig::new(
+    let dp = d.status().data_port.unwrap();
+    let mut c = TcpConfig::new(
         id,
         generation,
         "127.0.0.1:0".parse().unwrap(),
         s,
-    ))
-    .unwrap();
-    let dp = d.status().data_port.unwrap();
-    let (mut s, bind) = e
-        .open_control(&PeerAddr {
-            addr: dp.listen.parse().unwrap(),
-            node_id: dp.node_id,
-        })
-        .unwrap();
+        Arc::new(key),
+    );
+    c.members = Members::of([(
+        dp.node_id,
+        Member {
+            key: dp.node_key.parse().unwrap(),
+            addr: None,
+        },
+    )]);
+    let e = TcpTransport::start(c).unwrap();
+    let (mut s, bind) = e.open_control(&PeerAddr {
+        addr: dp.listen.parse().unwrap(),
+        node_id: dp.node_id,
+    })?;
     let desc = support::namespace();
     let key = support::keys(desc.id(), 1, 1)[0];
     let offer = PeerRequest::Offer {
@@ -65,7 +93,7 @@ fn raw_offer_to(secret: &Path, d: &Daemon, id: u64, generation: u64, to: Option<
         }],
         checkpoint: None,
     };
-    kvd::daemon::transfer::wire::ask(&mut s, &offer).unwrap()
+    Ok(kvd::daemon::transfer::wire::ask(&mut s, &offer).unwrap())
 }
 
 #[test]
@@ -120,27 +148,22 @@ fn a_killed_node_leaves_every_view_within_the_ttl_and_comes_back_with_a_higher_g
         c2.generation
     );
 
-    // fencing: node 3's old incarnation (or an unregistered node) cannot start a transfer,
-    // even holding the cluster secret
-    for (id, generation) in [(3, c.generation), (9, 1)] {
-        let r = raw_offer(&secret, &a, id, generation);
-        assert!(
-            matches!(r, PeerReply::Refused(WireError::StaleGeneration { .. })),
-            "node {id} generation {generation}: {r:?}"
-        );
-    }
-    assert_eq!(a.status().data_port.unwrap().transfers.fenced, 2);
+    // fencing: node 3's old incarnation cannot start a transfer, even holding the cluster
+    // secret and node 3's key
+    let r = raw_offer(&secret, &a, 3, key_in(&dirs[2]), c.generation).unwrap();
+    assert!(
+        matches!(r, PeerReply::Refused(WireError::StaleGeneration { .. })),
+        "node 3 generation {}: {r:?}",
+        c.generation
+    );
+    assert_eq!(a.status().data_port.unwrap().transfers.fenced, 1);
+    // and an unregistered node is not even let in: no key is registered for it
+    let (stranger, _) = NodeKey::generate().unwrap();
+    let e = raw_offer(&secret, &a, 9, stranger, 1).unwrap_err();
+    assert!(e.to_string().contains("has no key for node 9"), "{e}");
 
     // and the view's address works: node 1 pushes to node 3 with no --peer
-    let mut ca = a.client("engine", 30_000);
-    let ns = ca.register_namespace(&support::namespace()).unwrap();
-    let keys = support::keys(ns, 5, 4);
-    for (i, k) in keys.iter().enumerate() {
-        support::put_one(&mut ca, *k, &support::pattern(256 << 10, i as u8));
-    }
-    let id = ca.push(3, &keys).unwrap();
-    let last = support::wait_transfer(&mut ca, id, Duration::from_secs(30));
-    assert_eq!(last.state, TransferState::Done);
+    assert_eq!(push_fresh(&a, 5, 3).state, TransferState::Done);
     drop(c);
 }
 
@@ -157,11 +180,8 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
 
     // an engine's session from before the outage, with blocks to move
     let mut ca = a.client("engine", 30_000);
-    let ns0 = ca.register_namespace(&support::namespace()).unwrap();
-    let moving = support::keys(ns0, 42, 16);
-    for (i, k) in moving.iter().enumerate() {
-        support::put_one(&mut ca, *k, &support::pattern(256 << 10, i as u8));
-    }
+    let moving = support::put_blocks(&mut ca, 42, 16, 256 << 10);
+    let ns0 = moving[0].namespace;
     let paused = Instant::now();
     support::signal(etcd.pid(), rustix::process::Signal::STOP);
     // a transfer between the nodes does not need etcd: one started while etcd is paused (and
@@ -234,7 +254,15 @@ fn a_paused_etcd_makes_nodes_not_ready_past_the_ttl_and_they_register_again_when
     let last = support::wait_transfer(&mut ca, id, Duration::from_secs(30));
     assert_eq!(last.state, TransferState::Done, "after the re-registration");
     // a transfer bound to a node's old generation is refused now
-    let r = raw_offer_to(&secret, &a, 2, b.generation, Some(a.generation));
+    let r = raw_offer_to(
+        &secret,
+        &a,
+        2,
+        key_in(&dirs[1]),
+        b.generation,
+        Some(a.generation),
+    )
+    .unwrap();
     assert!(
         matches!(r, PeerReply::Refused(WireError::StaleGeneration { .. })),
         "{r:?}"
@@ -490,4 +518,88 @@ fn a_brief_etcd_restart_within_the_ttl_causes_no_churn() {
     println!("etcd restarted in {restarted:?}; the node registered again without churn");
     assert_eq!(view(&a), [(1, a.generation)], "the same generation");
     assert_eq!(a.get("/readyz").0, 200);
+}
+
+/// Push four fresh blocks of seed `seed` from `d` to node `to`; the transfer's end.
+fn push_fresh(d: &Daemon, seed: u64, to: u64) -> kvd::protocol::TransferInfo {
+    let mut c = d.client("engine", 30_000);
+    let keys = support::put_blocks(&mut c, seed, 4, 256 << 10);
+    let id = c.push(to, &keys).unwrap();
+    support::wait_transfer(&mut c, id, Duration::from_secs(30))
+}
+
+/// Nodes that may connect to `d` now.
+fn members(d: &Daemon) -> u64 {
+    d.status().data_port.unwrap().members
+}
+
+#[test]
+fn a_node_whose_key_is_revoked_in_etcd_is_cut_off_and_comes_back_only_with_a_new_key() {
+    let etcd = Etcd::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = secret_file(tmp.path());
+    let dirs = node_dirs(tmp.path(), 3);
+    let mut a = node(&dirs[0], &secret, &etcd, 1);
+    let b = node(&dirs[1], &secret, &etcd, 2);
+    let c = node(&dirs[2], &secret, &etcd, 3);
+    let all = vec![(1, a.generation), (2, b.generation), (3, c.generation)];
+    wait_views(&[&a, &b, &c], &all, Duration::from_secs(20), "all three");
+    // each registration carries its node's key, as made in its data directory
+    let old = key_in(&dirs[0]).public().to_string();
+    let regs = b.status().cluster.unwrap().nodes;
+    assert_eq!(regs.iter().find(|r| r.node_id == 1).unwrap().node_key, old);
+    assert_eq!(push_fresh(&a, 1, 2).state, TransferState::Done);
+    assert_eq!(push_fresh(&c, 2, 2).state, TransferState::Done);
+
+    // one step: revoke node 1's registered key
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvd"))
+        .args(["key", "revoke", "--etcd", &etcd.url, "--node", "1"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("revoked {old}")
+    );
+    support::wait_until(
+        Duration::from_secs(10),
+        "nodes 2 and 3 drop node 1's key",
+        || members(&b) == 1 && members(&c) == 1,
+    );
+    assert!(b.status().cluster.unwrap().revoked_keys.contains(&old));
+    assert!(
+        b.log().contains("closing its connections"),
+        "node 2 cut node 1 off"
+    );
+    support::wait_until(Duration::from_secs(10), "node 1 learns it", || {
+        a.log().contains("own key is revoked")
+    });
+    // node 1 still holds the secret and its key: refused at the bind, whatever it asks
+    let t = push_fresh(&a, 3, 2);
+    assert!(
+        matches!(&t.state, TransferState::Failed(e) if format!("{e:?}").contains("identity")),
+        "{t:?}"
+    );
+    assert!(b.status().data_port.unwrap().engine.identity_refusals >= 1);
+    // and node 2 no longer connects to it; the others go on
+    let mut cb = b.client("reader", 30_000);
+    let ns = cb.register_namespace(&support::namespace()).unwrap();
+    let id = cb.fetch(1, &support::keys(ns, 1, 2)).unwrap();
+    let t = support::wait_transfer(&mut cb, id, Duration::from_secs(30));
+    assert!(matches!(t.state, TransferState::Failed(_)), "{t:?}");
+    assert_eq!(push_fresh(&c, 4, 2).state, TransferState::Done);
+
+    // node 1 comes back with a new key: stopped, its key file deleted, started again
+    a.stop();
+    std::fs::remove_file(dirs[0].join("node.key")).unwrap();
+    let a2 = node(&dirs[0], &secret, &etcd, 1);
+    assert_ne!(key_in(&dirs[0]).public().to_string(), old);
+    support::wait_until(Duration::from_secs(20), "node 2 takes the new key", || {
+        members(&b) == 2
+    });
+    assert_eq!(push_fresh(&a2, 5, 2).state, TransferState::Done);
 }

@@ -1,5 +1,6 @@
 //! The daemon's data port (its transfer engine): on only with a cluster secret, a clear
-//! start-up error for a bad one, and closed to anyone without the secret or without a grant.
+//! start-up error for a bad one (or a bad node key or peer entry), and closed to anyone
+//! without the secret, without a known node key, or without a grant.
 
 mod support;
 
@@ -12,8 +13,10 @@ use transport::auth::ClusterSecret;
 use transport::engine::{HeapMemory, Memory, Op, OpFailure, OpKind, OpStatus, Transport};
 use transport::grant::{SegmentId, TransferId};
 use transport::link::PeerAddr;
+use transport::link::members::{Member, Members};
+use transport::link::testing;
 use transport::segment::SegmentDescriptor;
-use transport::tcp::{TcpConfig, TcpTransport};
+use transport::tcp::TcpTransport;
 
 fn secret_file(dir: &Path, name: &str, byte: u8, mode: u32) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
@@ -66,7 +69,36 @@ fn a_missing_or_world_readable_secret_or_a_data_port_without_one_is_a_clear_star
         "--peer",
         "2-127.0.0.1:1",
     ]);
-    assert!(log.contains("NODE_ID=ADDR"), "{log}");
+    assert!(log.contains("NODE_ID=ADDR,key=PUBLIC_KEY"), "{log}");
+    // a peer without its key: it could never be authenticated
+    let log = refused_start(&[
+        "--cluster-secret-file",
+        good.to_str().unwrap(),
+        "--peer",
+        "2=127.0.0.1:1",
+    ]);
+    assert!(log.contains("no key"), "{log}");
+    // a node key named but missing, or readable by others
+    let log = refused_start(&[
+        "--cluster-secret-file",
+        good.to_str().unwrap(),
+        "--node-key-file",
+        missing.to_str().unwrap(),
+    ]);
+    assert!(
+        log.contains("node key") && log.contains("no-such-secret"),
+        "{log}"
+    );
+    let key = dir.path().join("node.key");
+    transport::link::identity::NodeKey::create(&key).unwrap();
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let log = refused_start(&[
+        "--cluster-secret-file",
+        good.to_str().unwrap(),
+        "--node-key-file",
+        key.to_str().unwrap(),
+    ]);
+    assert!(log.contains("chmod 600"), "{log}");
 
     // RDMA asked for where it cannot be had (no device here; or a build without it)
     if support::rdma_here() {
@@ -84,12 +116,12 @@ fn a_missing_or_world_readable_secret_or_a_data_port_without_one_is_a_clear_star
     );
 }
 
-#[test]
-fn a_daemon_with_the_secret_serves_its_data_port_and_refuses_strangers_and_ungranted_ranges() {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path(), "secret", 5, 0o600);
-    let stranger = secret_file(dir.path(), "stranger", 6, 0o600);
-    let d = Daemon::start(&[
+/// Node 7 with the secret in `secret`, whose peers are nodes 1 (a test engine with its test
+/// key) and 8.
+fn node_7(secret: &Path) -> Daemon {
+    let peer = |n: u64| format!("{n}=127.0.0.1:9,key={}", testing::public_key(n));
+    let (p1, p8) = (peer(1), peer(8));
+    Daemon::start(&[
         "--cluster-secret-file",
         secret.to_str().unwrap(),
         "--data-listen",
@@ -97,12 +129,33 @@ fn a_daemon_with_the_secret_serves_its_data_port_and_refuses_strangers_and_ungra
         "--node-id",
         "7",
         "--peer",
-        "8=127.0.0.1:9",
-    ]);
+        &p1,
+        "--peer",
+        &p8,
+    ])
+}
+
+#[test]
+fn a_daemon_with_the_secret_serves_its_data_port_and_refuses_strangers_and_ungranted_ranges() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = secret_file(dir.path(), "secret", 5, 0o600);
+    let stranger = secret_file(dir.path(), "stranger", 6, 0o600);
+    let d = node_7(&secret);
     let report = d.status();
     let dp = report.data_port.expect("the data port is on");
     assert_eq!(dp.node_id, 7);
     assert_eq!(dp.peers.get(&8).map(String::as_str), Some("127.0.0.1:9"));
+    assert_eq!(dp.members, 2);
+    // the key it made in its data directory at its first start
+    let made = transport::link::identity::NodeKey::from_file(&d.dir.join("node.key")).unwrap();
+    assert_eq!(dp.node_key, made.public().to_string());
+    let theirs = Members::of([(
+        7,
+        Member {
+            key: made.public(),
+            addr: None,
+        },
+    )]);
     let addr = dp.listen.parse().unwrap();
     let bytes: Vec<u8> = (0..dp.pool_segment.len() / 2)
         .map(|i| u8::from_str_radix(&dp.pool_segment[2 * i..2 * i + 2], 16).unwrap())
@@ -120,8 +173,9 @@ fn a_daemon_with_the_secret_serves_its_data_port_and_refuses_strangers_and_ungra
 
     let engine = |secret: &Path| {
         let s = ClusterSecret::from_file(secret).unwrap();
-        let e =
-            TcpTransport::start(TcpConfig::new(1, 1, "127.0.0.1:0".parse().unwrap(), s)).unwrap();
+        let mut c = testing::tcp_config(1, 1, s, &[]);
+        c.members = theirs.clone();
+        let e = TcpTransport::start(c).unwrap();
         let mem = Arc::new(HeapMemory::zeroed(256 << 10));
         e.register(SegmentId(1), mem as Arc<dyn Memory>, 0, 256 << 10)
             .unwrap();

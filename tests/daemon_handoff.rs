@@ -11,27 +11,12 @@ use std::time::Duration;
 
 use kvd::protocol::{TransferState, WireError};
 use support::Daemon;
-use support::cluster::secret_file;
+use support::raw::Net;
 
-/// Node 1 (the prefill's) and node 2 (the decode's, which knows node 1), both with data ports.
-fn pair(secret: &std::path::Path) -> (Daemon, Daemon) {
-    let s = secret.to_str().unwrap();
-    let data = |node: &'static str| {
-        vec![
-            "--cluster-secret-file",
-            s,
-            "--data-listen",
-            "127.0.0.1:0",
-            "--node-id",
-            node,
-        ]
-    };
-    let a = Daemon::start(&data("1"));
-    let to = format!("1={}", a.data_addr());
-    let mut args = data("2");
-    args.extend(["--peer", &to]);
-    let b = Daemon::start(&args);
-    (a, b)
+/// Node 1 (the prefill's) and node 2 (the decode's), both with data ports, each knowing the
+/// other.
+fn pair(net: &Net) -> (Daemon, Daemon) {
+    (net.node(1, &[]), net.node(2, &[]))
 }
 
 /// A hand-off read of `keys` from node 1's hold of (`request`, `epoch`), waited for.
@@ -82,8 +67,8 @@ fn metric(d: &Daemon, name: &str) -> u64 {
 
 #[test]
 fn a_hand_off_is_served_only_to_its_epoch_and_run_and_ends_when_the_decode_has_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let (a, b) = pair(&secret_file(dir.path()));
+    let net = Net::new();
+    let (a, b) = pair(&net);
     let mut ca = a.client("prefill", 30_000);
     let ns = ca.register_namespace(&support::namespace()).unwrap();
     let keys = support::keys(ns, 3, 8);
@@ -166,8 +151,8 @@ fn a_hand_off_is_served_only_to_its_epoch_and_run_and_ends_when_the_decode_has_i
 
 #[test]
 fn a_hold_nobody_reads_expires_counted_and_its_owner_ends_one_over_http() {
-    let dir = tempfile::tempdir().unwrap();
-    let (a, _b) = pair(&secret_file(dir.path()));
+    let net = Net::new();
+    let (a, _b) = pair(&net);
     let mut ca = a.client("prefill", 30_000);
     let ns = ca.register_namespace(&support::namespace()).unwrap();
     let keys = support::keys(ns, 5, 4);
@@ -221,8 +206,8 @@ fn run_on(c: &mut kvd::client::Client, seed: u64, n: usize) -> Vec<kvd::keys::Bl
 
 #[test]
 fn a_run_corrupted_at_rest_at_the_source_fails_its_checksum_and_is_never_served() {
-    let dir = tempfile::tempdir().unwrap();
-    let (a, b) = pair(&secret_file(dir.path()));
+    let net = Net::new();
+    let (a, b) = pair(&net);
     let mut ca = a.client("prefill", 30_000);
     let keys = run_on(&mut ca, 21, 6);
     ca.hold_begin(31, 1, &keys, 30_000).unwrap();
@@ -254,9 +239,8 @@ fn a_run_corrupted_at_rest_at_the_source_fails_its_checksum_and_is_never_served(
 
 #[test]
 fn a_prefill_node_killed_before_the_decode_reads_fails_the_read_and_its_successor_holds_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
-    let (mut a, b) = pair(&secret);
+    let net = Net::new();
+    let (mut a, b) = pair(&net);
     let mut ca = a.client("prefill", 30_000);
     let keys = run_on(&mut ca, 23, 4);
     ca.hold_begin(41, 1, &keys, 30_000).unwrap();
@@ -270,16 +254,7 @@ fn a_prefill_node_killed_before_the_decode_reads_fails_the_read_and_its_successo
     refused(&t);
     assert!(cb.exists(&keys).unwrap().iter().all(|b| !b));
     // node 1 back at the same data address: a new incarnation, which holds nothing of the old
-    let s = secret.to_str().unwrap();
-    let listen = addr.to_string();
-    let a2 = Daemon::start(&[
-        "--cluster-secret-file",
-        s,
-        "--data-listen",
-        &listen,
-        "--node-id",
-        "1",
-    ]);
+    let a2 = Daemon::start(&support::strs(&net.args_at(1, &addr.to_string(), &[])));
     let mut c2 = a2.client("prefill-again", 30_000);
     let again = run_on(&mut c2, 23, 4);
     assert_eq!(again, keys, "the same prompt's blocks, prefilled again");
@@ -293,36 +268,14 @@ fn a_prefill_node_killed_before_the_decode_reads_fails_the_read_and_its_successo
 
 #[test]
 fn a_hand_off_read_cut_halfway_publishes_nothing_keeps_the_hold_and_the_retry_lands_whole() {
-    let tmp = tempfile::tempdir().unwrap();
-    let secret = secret_file(tmp.path());
-    let s = secret.to_str().unwrap();
+    let net = Net::new();
     let hosts = support::TwoHosts::new();
-    let (a_addr, b_addr) = ("10.77.0.1:7471", "10.77.0.2:7471");
-    let a = Daemon::start_in_netns(
-        &hosts.a,
-        &[
-            "--cluster-secret-file",
-            s,
-            "--node-id",
-            "1",
-            "--data-listen",
-            a_addr,
-        ],
+    let (a_args, b_args) = (
+        net.args_at(1, "10.77.0.1:7471", &[]),
+        net.args_at(2, "10.77.0.2:7471", &[]),
     );
-    let peer = format!("1={a_addr}");
-    let b = Daemon::start_in_netns(
-        &hosts.b,
-        &[
-            "--cluster-secret-file",
-            s,
-            "--node-id",
-            "2",
-            "--data-listen",
-            b_addr,
-            "--peer",
-            &peer,
-        ],
-    );
+    let a = Daemon::start_in_netns(&hosts.a, &support::strs(&a_args));
+    let b = Daemon::start_in_netns(&hosts.b, &support::strs(&b_args));
     let mut ca = a.client("prefill", 60_000);
     let keys = run_on(&mut ca, 25, 40);
     ca.hold_begin(51, 2, &keys, 60_000).unwrap();

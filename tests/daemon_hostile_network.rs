@@ -10,7 +10,6 @@ mod support;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -18,27 +17,25 @@ use std::time::{Duration, Instant};
 use kvd::keys::BlockKey;
 use kvd::protocol::TransferState;
 use support::Daemon;
+use support::raw::Net;
 
 /// Bytes of each block these tests move.
 const BLOCK: usize = 16 << 10;
 
-/// A daemon with a data port as node `node`, a pool of 64 KiB pages large enough for every
-/// block of these tests, and `extra` flags.
-fn node(secret: &Path, node: &str, extra: &[&str]) -> Daemon {
-    let mut args = vec![
-        "--cluster-secret-file",
-        secret.to_str().unwrap(),
-        "--data-listen",
-        "127.0.0.1:0",
-        "--node-id",
-        node,
-        "--pool-mib",
-        "192",
-        "--page-kib",
-        "64",
-    ];
-    args.extend(extra);
-    Daemon::start(&args)
+/// A pool of 64 KiB pages large enough for every block of these tests.
+const POOL: [&str; 4] = ["--pool-mib", "192", "--page-kib", "64"];
+
+/// Node 2 of `net`, which every source pushes to and fetches from.
+fn destination(net: &Net) -> Daemon {
+    net.node(2, &POOL)
+}
+
+/// Node `node` of `net`, which reaches node 2 through `relay` (and knows no other node).
+fn source(net: &Net, node: u64, relay: &Relay) -> Daemon {
+    let to = net.entry(2, relay.addr);
+    let mut args = POOL.to_vec();
+    args.extend(["--peer", &to]);
+    net.node_without_file(node, &args)
 }
 
 /// What a block under `key` holds: the key's own tag first (so no two keys' bytes agree),
@@ -238,16 +235,14 @@ fn push_when_allowed(c: &mut kvd::client::Client, keys: &[BlockKey]) -> u64 {
 
 #[test]
 fn a_key_changed_in_flight_in_a_pushs_offer_is_refused_and_nothing_is_published_under_any_key() {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = support::cluster::secret_file(dir.path());
-    let b = node(&secret, "2", &[]);
+    let net = Net::new();
+    let b = destination(&net);
     let ns = support::namespace().id();
     let key = support::keys(ns, 31, 1)[0];
     // the relay flips one bit inside the key's 32 bytes where they first go to B: in the
     // offer that names the block
     let relay = Relay::start(b.data_addr(), Fault::FlipFirst(key.tag.0.to_vec()), 1);
-    let to = format!("2={}", relay.addr);
-    let a = node(&secret, "1", &["--peer", &to]);
+    let a = source(&net, 1, &relay);
     let mut ca = a.client("engine-a", 30_000);
     ca.register_namespace(&support::namespace()).unwrap();
     support::put_one(&mut ca, key, &content(&key));
@@ -415,9 +410,8 @@ fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_
     /// Source nodes, each through a relay of its own, each running its share in turn: a
     /// source that saw a failure avoids node 2 for a while, the others go on meanwhile.
     const SOURCES: usize = 4;
-    let dir = tempfile::tempdir().unwrap();
-    let secret = support::cluster::secret_file(dir.path());
-    let b = node(&secret, "2", &[]);
+    let net = Net::new();
+    let b = destination(&net);
     let ns = support::namespace().id();
     let mut cb = b.client("engine-b", 60_000);
     cb.register_namespace(&support::namespace()).unwrap();
@@ -433,10 +427,7 @@ fn a_relay_flipping_bytes_at_random_over_a_thousand_transfers_gets_no_wrong_key_
     let sources: Vec<Daemon> = relays
         .iter()
         .enumerate()
-        .map(|(i, r)| {
-            let to = format!("2={}", r.addr);
-            node(&secret, &(10 + i).to_string(), &["--peer", &to])
-        })
+        .map(|(i, r)| source(&net, 10 + i as u64, r))
         .collect();
     // seven in ten transfers push a source's blocks to B, the rest fetch B's blocks to it
     let groups: Vec<(bool, Vec<BlockKey>)> = (0..TRANSFERS)

@@ -5,56 +5,14 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kvd::daemon::transfer::wire::{Binding, Offered, PeerReply, PeerRequest};
+use kvd::daemon::transfer::wire::{PeerReply, PeerRequest};
 use kvd::keys::BlockKey;
 use kvd::protocol::{TransferState, WireError};
 use support::Daemon;
-use transport::auth::ClusterSecret;
-use transport::channel::Channel;
-use transport::engine::{HeapMemory, Memory, Op, OpFailure, OpKind, Transport};
-use transport::grant::{SegmentId, TransferId};
-use transport::link::PeerAddr;
-use transport::segment::SegmentDescriptor;
-use transport::tcp::{TcpConfig, TcpTransport};
-
-const BLOCK: usize = 256 << 10;
-
-fn secret_file(dir: &Path) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    let p = dir.join("secret");
-    std::fs::write(&p, [42u8; 32]).unwrap();
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-    p
-}
-
-fn data_args<'a>(secret: &'a Path, node: &'a str) -> Vec<&'a str> {
-    vec![
-        "--cluster-secret-file",
-        secret.to_str().unwrap(),
-        "--data-listen",
-        "127.0.0.1:0",
-        "--node-id",
-        node,
-    ]
-}
-
-/// Node `node` with a data port, knowing node `peer_id` at `peer`'s data address, with
-/// `extra` flags.
-fn node_to(secret: &Path, node: &str, peer_id: u64, peer: &Daemon, extra: &[&str]) -> Daemon {
-    let to = format!("{peer_id}={}", data_addr(peer));
-    let mut args = data_args(secret, node);
-    args.extend(["--peer", &to]);
-    args.extend(extra);
-    Daemon::start(&args)
-}
-
-fn data_addr(d: &Daemon) -> String {
-    d.status().data_port.expect("the data port is on").listen
-}
+use support::raw::{BLOCK, Net, RawSource, accepted, ask, commit_is_refused_as_corrupt};
+use transport::engine::{OpFailure, Transport};
 
 /// Transfers of these tests end within a minute.
 fn wait_done(c: &mut kvd::client::Client, id: u64) -> kvd::protocol::TransferInfo {
@@ -63,10 +21,9 @@ fn wait_done(c: &mut kvd::client::Client, id: u64) -> kvd::protocol::TransferInf
 
 #[test]
 fn a_push_of_many_blocks_lands_byte_exact_and_published_on_the_peer() {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
-    let b = Daemon::start(&data_args(&secret, "2"));
-    let a = node_to(&secret, "1", 2, &b, &[]);
+    let net = Net::new();
+    let b = net.node(2, &[]);
+    let a = net.node(1, &[]);
 
     let mut ca = a.client("engine-a", 30_000);
     let ns = ca.register_namespace(&support::namespace()).unwrap();
@@ -134,7 +91,7 @@ fn a_push_of_many_blocks_lands_byte_exact_and_published_on_the_peer() {
     assert!(e.to_string().contains("peer table"), "{e}");
 
     // a third node fetches them from A (one key A lacks is skipped)
-    let c = node_to(&secret, "3", 1, &a, &[]);
+    let c = net.node(3, &[]);
     let mut cc = c.client("engine-c", 30_000);
     let mut wanted = keys.clone();
     wanted.push(support::keys(ns, 99, 1)[0]);
@@ -165,166 +122,13 @@ fn a_push_of_many_blocks_lands_byte_exact_and_published_on_the_peer() {
     assert_eq!(a.status().data_port.unwrap().incoming_in_flight, 0);
 }
 
-/// This test as a source of its own: an engine with the cluster secret and a control
-/// connection to `d`, speaking the daemons' messages directly.
-struct RawSource {
-    engine: TcpTransport,
-    mem: Arc<HeapMemory>,
-    peer: PeerAddr,
-}
-
-impl RawSource {
-    fn new(secret: &Path, d: &Daemon, node: u64) -> RawSource {
-        RawSource::build(secret, d, node, 1, 5, |_| {})
-    }
-
-    /// A source that is node `me`, with memory of pattern `seed` and its engine `tune`d.
-    fn build(
-        secret: &Path,
-        d: &Daemon,
-        node: u64,
-        me: u64,
-        seed: u8,
-        tune: impl FnOnce(&mut TcpConfig),
-    ) -> RawSource {
-        let s = ClusterSecret::from_file(secret).unwrap();
-        let mut config = TcpConfig::new(me, 1, "127.0.0.1:0".parse().unwrap(), s);
-        tune(&mut config);
-        let engine = TcpTransport::start(config).unwrap();
-        let mem = Arc::new(HeapMemory::zeroed(4 * BLOCK));
-        // SAFETY: no transfer runs yet.
-        unsafe { mem.bytes_mut() }.copy_from_slice(&support::pattern(4 * BLOCK, seed));
-        engine
-            .register(
-                SegmentId(1),
-                mem.clone() as Arc<dyn Memory>,
-                0,
-                4 * BLOCK as u64,
-            )
-            .unwrap();
-        RawSource {
-            engine,
-            mem,
-            peer: PeerAddr {
-                addr: data_addr(d).parse().unwrap(),
-                node_id: node,
-            },
-        }
-    }
-
-    /// One write op per granted block of an accepted offer, from this source's memory.
-    fn writes(&self, transfer: u64, segment: &[u8], offsets: &[Option<u64>]) -> Vec<Op> {
-        let remote = SegmentDescriptor::decode(segment).unwrap();
-        offsets
-            .iter()
-            .enumerate()
-            .map(|(i, off)| Op {
-                kind: OpKind::Write,
-                local: SegmentId(1),
-                local_offset: (i * BLOCK) as u64,
-                remote,
-                remote_offset: off.unwrap(),
-                len: BLOCK as u64,
-                transfer: TransferId(transfer),
-                epoch: 1,
-            })
-            .collect()
-    }
-
-    /// Run `ops` on a fresh endpoint to the daemon; how the batch settled.
-    fn run(&self, ops: &[Op]) -> transport::engine::BatchStatus {
-        let ep = self.engine.open(&self.peer).unwrap();
-        // SAFETY: the source memory is only read.
-        let batch = unsafe { self.engine.submit(ep, ops).unwrap() };
-        self.engine.wait(batch, Duration::from_secs(20)).unwrap()
-    }
-
-    fn control(&self) -> (Channel, u64) {
-        let (s, bind) = self.engine.open_control(&self.peer).unwrap();
-        (s, bind.node_generation)
-    }
-
-    fn offer(
-        &self,
-        keys: &[BlockKey],
-        dest_generation: u64,
-        request: u64,
-        epoch: u64,
-    ) -> PeerRequest {
-        // SAFETY: no transfer writes this memory (it is only ever sent from).
-        let bytes = unsafe { self.mem.bytes() };
-        PeerRequest::Offer {
-            binding: Binding {
-                request,
-                namespace: keys[0].namespace,
-                source_node: 1,
-                source_generation: 1,
-                destination_node: self.peer.node_id,
-                destination_generation: dest_generation,
-                epoch,
-            },
-            namespace: Box::new(support::namespace()),
-            blocks: keys
-                .iter()
-                .enumerate()
-                .map(|(i, k)| Offered {
-                    key: *k,
-                    len: BLOCK as u64,
-                    checksum: transport::local::crc32c(0, &bytes[i * BLOCK..(i + 1) * BLOCK]),
-                })
-                .collect(),
-            checkpoint: None,
-        }
-    }
-}
-
-/// A commit of `transfer` is refused as corrupt and none of `keys` became visible on `d`; the
-/// reader's client.
-fn commit_is_refused_as_corrupt(
-    s: &mut Channel,
-    transfer: u64,
-    d: &Daemon,
-    keys: &[BlockKey],
-) -> kvd::client::Client {
-    let r = ask(s, &PeerRequest::Commit { transfer });
-    assert!(
-        matches!(r, PeerReply::Refused(WireError::Corrupt { .. })),
-        "{r:?}"
-    );
-    let mut cb = d.client("reader", 30_000);
-    assert_eq!(
-        cb.exists(keys).unwrap(),
-        vec![false; keys.len()],
-        "nothing published"
-    );
-    cb
-}
-
-/// An accepted offer's transfer id, segment descriptor and block offsets.
-fn accepted(r: PeerReply) -> (u64, Vec<u8>, Vec<Option<u64>>) {
-    let PeerReply::Accepted {
-        transfer,
-        segment,
-        offsets,
-    } = r
-    else {
-        panic!("the offer was not accepted: {r:?}")
-    };
-    (transfer, segment, offsets)
-}
-
-fn ask(s: &mut Channel, r: &PeerRequest) -> PeerReply {
-    kvd::daemon::transfer::wire::ask(s, r).unwrap()
-}
-
 #[test]
 fn the_destination_refuses_other_incarnations_and_older_epochs_and_publishes_nothing_corrupt() {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
-    let mut b = Daemon::start(&data_args(&secret, "2"));
+    let net = Net::new();
+    let mut b = net.node(2, &[]);
     let ns = support::namespace().id();
     let keys = support::keys(ns, 3, 2);
-    let src = RawSource::new(&secret, &b, 2);
+    let src = RawSource::new(&net, &b, 2);
     let free_pages = |d: &Daemon| d.status().stats.accounting.free;
     let free_before = free_pages(&b);
 
@@ -384,9 +188,9 @@ fn the_destination_refuses_other_incarnations_and_older_epochs_and_publishes_not
     drop(cb);
     drop(s);
     b.stop();
-    let b2 = Daemon::start_in(&b.dir, &data_args(&secret, "2"));
+    let b2 = net.restart(2, &b.dir, &[]);
     assert!(b2.generation > generation);
-    let src = RawSource::new(&secret, &b2, 2);
+    let src = RawSource::new(&net, &b2, 2);
     let (mut s, new_generation) = src.control();
     assert_eq!(new_generation, b2.generation);
     let r = ask(&mut s, &src.offer(&keys, generation, 0, 1));
@@ -414,34 +218,14 @@ fn the_destination_refuses_other_incarnations_and_older_epochs_and_publishes_not
 
 #[test]
 fn a_push_whose_link_is_cut_publishes_nothing_frees_the_destinations_pages_and_unpins_the_source() {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
+    let net = Net::new();
     let hosts = support::TwoHosts::new();
-    let secret_s = secret.to_str().unwrap();
-    let b = Daemon::start_in_netns(
-        &hosts.b,
-        &[
-            "--cluster-secret-file",
-            secret_s,
-            "--node-id",
-            "2",
-            "--data-listen",
-            "10.77.0.2:7461",
-        ],
+    let (args_b, args_a) = (
+        net.args_at(2, "10.77.0.2:7461", &[]),
+        net.args_at(1, "10.77.0.1:7461", &[]),
     );
-    let a = Daemon::start_in_netns(
-        &hosts.a,
-        &[
-            "--cluster-secret-file",
-            secret_s,
-            "--node-id",
-            "1",
-            "--data-listen",
-            "10.77.0.1:7461",
-            "--peer",
-            "2=10.77.0.2:7461",
-        ],
-    );
+    let b = Daemon::start_in_netns(&hosts.b, &support::strs(&args_b));
+    let a = Daemon::start_in_netns(&hosts.a, &support::strs(&args_a));
     let mut ca = a.client("engine-a", 60_000);
     let mut cb = b.client("engine-b", 60_000);
     let ns = ca.register_namespace(&support::namespace()).unwrap();
@@ -526,11 +310,10 @@ fn a_push_whose_link_is_cut_publishes_nothing_frees_the_destinations_pages_and_u
 fn a_checkpoint_streamed_step_by_step_to_its_holder_restores_there_and_by_a_recovery_read() {
     use kvd::keys::block_tags;
     use kvd::store::{BlockClass, Handle};
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
-    let holder = Daemon::start(&data_args(&secret, "2"));
-    let worker = node_to(&secret, "1", 2, &holder, &[]);
-    let successor = node_to(&secret, "3", 2, &holder, &[]);
+    let net = Net::new();
+    let holder = net.node(2, &[]);
+    let worker = net.node(1, &[]);
+    let successor = net.node(3, &[]);
 
     let desc = support::namespace();
     let mut w = worker.client("worker", 30_000);
@@ -630,16 +413,9 @@ fn a_checkpoint_streamed_step_by_step_to_its_holder_restores_there_and_by_a_reco
 #[test]
 fn pushes_past_the_bound_are_refused_retryably_and_a_destination_out_of_space_says_so_before_any_byte_moves()
  {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
-    let b = Daemon::start(&data_args(&secret, "2"));
-    let a = node_to(
-        &secret,
-        "1",
-        2,
-        &b,
-        &["--pool-mib", "64", "--max-transfers-per-peer", "1"],
-    );
+    let net = Net::new();
+    let b = net.node(2, &[]);
+    let a = net.node(1, &["--pool-mib", "64", "--max-transfers-per-peer", "1"]);
     let mut ca = a.client("engine-a", 30_000);
     let ns = ca.register_namespace(&support::namespace()).unwrap();
 
@@ -680,14 +456,11 @@ fn pushes_past_the_bound_are_refused_retryably_and_a_destination_out_of_space_sa
 
 #[test]
 fn a_transfer_left_open_past_its_deadline_is_aborted_and_its_pages_freed() {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
-    let mut args = data_args(&secret, "2");
-    args.extend(["--transfer-deadline-ms", "1000"]);
-    let b = Daemon::start(&args);
+    let net = Net::new();
+    let b = net.node(2, &["--transfer-deadline-ms", "1000"]);
     let ns = support::namespace().id();
     let keys = support::keys(ns, 8, 2);
-    let src = RawSource::new(&secret, &b, 2);
+    let src = RawSource::new(&net, &b, 2);
     let free = b.status().stats.accounting.free;
     let (mut s, generation) = src.control();
     let r = ask(&mut s, &src.offer(&keys, generation, 0, 1));
@@ -716,78 +489,14 @@ fn a_transfer_left_open_past_its_deadline_is_aborted_and_its_pages_freed() {
     drop(s);
 }
 
-/// A connection to `to` from the loopback address `source`.
-fn connect_from(source: &str, to: std::net::SocketAddr) -> std::io::Result<std::net::TcpStream> {
-    use rustix::net::{AddressFamily, SocketType, bind, connect, socket};
-    let fd = socket(AddressFamily::INET, SocketType::STREAM, None)?;
-    let from: std::net::SocketAddr = format!("{source}:0").parse().unwrap();
-    bind(&fd, &from)?;
-    connect(&fd, &to)?;
-    Ok(std::net::TcpStream::from(fd))
-}
-
-#[test]
-fn a_flood_of_half_open_and_trickling_connections_does_not_lock_a_restarted_peer_out() {
-    use std::io::Write;
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
-    let b = Daemon::start(&data_args(&secret, "2"));
-    let to: std::net::SocketAddr = data_addr(&b).parse().unwrap();
-    // 100 connections that trickle the hello (a byte between tries: each alone never idles
-    // for a read timeout) and 300 that say nothing, from eight other loopback addresses,
-    // opened before the peer restarts; bounded in count and time.
-    let mut flood = Vec::new();
-    for i in 0..400 {
-        let source = format!("127.0.1.{}", 1 + i % 8);
-        if let Ok(s) = connect_from(&source, to) {
-            flood.push((s, i < 100));
-        }
-    }
-    assert!(
-        flood.len() >= 300,
-        "the flood opened {} connections",
-        flood.len()
-    );
-    let a = node_to(&secret, "1", 2, &b, &[]); // a peer that has just (re)started
-    let mut ca = a.client("engine-a", 30_000);
-    let ns = ca.register_namespace(&support::namespace()).unwrap();
-    let keys = support::keys(ns, 9, 4);
-    for (i, k) in keys.iter().enumerate() {
-        support::put_one(&mut ca, *k, &support::pattern(BLOCK, i as u8));
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut tried = 0;
-    let done = loop {
-        for (s, trickle) in flood.iter_mut() {
-            if *trickle {
-                let _ = s.write_all(&[1]);
-            }
-        }
-        tried += 1;
-        let id = ca.push(2, &keys).unwrap();
-        let t = wait_done(&mut ca, id);
-        if t.state == TransferState::Done {
-            break t;
-        }
-        assert!(Instant::now() < deadline, "the peer never got in: {t:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    };
-    assert_eq!(done.blocks, 4);
-    assert!(tried <= 3, "the restarted peer needed {tried} tries");
-    let e = b.status().data_port.unwrap().engine;
-    assert!(e.handshakes_refused > 0, "the flood met the bounds: {e:?}");
-    drop(flood);
-}
-
 #[test]
 fn an_insider_cannot_write_into_another_pairs_transfer_and_an_unchecked_overwrite_fails_the_commit()
 {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
-    let b = Daemon::start(&data_args(&secret, "2"));
+    let net = Net::new();
+    let b = net.node(2, &[]);
     let ns = support::namespace().id();
     let keys = support::keys(ns, 11, 2);
-    let src = RawSource::new(&secret, &b, 2);
+    let src = RawSource::new(&net, &b, 2);
     let (mut s, generation) = src.control();
     let r = ask(&mut s, &src.offer(&keys, generation, 0, 1));
     let (transfer, segment, offsets) = accepted(r);
@@ -796,7 +505,7 @@ fn an_insider_cannot_write_into_another_pairs_transfer_and_an_unchecked_overwrit
         "transfer ids are not a small counter: {transfer}"
     );
     // A third node holding the secret, aiming at that transfer's pages: refused.
-    let intruder = RawSource::build(&secret, &b, 2, 3, 9, |_| {});
+    let intruder = RawSource::build(&net, &b, 2, 3, 9, |_| {});
     let st = intruder.run(&intruder.writes(transfer, &segment, &offsets));
     assert!(
         matches!(st.first_failure, Some(OpFailure::Refused(_))),
@@ -809,7 +518,7 @@ fn an_insider_cannot_write_into_another_pairs_transfer_and_an_unchecked_overwrit
         src.run(&src.writes(transfer, &segment, &offsets))
             .succeeded()
     );
-    let sloppy = RawSource::build(&secret, &b, 2, 1, 6, |c| c.checksum = false);
+    let sloppy = RawSource::build(&net, &b, 2, 1, 6, |c| c.checksum = false);
     assert!(
         sloppy
             .run(&sloppy.writes(transfer, &segment, &offsets[..1]))
@@ -844,14 +553,13 @@ fn open_until_refused<T>(
 
 #[test]
 fn an_insider_holding_idle_connections_takes_only_its_own_share_and_replays_change_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
-    let b = Daemon::start(&data_args(&secret, "2"));
+    let net = Net::new();
+    let b = net.node(2, &[]);
     let ns = support::namespace().id();
-    // An insider (node 3, holding the secret) opens control connections and data endpoints
-    // and idles on them, past its share: the surplus is refused at the bind, retryably and
-    // naming the bound, not as a wrong secret.
-    let insider = RawSource::build(&secret, &b, 2, 3, 7, |_| {});
+    // An insider (node 3, holding the secret and its own key) opens control connections and
+    // data endpoints and idles on them, past its share: the surplus is refused at the bind,
+    // retryably and naming the bound, not as a wrong secret.
+    let insider = RawSource::build(&net, &b, 2, 3, 7, |_| {});
     let (held, refused) =
         open_until_refused("control", || insider.engine.open_control(&insider.peer));
     assert!(
@@ -864,7 +572,7 @@ fn an_insider_holding_idle_connections_takes_only_its_own_share_and_replays_chan
         "{refused:?}"
     );
     // Meanwhile another peer connects and pushes as ever.
-    let a = node_to(&secret, "1", 2, &b, &[]);
+    let a = net.node(1, &[]);
     let mut ca = a.client("engine-a", 30_000);
     ca.register_namespace(&support::namespace()).unwrap();
     let keys = support::keys(ns, 21, 2);
@@ -878,7 +586,7 @@ fn an_insider_holding_idle_connections_takes_only_its_own_share_and_replays_chan
     // it committed, and its offer replayed, change nothing.
     drop(held);
     let own = support::keys(ns, 22, 2);
-    let src = RawSource::new(&secret, &b, 2);
+    let src = RawSource::new(&net, &b, 2);
     let (mut s, generation) = src.control();
     let offer = src.offer(&own, generation, 0, 1);
     let (transfer, segment, offsets) = accepted(ask(&mut s, &offer));

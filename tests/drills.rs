@@ -19,6 +19,7 @@ use kvd::protocol::TransferState;
 use kvd::store::BlockClass;
 use support::cluster::{Control, node, node_dirs, secret_file, view, wait_views};
 use support::drill::{Expect, Outcome, report, settle};
+use support::raw::Net;
 use support::{Daemon, Etcd, Helper};
 
 /// The lease TTL of the drills' nodes.
@@ -428,45 +429,15 @@ fn drill_08_a_paused_planner_stops_no_data_path_and_plans_nothing_twice_on_resum
 
 // ---- static-peer helpers (drills that need no etcd) ------------------------------------------
 
-/// A node `id` with a data port on `listen`, knowing `peers` (id, data address), with `extra`.
-fn data_node(
-    secret: &std::path::Path,
-    id: u64,
-    listen: &str,
-    peers: &[(u64, String)],
-    extra: &[&str],
-) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "--cluster-secret-file",
-        secret.to_str().unwrap(),
-        "--node-id",
-        &id.to_string(),
-        "--data-listen",
-        listen,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    for (p, addr) in peers {
-        args.push("--peer".into());
-        args.push(format!("{p}={addr}"));
-    }
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
-}
-
-fn start(args: &[String]) -> Daemon {
-    let a: Vec<&str> = args.iter().map(String::as_str).collect();
-    Daemon::start(&a)
+/// Node `id` of `net` with a data port on `listen` (a fixed address: it is in the peers file,
+/// which every node of the drill reads, from now on), with `extra`.
+fn data_node(net: &Net, id: u64, listen: &str, extra: &[&str]) -> Vec<String> {
+    net.args_at(id, listen, extra)
 }
 
 fn start_in(ns: &str, args: &[String]) -> Daemon {
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
     Daemon::start_in_netns(ns, &a)
-}
-
-fn data_addr(d: &Daemon) -> String {
-    d.status().data_port.unwrap().listen
 }
 
 // ---- 2. kill -9 a node mid-way through streaming a checkpoint ---------------------------------
@@ -481,27 +452,20 @@ fn drill_02_a_node_killed_mid_checkpoint_stream_leaves_the_last_complete_step_an
     use kvd::control::StreamCursor;
     use kvd::keys::{BlockKey, block_tags};
     use kvd::store::Handle;
-    let tmp = tempfile::tempdir().unwrap();
-    let secret = secret_file(tmp.path());
+    let net = Net::new();
     let hosts = support::TwoHosts::new();
     // the worker on host a; the holder and the successor on host b
     let holder_args = data_node(
-        &secret,
+        &net,
         2,
         "10.77.0.2:7461",
-        &[],
         &["--transfer-deadline-ms", "3000"],
     );
+    let worker_args = data_node(&net, 1, "10.77.0.1:7461", &[]);
+    let successor_args = data_node(&net, 3, "10.77.0.2:7462", &[]);
     let h = start_in(&hosts.b, &holder_args);
-    let to_holder = [(2, "10.77.0.2:7461".to_string())];
-    let w = start_in(
-        &hosts.a,
-        &data_node(&secret, 1, "10.77.0.1:7461", &to_holder, &[]),
-    );
-    let s = start_in(
-        &hosts.b,
-        &data_node(&secret, 3, "10.77.0.2:7462", &to_holder, &[]),
-    );
+    let w = start_in(&hosts.a, &worker_args);
+    let s = start_in(&hosts.b, &successor_args);
     let desc = support::namespace();
     let tpb = desc.tokens_per_block;
     let (req, epoch) = (9001, 1);
@@ -658,32 +622,18 @@ fn drill_02_a_node_killed_mid_checkpoint_stream_leaves_the_last_complete_step_an
 #[test]
 fn drill_04_a_fetch_whose_link_is_cut_publishes_nothing_fails_in_time_and_is_retried_from_another_source()
  {
-    let tmp = tempfile::tempdir().unwrap();
-    let secret = secret_file(tmp.path());
+    let net = Net::new();
     let hosts = support::TwoHosts::new();
     // A and C on host a (C a second source of the same blocks), B across the link
     let (a_addr, b_addr, c_addr) = ("10.77.0.1:7461", "10.77.0.2:7461", "10.77.0.1:7462");
-    let b = start_in(
-        &hosts.b,
-        &data_node(
-            &secret,
-            2,
-            b_addr,
-            &[(3, c_addr.into())],
-            &["--transfer-deadline-ms", "3000"],
-        ),
+    let b_args = data_node(&net, 2, b_addr, &["--transfer-deadline-ms", "3000"]);
+    let (a_args, c_args) = (
+        data_node(&net, 1, a_addr, &[]),
+        data_node(&net, 3, c_addr, &[]),
     );
-    let a = start_in(
-        &hosts.a,
-        &data_node(
-            &secret,
-            1,
-            a_addr,
-            &[(2, b_addr.into()), (3, c_addr.into())],
-            &[],
-        ),
-    );
-    let c = start_in(&hosts.a, &data_node(&secret, 3, c_addr, &[], &[]));
+    let b = start_in(&hosts.b, &b_args);
+    let a = start_in(&hosts.a, &a_args);
+    let c = start_in(&hosts.a, &c_args);
     // B has 40 blocks; it gives C a copy (across the link, before the fault)
     let mut eb = b.client("engine-b", 60_000);
     let keys = put_blocks(&mut eb, 90, 40);
@@ -856,16 +806,9 @@ fn drill_06_a_node_cut_off_from_etcd_goes_not_ready_takes_no_work_and_comes_back
 
 #[test]
 fn drill_09_a_burst_past_the_bound_is_answered_retryably_and_the_retries_do_not_amplify_it() {
-    let tmp = tempfile::tempdir().unwrap();
-    let secret = secret_file(tmp.path());
-    let b = start(&data_node(&secret, 2, "127.0.0.1:0", &[], &[]));
-    let a = start(&data_node(
-        &secret,
-        1,
-        "127.0.0.1:0",
-        &[(2, data_addr(&b))],
-        &["--max-transfers-per-peer", "1", "--pool-mib", "64"],
-    ));
+    let net = Net::new();
+    let b = net.node(2, &[]);
+    let a = net.node(1, &["--max-transfers-per-peer", "1", "--pool-mib", "64"]);
     let retrying = kvd::client::ClientOptions {
         retry: Some(kvd::client::RetryPolicy {
             max_attempts: 16,

@@ -297,21 +297,10 @@ fn the_bindings_benchmark_compiles_against_the_header() {
 
 #[test]
 fn a_c_client_pushes_and_fetches_blocks_between_two_daemons() {
-    use std::os::unix::fs::PermissionsExt;
     for exe in builds("transfers") {
-        let dir = tempfile::tempdir().unwrap();
-        let secret = dir.path().join("secret");
-        std::fs::write(&secret, [3u8; 32]).unwrap();
-        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let s = secret.to_str().unwrap();
-        let data = ["--cluster-secret-file", s, "--data-listen", "127.0.0.1:0"];
-        let mut args = data.to_vec();
-        args.extend(["--node-id", "2"]);
-        let b = Daemon::start(&args);
-        let peer = format!("2={}", b.status().data_port.unwrap().listen);
-        let mut args = data.to_vec();
-        args.extend(["--node-id", "1", "--peer", &peer]);
-        let a = Daemon::start(&args);
+        let net = support::raw::Net::new();
+        let b = net.node(2, &[]);
+        let a = net.node(1, &[]);
         let o = Command::new(&exe)
             .arg(&a.socket)
             .arg(&b.socket)

@@ -366,22 +366,21 @@ fn soak_random_operations_under_random_faults_read_only_live_published_versions(
         })
         .collect();
     let dirs: Vec<_> = support::cluster::node_dirs(tmp.path(), NODES as u64);
+    let cluster = support::StaticCluster::new(tmp.path());
+    for (i, port) in ports.iter().enumerate() {
+        cluster.join_at(i as u64 + 1, &format!("127.0.0.1:{port}"));
+    }
     let args: Vec<Vec<String>> = (0..NODES)
         .map(|i| {
             let mut a: Vec<String> = vec![
                 "--cluster-secret-file".into(),
                 secret.to_str().unwrap().into(),
-                "--node-id".into(),
-                (i + 1).to_string(),
                 "--data-listen".into(),
                 format!("127.0.0.1:{}", ports[i]),
                 "--transfer-deadline-ms".into(),
                 "3000".into(),
             ];
-            for j in (0..NODES).filter(|&j| j != i) {
-                a.push("--peer".into());
-                a.push(format!("{}=127.0.0.1:{}", j + 1, ports[j]));
-            }
+            a.extend(cluster.args(i as u64 + 1));
             a
         })
         .collect();

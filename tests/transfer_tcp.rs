@@ -80,9 +80,12 @@ fn secret_file(dir: &Path, name: &str, byte: u8) -> PathBuf {
     p
 }
 
+/// Node `node`'s engine settings: its test key, and every node of these tests (1 to 9) a
+/// member with its test key.
 fn config(node: u64, listen: &str, secret: &Path, stall_ms: u64) -> TcpConfig {
     let secret = ClusterSecret::from_file(secret).unwrap();
-    let mut c = TcpConfig::new(node, 1, listen.parse().unwrap(), secret);
+    let mut c = transport::link::testing::tcp_config(node, 1, secret, &[1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    c.listen = listen.parse().unwrap();
     c.stall_timeout = Duration::from_millis(stall_ms);
     c
 }

@@ -26,7 +26,7 @@ use kvd::protocol::TransferState;
 use transport::engine::HeapMemory;
 
 use crate::local::{ChildDaemon, Crc, Keys, buffers, connect, descriptor, kvd_beside, put_batch};
-use crate::transfer::{RawMode, Target, write_secret};
+use crate::transfer::{RawMode, Target, node_key, write_secret};
 
 /// The data connections a daemon opens to a peer (the TCP backend's default, which the daemon
 /// keeps): the raw bound uses as many streams.
@@ -128,16 +128,20 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
         let n = (total as usize).div_ceil(block);
         let mut s = Samples::default();
         let (port1, port2) = (free_port()?, free_port()?);
+        let keys = [node_key(dir.path(), 1)?, node_key(dir.path(), 2)?];
         let node = |id: u32, port: u16, peer: u32, peer_port: u16| -> Vec<String> {
+            let (mine, theirs) = (&keys[id as usize - 1], &keys[peer as usize - 1]);
             vec![
                 "--cluster-secret-file".into(),
                 secret.to_string_lossy().into_owned(),
                 "--node-id".into(),
                 id.to_string(),
+                "--node-key-file".into(),
+                mine.0.to_string_lossy().into_owned(),
                 "--data-listen".into(),
                 format!("127.0.0.1:{port}"),
                 "--peer".into(),
-                format!("{peer}=127.0.0.1:{peer_port}"),
+                format!("{peer}=127.0.0.1:{peer_port},key={}", theirs.1),
                 "--max-batch".into(),
                 "1024".into(),
                 "--data-lanes".into(),

@@ -6,7 +6,9 @@
 //!   alternating between two halves of its segment (so no range is reused while a batch that
 //!   names it is in flight), until at least `--gib-per-case` GiB moved. Writes push to the
 //!   target's granted range, reads pull from it. Checksums off and on (CRC-32C per chunk,
-//!   computed by the sender, checked by the receiver).
+//!   computed by the sender, checked by the receiver), and with `--payload-mac on` also with
+//!   the payload MAC (a keyed blake3 of every payload, the connection's own key, beside the
+//!   CRC-32C where that is on).
 //! - **raw TCP**: as many plain blocking sockets as the engine's connections, one thread per
 //!   socket on each side, `write_all` of 1 MiB slices in this process, `read_exact` into the
 //!   target's memory in the child: what a plain program does over loopback with the same
@@ -34,12 +36,13 @@ use transport::engine::{HeapMemory, Limits, Memory, Op, OpKind, Transport};
 use transport::grant::{Direction, Grant, SegmentId, TransferId};
 use transport::link::PeerAddr;
 use transport::segment::SegmentDescriptor;
-use transport::tcp::{TcpConfig, TcpTransport, ZeroCopy};
+use transport::tcp::{TcpTransport, ZeroCopy};
 
 const SEG: SegmentId = SegmentId(1);
 const WRITE_TRANSFER: TransferId = TransferId(1);
 const READ_TRANSFER: TransferId = TransferId(2);
 const TARGET_NODE: u64 = 2;
+const INITIATOR_NODE: u64 = 1;
 /// No case runs longer than this, whatever it has moved.
 const CASE_CAP: Duration = Duration::from_secs(60);
 
@@ -80,6 +83,9 @@ pub struct TransferArgs {
     /// Checksum modes, comma-separated: off, on.
     #[arg(long, value_delimiter = ',', default_values_t = vec!["off".to_string(), "on".to_string()])]
     pub checksum: Vec<String>,
+    /// Payload MAC modes, comma-separated: off, on (each checksum mode runs with each).
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["off".to_string()])]
+    pub payload_mac: Vec<String>,
 }
 
 /// `kvd-bench transfer-target` arguments (the child process).
@@ -154,12 +160,7 @@ fn touch(mem: &HeapMemory) {
 /// MODE says, answers `raw-done`); EOF ends it.
 pub fn target(args: &TargetArgs) -> Result<(), String> {
     let secret = ClusterSecret::from_file(&args.secret_file).map_err(|e| e.to_string())?;
-    let mut c = TcpConfig::new(
-        TARGET_NODE,
-        1,
-        "127.0.0.1:0".parse().expect("an address"),
-        secret,
-    );
+    let mut c = transport::link::testing::tcp_config(TARGET_NODE, 1, secret, &[INITIATOR_NODE]);
     c.chunk_bytes = args.chunk_kib << 10;
     c.lanes = args.lanes;
     c.zero_copy = zero_copy(&args.zero_copy)?;
@@ -334,21 +335,18 @@ impl Bounds {
     }
 }
 
-/// The initiator's engine for one checksum mode, with `mem` registered, and its endpoint to
-/// the target.
+/// The initiator's engine for one checksum and payload MAC mode, with `mem` registered, and
+/// its endpoint to the target (the MAC is on for the connection when this end asks for it).
 fn initiator(
     args: &TransferArgs,
     secret: &ClusterSecret,
-    checksum: bool,
+    (checksum, payload_mac): (bool, bool),
     mem: &Arc<HeapMemory>,
     target: &Target,
 ) -> Result<(TcpTransport, transport::engine::EndpointId), String> {
-    let mut c = TcpConfig::new(
-        1,
-        1,
-        "127.0.0.1:0".parse().expect("an address"),
-        secret.clone(),
-    );
+    let mut c =
+        transport::link::testing::tcp_config(INITIATOR_NODE, 1, secret.clone(), &[TARGET_NODE]);
+    c.payload_mac = payload_mac;
     c.connections = args.connections;
     c.lanes = args.lanes;
     c.chunk_bytes = args.chunk_kib << 10;
@@ -411,13 +409,19 @@ pub fn run(args: &TransferArgs) -> Result<(), String> {
         bounds.sample(&mut target, &mem, total)?;
     }
     let mut rows: Vec<Row> = Vec::new();
-    for ck in &args.checksum {
-        let checksum = match ck.as_str() {
-            "off" => false,
-            "on" => true,
-            _ => return Err(format!("--checksum takes off or on, not {ck:?}")),
-        };
-        let (engine, ep) = initiator(args, &secret, checksum, &mem, &target)?;
+    let on_off = |flag: &str, v: &str| match v {
+        "off" => Ok(false),
+        "on" => Ok(true),
+        _ => Err(format!("--{flag} takes off or on, not {v:?}")),
+    };
+    let modes: Vec<(&String, &String)> = args
+        .payload_mac
+        .iter()
+        .flat_map(|m| args.checksum.iter().map(move |ck| (ck, m)))
+        .collect();
+    for (ck, mac) in modes {
+        let mode = (on_off("checksum", ck)?, on_off("payload-mac", mac)?);
+        let (engine, ep) = initiator(args, &secret, mode, &mem, &target)?;
         for d in &args.direction {
             let kind = match d.as_str() {
                 "write" => OpKind::Write,
@@ -427,8 +431,9 @@ pub fn run(args: &TransferArgs) -> Result<(), String> {
             for &kib in &args.block_kib {
                 eprintln!("kvd-bench transfer: raw TCP (samples between cases)");
                 bounds.sample(&mut target, &mem, total)?;
+                let mac_label = if mode.1 { ", MAC on" } else { "" };
                 let mut row = Row {
-                    case: format!("{d:<5} {kib:>5} KiB blocks, checksum {ck}"),
+                    case: format!("{d:<5} {kib:>5} KiB blocks, checksum {ck}{mac_label}"),
                     samples: vec![],
                 };
                 for i in 0..args.repeat {
@@ -519,6 +524,15 @@ pub(crate) fn write_secret(dir: &std::path::Path) -> Result<PathBuf, String> {
         .map_err(|e| e.to_string())?;
     f.write_all(&bytes).map_err(|e| e.to_string())?;
     Ok(path)
+}
+
+/// Node `node`'s key file in `dir` (made there, mode 0600, if there is none) and its public
+/// key: what a daemon a bench starts proves its id with, and its peers list.
+pub(crate) fn node_key(dir: &std::path::Path, node: u64) -> Result<(PathBuf, String), String> {
+    let path = dir.join(format!("node{node}.key"));
+    let (key, _) =
+        transport::link::identity::NodeKey::open(&path, true).map_err(|e| e.to_string())?;
+    Ok((path, key.public().to_string()))
 }
 
 /// The target process (`kvd-bench transfer-target`), its data and raw TCP addresses and its

@@ -1,4 +1,5 @@
-//! The `kvd` command: `kvd serve`, `kvd status`, `kvd drain`, `kvd control`, `kvd sim`.
+//! The `kvd` command: `kvd serve`, `kvd status`, `kvd drain`, `kvd key`, `kvd control`,
+//! `kvd sim`.
 
 use clap::{Parser, Subcommand};
 
@@ -21,7 +22,8 @@ enum Command {
   kvd serve --pool-mib 65536 --socket /run/kvd/kvd.sock --socket-group vllm --data-dir /var/lib/kvd
   kvd serve --config /etc/kvd.toml            the same keys in TOML (flags win)
   kvd serve --node-id 1 --cluster-secret-file secret --data-listen 10.0.0.1:7461 \\
-      --peer 2=10.0.0.2:7461                  two nodes, peers named by hand
+      --peers-file /etc/kvd/peers             nodes named by hand, each with its key (the
+                                              file's lines: 2=10.0.0.2:7461,key=<kvd key show>)
   kvd serve --node-id 1 --cluster-secret-file secret --data-listen 10.0.0.1:7461 \\
       --etcd http://10.0.0.9:2379             a cluster: peers and leases from etcd
 
@@ -35,6 +37,9 @@ See docs/DAEMON.md."
     Status(kvd::daemon::status::StatusArgs),
     /// Drain a running daemon (finish in-flight work, then exit 0), and optionally wait for it.
     Drain(kvd::daemon::status::DrainArgs),
+    /// A node's identity on the data port: print its public key (for peer lists), or revoke a
+    /// node's key in the cluster's etcd.
+    Key(kvd::daemon::keys::KeyArgs),
     /// Run the control shim (checkpoint placement, recovery planning) as an HTTP/JSON service.
     Control(Box<kvd::control_service::ControlArgs>),
     /// Simulate a serving cluster with failing workers and compare recovery policies.
@@ -64,6 +69,7 @@ fn main() -> std::process::ExitCode {
         Command::Serve(args) => kvd::daemon::run(*args),
         Command::Status(args) => kvd::daemon::status::run(args),
         Command::Drain(args) => kvd::daemon::status::drain(args),
+        Command::Key(args) => kvd::daemon::keys::run(args),
         Command::Control(args) => kvd::control_service::run(*args),
         #[cfg(feature = "sim")]
         Command::Sim(args) => kvd::sim::cli::run(args),

@@ -105,8 +105,8 @@ int main(int argc, char **argv) {
     EXPECT(kvd_transfers(a, ids, 2, &one, 1, &found), KVD_ERR_INVALID_ARGUMENT);
     EXPECT(kvd_push(a, 2, NULL, 1, &id), KVD_ERR_INVALID_ARGUMENT);
     EXPECT(kvd_fetch(a, 2, k, 1, NULL), KVD_ERR_INVALID_ARGUMENT);
-    /* node 2 has no data port peers: it cannot push anywhere */
-    EXPECT(kvd_push(b, 1, k + 6, 1, &id), KVD_ERR_NOT_FOUND);
+    /* node 2's peers are node 1 alone: it cannot push to node 3 */
+    EXPECT(kvd_push(b, 3, k + 6, 1, &id), KVD_ERR_NOT_FOUND);
     /* an unknown id is left out */
     uint64_t unknown = 123456;
     OK(kvd_transfers(a, &unknown, 1, &one, 1, &found));

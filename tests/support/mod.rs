@@ -7,6 +7,7 @@
 
 pub mod cluster;
 pub mod drill;
+pub mod raw;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -43,6 +44,11 @@ pub struct Daemon {
     pub probes: Option<SocketAddr>,
     /// The node generation the daemon announced.
     pub generation: u64,
+}
+
+/// `args` as the `&str`s [`Daemon::start`] and its kin take.
+pub fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
 }
 
 /// The flags every test daemon gets: a small pool of 256 KiB pages, no huge pages, a fast
@@ -416,6 +422,17 @@ pub fn put_one(c: &mut Client, key: BlockKey, data: &[u8]) -> kvd::store::Alloca
     .unwrap();
     c.publish(&[a.handle]).unwrap();
     a
+}
+
+/// Put `n` cache blocks of `len` bytes on `c`'s daemon (block `i` of `pattern(len, i)`), in
+/// the test namespace, keyed from `seed`; their keys.
+pub fn put_blocks(c: &mut Client, seed: u64, n: usize, len: usize) -> Vec<BlockKey> {
+    let ns = c.register_namespace(&namespace()).unwrap();
+    let keys = keys(ns, seed, n);
+    for (i, k) in keys.iter().enumerate() {
+        put_one(c, *k, &pattern(len, i as u8));
+    }
+    keys
 }
 
 /// Poll until the kernel reports process `pid` stopped (state `T`), at most 10 s.
@@ -830,5 +847,109 @@ impl Drop for Etcd {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// The static cluster of one test: each node's key made in advance in the test's directory
+/// (`--node-key-file`), and one peers file every daemon of the test reads (`--peers-file`), to
+/// which each node's line is added as it starts (or before, where its address is fixed). A
+/// daemon looks at the file again as soon as a node it does not know connects or is pushed
+/// to, so a node is accepted the moment its line is there.
+#[derive(Debug)]
+pub struct StaticCluster {
+    dir: PathBuf,
+    /// The peers file.
+    pub peers: PathBuf,
+}
+
+impl StaticCluster {
+    /// A cluster with an empty peers file in `dir`.
+    pub fn new(dir: &Path) -> StaticCluster {
+        let peers = dir.join("peers");
+        std::fs::write(&peers, "# node=data address,key=public key\n").unwrap();
+        StaticCluster {
+            dir: dir.to_owned(),
+            peers,
+        }
+    }
+
+    /// Node `node`'s key file (made now if there is none).
+    pub fn key_file(&self, node: u64) -> PathBuf {
+        let p = self.dir.join(format!("node{node}.key"));
+        if !p.exists() {
+            transport::link::identity::NodeKey::create(&p).unwrap();
+        }
+        p
+    }
+
+    /// Node `node`'s public key.
+    pub fn key(&self, node: u64) -> String {
+        transport::link::identity::NodeKey::from_file(&self.key_file(node))
+            .unwrap()
+            .public()
+            .to_string()
+    }
+
+    /// The flags that make a daemon node `node` of this cluster: its id, its key and the
+    /// peers file (the secret and the data port's address are the test's).
+    pub fn args(&self, node: u64) -> Vec<String> {
+        vec![
+            "--node-id".into(),
+            node.to_string(),
+            "--node-key-file".into(),
+            self.key_file(node).to_str().unwrap().into(),
+            "--peers-file".into(),
+            self.peers.to_str().unwrap().into(),
+        ]
+    }
+
+    /// A `--peer` entry for node `node` at `addr`, with its key.
+    pub fn entry(&self, node: u64, addr: &str) -> String {
+        format!("{node}={addr},key={}", self.key(node))
+    }
+
+    /// Whether node `node` has a line in the peers file.
+    pub fn has(&self, node: u64) -> bool {
+        let prefix = format!("{node}=");
+        std::fs::read_to_string(&self.peers)
+            .unwrap()
+            .lines()
+            .any(|l| l.starts_with(&prefix))
+    }
+
+    /// Add (or move) node `node`, at `addr`, to the peers file.
+    pub fn join_at(&self, node: u64, addr: &str) {
+        self.set_line(node, Some(self.entry(node, addr)));
+    }
+
+    /// Add (or move) daemon `d`, node `node`, to the peers file at its data address.
+    pub fn join(&self, node: u64, d: &Daemon) {
+        self.join_at(node, &d.data_addr().to_string());
+    }
+
+    /// Add a node that is no daemon (a test's own engine) with key `key`.
+    pub fn join_with_key(&self, node: u64, addr: &str, key: &str) {
+        self.set_line(node, Some(format!("{node}={addr},key={key}")));
+    }
+
+    /// Delete node `node`'s line: the static cluster's way of revoking its key.
+    pub fn remove(&self, node: u64) {
+        self.set_line(node, None);
+    }
+
+    /// Replace node `node`'s line (atomically: a daemon reading the file sees the old one or
+    /// the new one, never a part).
+    fn set_line(&self, node: u64, line: Option<String>) {
+        let text = std::fs::read_to_string(&self.peers).unwrap();
+        let prefix = format!("{node}=");
+        let mut lines: Vec<String> = text
+            .lines()
+            .filter(|l| !l.starts_with(&prefix))
+            .map(str::to_owned)
+            .collect();
+        lines.extend(line);
+        let tmp = self.peers.with_extension("tmp");
+        std::fs::write(&tmp, lines.join("\n") + "\n").unwrap();
+        std::fs::rename(&tmp, &self.peers).unwrap();
     }
 }

@@ -1,27 +1,36 @@
 //! Peer authentication: a connection between two nodes proves, both ways, that each end holds
 //! the cluster secret, without the secret (or anything a listener could replay) crossing the
-//! wire.
+//! wire, and agrees on a key of the connection's own that nobody else can compute, the holders
+//! of the secret included.
 //!
 //! ```text
 //! initiator                                   responder
-//!   Hello { version, initiator nonce } ───────▶
-//!                       ◀─────── Challenge { responder nonce, responder proof }
+//!   Hello { version, initiator nonce, initiator ephemeral } ──▶
+//!          ◀── Challenge { responder nonce, responder ephemeral, responder proof }
 //!   verify responder proof
 //!   Proof { initiator proof } ────────────────▶  verify initiator proof
 //! ```
 //!
-//! `proof(role) = blake3::keyed_hash(key, "kvd peer auth v1" ‖ role ‖ initiator nonce ‖
-//! responder nonce)` with `key = blake3::derive_key("kvd cluster secret v1", secret file)`. Both
-//! nonces are fresh 32 random bytes, so no proof from another connection is ever valid again
+//! `proof(role) = blake3::keyed_hash(key, "kvd peer auth v2" ‖ role ‖ exchange)` with `key =
+//! blake3::derive_key("kvd cluster secret v1", secret file)` and `exchange` the four public
+//! values in order (both nonces, both ephemeral X25519 keys). Both nonces and both ephemeral
+//! keys are fresh on every connection, so no proof from another connection is ever valid again
 //! (replay); the role byte differs, so a responder's proof sent back as the initiator's fails
 //! (reflection). Proofs are compared in constant time (`blake3::Hash`'s equality). The keyed
 //! hash is blake3's own keyed mode, not a construction of ours. An unauthenticated connection
 //! can do nothing but fail this handshake.
 //!
-//! The handshake also gives both ends a key of the connection's own ([`SessionKey`]:
-//! `blake3::keyed_hash(key, "kvd session key v1" ‖ initiator nonce ‖ responder nonce)`),
-//! which nobody without the secret can compute. Every frame after the proofs carries a tag
-//! over it ([`Sealer`], [`Unsealer`]):
+//! The handshake also gives both ends a key of the connection's own ([`SessionKey`]):
+//!
+//! ```text
+//! session key = blake3::keyed_hash(key, "kvd session key v2" ‖ exchange ‖ X25519(ephemerals))
+//! ```
+//!
+//! The X25519 agreement (`ring`) makes it a key only the two ends know: an insider who holds
+//! the cluster secret and watches or relays the connection cannot compute it, so it cannot tag
+//! frames as either end (which [`crate::link::identity`]'s signatures over the
+//! [`Session::transcript`] then tie to the two nodes). Every frame after the proofs carries a
+//! tag over it ([`Sealer`], [`Unsealer`]):
 //!
 //! ```text
 //! tag = blake3::keyed_hash(session key, "kvd frame v1" ‖ direction ‖ sequence ‖ frame)[..16]
@@ -31,26 +40,37 @@
 //! the sequence number (a count per direction, never sent) stops a frame replayed, dropped or
 //! reordered within the connection; the session key stops one moved from another connection.
 //! A frame whose tag is wrong closes its connection: a network that flips bits or an on-path
-//! attacker without the secret can cut a connection, never change what it says.
+//! attacker without the session key can cut a connection, never change what it says.
+//!
+//! Payloads are not framed: they carry a CRC-32C, and, where the payload MAC is on, a
+//! [`PayloadKey`] MAC (`blake3::keyed_hash(derive_key("kvd payload mac v1", session key),
+//! payload)[..16]`) in their tagged header, checked after the bytes land.
 
 use std::path::Path;
 
+use ring::agreement::{EphemeralPrivateKey, UnparsedPublicKey, X25519, agree_ephemeral};
+
 use crate::error::{Error, Result};
 
-/// The version of this handshake (the first byte of [`Hello`]).
-pub const AUTH_VERSION: u8 = 1;
+/// The version of this handshake (the first byte of [`Hello`]; 2: ephemeral key agreement).
+pub const AUTH_VERSION: u8 = 2;
 /// Bytes a secret file holds at least.
 pub const MIN_SECRET_BYTES: usize = 32;
 /// Bytes a secret file holds at most (the file is read whole).
 pub const MAX_SECRET_BYTES: usize = 4096;
 
 const KEY_CONTEXT: &str = "kvd cluster secret v1";
-const PROOF_DOMAIN: &[u8] = b"kvd peer auth v1";
-const SESSION_DOMAIN: &[u8] = b"kvd session key v1";
+const PROOF_DOMAIN: &[u8] = b"kvd peer auth v2";
+const SESSION_DOMAIN: &[u8] = b"kvd session key v2";
+const TRANSCRIPT_DOMAIN: &[u8] = b"kvd transcript v2";
 const FRAME_DOMAIN: &[u8] = b"kvd frame v1";
+const PAYLOAD_CONTEXT: &str = "kvd payload mac v1";
 
 /// Bytes of the tag every frame after the handshake carries.
 pub const TAG_BYTES: usize = 16;
+
+/// Bytes of a payload's MAC.
+pub const MAC_BYTES: usize = 16;
 
 /// The cluster secret, as a key derived from the secret file. Its `Debug` shows nothing of it.
 #[derive(Clone)]
@@ -61,6 +81,36 @@ pub struct ClusterSecret {
 impl std::fmt::Debug for ClusterSecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("ClusterSecret(..)")
+    }
+}
+
+/// The public values of one handshake, in the order they were sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Exchange {
+    initiator: Nonce,
+    initiator_ephemeral: [u8; 32],
+    responder: Nonce,
+    responder_ephemeral: [u8; 32],
+}
+
+impl Exchange {
+    fn parts(&self) -> [&[u8]; 4] {
+        [
+            &self.initiator.0,
+            &self.initiator_ephemeral,
+            &self.responder.0,
+            &self.responder_ephemeral,
+        ]
+    }
+
+    /// What identity signatures cover: a hash of every public value of the handshake.
+    fn transcript(&self) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        h.update(TRANSCRIPT_DOMAIN);
+        for p in self.parts() {
+            h.update(p);
+        }
+        *h.finalize().as_bytes()
     }
 }
 
@@ -105,22 +155,69 @@ impl ClusterSecret {
         ClusterSecret::from_bytes(&bytes)
     }
 
-    fn proof(&self, role: Role, initiator: &Nonce, responder: &Nonce) -> blake3::Hash {
+    fn proof(&self, role: Role, x: &Exchange) -> blake3::Hash {
         let mut h = blake3::Hasher::new_keyed(&self.key);
         h.update(PROOF_DOMAIN);
         h.update(&[role as u8]);
-        h.update(&initiator.0);
-        h.update(&responder.0);
+        for p in x.parts() {
+            h.update(p);
+        }
         h.finalize()
     }
 
-    fn session(&self, initiator: &Nonce, responder: &Nonce) -> SessionKey {
+    fn session(&self, x: &Exchange, agreed: &[u8]) -> Session {
         let mut h = blake3::Hasher::new_keyed(&self.key);
         h.update(SESSION_DOMAIN);
-        h.update(&initiator.0);
-        h.update(&responder.0);
-        SessionKey(*h.finalize().as_bytes())
+        for p in x.parts() {
+            h.update(p);
+        }
+        h.update(agreed);
+        Session {
+            key: SessionKey(*h.finalize().as_bytes()),
+            transcript: x.transcript(),
+        }
     }
+}
+
+/// A fresh ephemeral X25519 key and its public half.
+fn ephemeral() -> Result<(EphemeralPrivateKey, [u8; 32])> {
+    let rng = ring::rand::SystemRandom::new();
+    let private = EphemeralPrivateKey::generate(&X25519, &rng)
+        .map_err(|_| Error::Io("no randomness for an ephemeral key".into()))?;
+    let public = private
+        .compute_public_key()
+        .map_err(|_| Error::Io("an ephemeral key's public half".into()))?;
+    let mut p = [0u8; 32];
+    p.copy_from_slice(public.as_ref());
+    Ok((private, p))
+}
+
+/// The X25519 agreement of `mine` with the peer's `theirs`, then the session.
+fn agree(
+    secret: &ClusterSecret,
+    mine: EphemeralPrivateKey,
+    theirs: &[u8; 32],
+    x: &Exchange,
+    who: &str,
+) -> Result<Session> {
+    agree_ephemeral(mine, &UnparsedPublicKey::new(&X25519, theirs), |agreed| {
+        secret.session(x, agreed)
+    })
+    .map_err(|_| {
+        Error::InvalidArgument(format!(
+            "peer authentication failed: the {who}'s ephemeral key is not a valid X25519 key"
+        ))
+    })
+}
+
+/// What a finished handshake gives both ends: the connection's key, and the hash of its public
+/// values that identity signatures cover.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Session {
+    /// The connection's key.
+    pub key: SessionKey,
+    /// The handshake's transcript hash (both nonces, both ephemeral keys).
+    pub transcript: [u8; 32],
 }
 
 /// The key one connection's handshake gave both its ends (and nobody else). Its `Debug`
@@ -156,6 +253,37 @@ impl SessionKey {
             Unsealer(Tagger::new(&self.0, other)),
         )
     }
+
+    /// The key of this connection's payload MACs (derived from the session key, so it is the
+    /// connection's own, never the cluster secret's).
+    pub fn payload_key(&self) -> PayloadKey {
+        PayloadKey(blake3::derive_key(PAYLOAD_CONTEXT, &self.0))
+    }
+}
+
+/// The key of one connection's payload MACs. Its `Debug` shows nothing of it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PayloadKey([u8; 32]);
+
+impl std::fmt::Debug for PayloadKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PayloadKey(..)")
+    }
+}
+
+impl PayloadKey {
+    /// The MAC of `payload`: blake3's keyed hash, truncated to [`MAC_BYTES`].
+    pub fn mac(&self, payload: &[u8]) -> [u8; MAC_BYTES] {
+        let mut m = [0u8; MAC_BYTES];
+        m.copy_from_slice(&blake3::keyed_hash(&self.0, payload).as_bytes()[..MAC_BYTES]);
+        m
+    }
+
+    /// Whether `mac` is `payload`'s (compared in constant time).
+    pub fn check(&self, payload: &[u8], mac: &[u8; MAC_BYTES]) -> bool {
+        let want = self.mac(payload);
+        want.iter().zip(mac).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
 }
 
 /// The tags of one direction of a connection: the sender's role and the next sequence number.
@@ -165,7 +293,6 @@ struct Tagger {
     from: Role,
     seq: u64,
 }
-
 impl std::fmt::Debug for Tagger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tagger")
@@ -297,19 +424,23 @@ impl Nonce {
     }
 }
 
-/// The initiator's first message: 33 bytes on the wire (version, nonce).
+/// The initiator's first message: 65 bytes on the wire (version, nonce, ephemeral key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     /// The initiator's nonce.
     pub nonce: Nonce,
+    /// The initiator's ephemeral X25519 public key.
+    pub ephemeral: [u8; 32],
 }
 
-/// The responder's answer: 64 bytes (its nonce, its proof).
+/// The responder's answer: 96 bytes (its nonce, its ephemeral key, its proof).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Challenge {
     /// The responder's nonce.
     pub nonce: Nonce,
-    /// The responder's proof over both nonces.
+    /// The responder's ephemeral X25519 public key.
+    pub ephemeral: [u8; 32],
+    /// The responder's proof over the exchange.
     pub proof: [u8; 32],
 }
 
@@ -319,13 +450,14 @@ pub struct Proof(pub [u8; 32]);
 
 impl Hello {
     /// Bytes on the wire.
-    pub const WIRE_BYTES: usize = 33;
+    pub const WIRE_BYTES: usize = 65;
 
-    /// The wire form: the version byte, then the nonce.
+    /// The wire form: the version byte, the nonce, the ephemeral key.
     pub fn encode(&self) -> [u8; Self::WIRE_BYTES] {
         let mut b = [0u8; Self::WIRE_BYTES];
         b[0] = AUTH_VERSION;
-        b[1..].copy_from_slice(&self.nonce.0);
+        b[1..33].copy_from_slice(&self.nonce.0);
+        b[33..].copy_from_slice(&self.ephemeral);
         b
     }
 
@@ -336,35 +468,43 @@ impl Hello {
     pub fn decode(b: &[u8; Self::WIRE_BYTES]) -> Result<Hello> {
         if b[0] != AUTH_VERSION {
             return Err(Error::InvalidArgument(format!(
-                "peer speaks authentication version {}, this node {AUTH_VERSION}",
+                "peer speaks authentication version {}, this node {AUTH_VERSION} (every node \
+                 of a cluster runs the same handshake: upgrade them together)",
                 b[0]
             )));
         }
-        let mut n = [0u8; 32];
-        n.copy_from_slice(&b[1..]);
-        Ok(Hello { nonce: Nonce(n) })
+        let (mut n, mut e) = ([0u8; 32], [0u8; 32]);
+        n.copy_from_slice(&b[1..33]);
+        e.copy_from_slice(&b[33..]);
+        Ok(Hello {
+            nonce: Nonce(n),
+            ephemeral: e,
+        })
     }
 }
 
 impl Challenge {
     /// Bytes on the wire.
-    pub const WIRE_BYTES: usize = 64;
+    pub const WIRE_BYTES: usize = 96;
 
-    /// The wire form: the nonce, then the proof.
+    /// The wire form: the nonce, the ephemeral key, the proof.
     pub fn encode(&self) -> [u8; Self::WIRE_BYTES] {
         let mut b = [0u8; Self::WIRE_BYTES];
         b[..32].copy_from_slice(&self.nonce.0);
-        b[32..].copy_from_slice(&self.proof);
+        b[32..64].copy_from_slice(&self.ephemeral);
+        b[64..].copy_from_slice(&self.proof);
         b
     }
 
-    /// Parse the wire form (any 64 bytes are a well-formed challenge; the proof decides).
+    /// Parse the wire form (any 96 bytes are a well-formed challenge; the proof decides).
     pub fn decode(b: &[u8; Self::WIRE_BYTES]) -> Challenge {
-        let (mut n, mut p) = ([0u8; 32], [0u8; 32]);
+        let (mut n, mut e, mut p) = ([0u8; 32], [0u8; 32], [0u8; 32]);
         n.copy_from_slice(&b[..32]);
-        p.copy_from_slice(&b[32..]);
+        e.copy_from_slice(&b[32..64]);
+        p.copy_from_slice(&b[64..]);
         Challenge {
             nonce: Nonce(n),
+            ephemeral: e,
             proof: p,
         }
     }
@@ -380,49 +520,59 @@ fn refused(who: &str) -> Error {
 #[derive(Debug)]
 pub struct Responder<'a> {
     secret: &'a ClusterSecret,
-    initiator: Nonce,
-    nonce: Nonce,
+    exchange: Exchange,
+    ephemeral: EphemeralPrivateKey,
 }
 
 impl<'a> Responder<'a> {
-    /// Answer `hello` with a fresh nonce and this end's proof.
+    /// Answer `hello` with a fresh nonce, a fresh ephemeral key and this end's proof.
     ///
     /// # Errors
     /// [`Error::Io`] without randomness.
     pub fn answer(secret: &'a ClusterSecret, hello: &Hello) -> Result<(Responder<'a>, Challenge)> {
-        Ok(Responder::answer_with(secret, hello, Nonce::fresh()?))
-    }
-
-    fn answer_with(
-        secret: &'a ClusterSecret,
-        hello: &Hello,
-        nonce: Nonce,
-    ) -> (Responder<'a>, Challenge) {
-        let proof = *secret
-            .proof(Role::Responder, &hello.nonce, &nonce)
-            .as_bytes();
+        let nonce = Nonce::fresh()?;
+        let (ephemeral, public) = ephemeral()?;
+        let exchange = Exchange {
+            initiator: hello.nonce,
+            initiator_ephemeral: hello.ephemeral,
+            responder: nonce,
+            responder_ephemeral: public,
+        };
+        let proof = *secret.proof(Role::Responder, &exchange).as_bytes();
         let r = Responder {
             secret,
-            initiator: hello.nonce,
-            nonce,
+            exchange,
+            ephemeral,
         };
-        (r, Challenge { nonce, proof })
+        Ok((
+            r,
+            Challenge {
+                nonce,
+                ephemeral: public,
+                proof,
+            },
+        ))
     }
 
     /// Check the initiator's proof; only `Ok` lets the connection do anything, and it
-    /// carries the connection's key.
+    /// carries the connection's session.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the initiator does not hold the secret.
-    pub fn verify(self, p: &Proof) -> Result<SessionKey> {
-        let want = self
-            .secret
-            .proof(Role::Initiator, &self.initiator, &self.nonce);
-        if want == blake3::Hash::from_bytes(p.0) {
-            Ok(self.secret.session(&self.initiator, &self.nonce))
-        } else {
-            Err(refused("initiator"))
+    /// [`Error::InvalidArgument`] when the initiator does not hold the secret, or sent no valid
+    /// ephemeral key.
+    pub fn verify(self, p: &Proof) -> Result<Session> {
+        let want = self.secret.proof(Role::Initiator, &self.exchange);
+        if want != blake3::Hash::from_bytes(p.0) {
+            return Err(refused("initiator"));
         }
+        let theirs = self.exchange.initiator_ephemeral;
+        agree(
+            self.secret,
+            self.ephemeral,
+            &theirs,
+            &self.exchange,
+            "initiator",
+        )
     }
 }
 
@@ -431,36 +581,58 @@ impl<'a> Responder<'a> {
 pub struct Initiator<'a> {
     secret: &'a ClusterSecret,
     nonce: Nonce,
+    ephemeral: EphemeralPrivateKey,
+    public: [u8; 32],
 }
 
 impl<'a> Initiator<'a> {
-    /// Start a handshake with a fresh nonce.
+    /// Start a handshake with a fresh nonce and ephemeral key.
     ///
     /// # Errors
     /// [`Error::Io`] without randomness.
     pub fn start(secret: &'a ClusterSecret) -> Result<(Initiator<'a>, Hello)> {
         let nonce = Nonce::fresh()?;
-        Ok((Initiator { secret, nonce }, Hello { nonce }))
+        let (ephemeral, public) = ephemeral()?;
+        Ok((
+            Initiator {
+                secret,
+                nonce,
+                ephemeral,
+                public,
+            },
+            Hello {
+                nonce,
+                ephemeral: public,
+            },
+        ))
     }
 
     /// Check the responder's proof; if it holds, the proof to send back and the
-    /// connection's key.
+    /// connection's session.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when the responder does not hold the secret (send nothing,
-    /// close the connection).
-    pub fn respond(self, c: &Challenge) -> Result<(Proof, SessionKey)> {
-        let want = self.secret.proof(Role::Responder, &self.nonce, &c.nonce);
+    /// [`Error::InvalidArgument`] when the responder does not hold the secret or sent no valid
+    /// ephemeral key (send nothing, close the connection).
+    pub fn respond(self, c: &Challenge) -> Result<(Proof, Session)> {
+        let exchange = Exchange {
+            initiator: self.nonce,
+            initiator_ephemeral: self.public,
+            responder: c.nonce,
+            responder_ephemeral: c.ephemeral,
+        };
+        let want = self.secret.proof(Role::Responder, &exchange);
         if want != blake3::Hash::from_bytes(c.proof) {
             return Err(refused("responder"));
         }
-        let proof = Proof(
-            *self
-                .secret
-                .proof(Role::Initiator, &self.nonce, &c.nonce)
-                .as_bytes(),
-        );
-        Ok((proof, self.secret.session(&self.nonce, &c.nonce)))
+        let proof = Proof(*self.secret.proof(Role::Initiator, &exchange).as_bytes());
+        let session = agree(
+            self.secret,
+            self.ephemeral,
+            &c.ephemeral,
+            &exchange,
+            "responder",
+        )?;
+        Ok((proof, session))
     }
 }
 
@@ -472,17 +644,26 @@ mod tests {
         ClusterSecret::from_bytes(&[b; 32]).unwrap()
     }
 
+    /// One handshake between `i` and `r` (secrets), run to the end: both ends' sessions.
+    fn handshake(i: &ClusterSecret, r: &ClusterSecret) -> Result<(Session, Session)> {
+        let (me, hello) = Initiator::start(i)?;
+        let hello = Hello::decode(&hello.encode())?;
+        let (them, challenge) = Responder::answer(r, &hello)?;
+        let challenge = Challenge::decode(&challenge.encode());
+        let (proof, si) = me.respond(&challenge)?;
+        let sr = them.verify(&proof)?;
+        Ok((si, sr))
+    }
+
     #[test]
     fn two_ends_with_the_secret_authenticate_each_other() {
         let s = secret(7);
-        let (i, hello) = Initiator::start(&s).unwrap();
-        let hello = Hello::decode(&hello.encode()).unwrap();
-        let (r, challenge) = Responder::answer(&s, &hello).unwrap();
-        let challenge = Challenge::decode(&challenge.encode());
-        let (proof, key_i) = i.respond(&challenge).unwrap();
-        let key_r = r.verify(&proof).unwrap();
-        assert_eq!(key_i, key_r, "both ends hold the same connection key");
-        assert_eq!(format!("{key_i:?}"), "SessionKey(..)");
+        let (si, sr) = handshake(&s, &s).unwrap();
+        assert_eq!(si, sr, "both ends hold the same key and transcript");
+        assert_eq!(format!("{:?}", si.key), "SessionKey(..)");
+        let (again, _) = handshake(&s, &s).unwrap();
+        assert_ne!(again.key, si.key, "every connection has a key of its own");
+        assert_ne!(again.transcript, si.transcript);
     }
 
     #[test]
@@ -493,9 +674,17 @@ mod tests {
         let (_, challenge) = Responder::answer(&theirs, &hello).unwrap();
         assert!(i.respond(&challenge).is_err());
         // An initiator without the secret: whatever proof it makes with its own key is refused.
-        let (_, hello) = Initiator::start(&theirs).unwrap();
+        let (i, hello) = Initiator::start(&theirs).unwrap();
         let (r, challenge) = Responder::answer(&ours, &hello).unwrap();
-        let forged = theirs.proof(Role::Initiator, &hello.nonce, &challenge.nonce);
+        let e = i.respond(&challenge).unwrap_err();
+        assert!(e.to_string().contains("does not hold"), "{e}");
+        let x = Exchange {
+            initiator: hello.nonce,
+            initiator_ephemeral: hello.ephemeral,
+            responder: challenge.nonce,
+            responder_ephemeral: challenge.ephemeral,
+        };
+        let forged = theirs.proof(Role::Initiator, &x);
         let e = r.verify(&Proof(*forged.as_bytes())).unwrap_err();
         assert!(e.to_string().contains("does not hold"), "{e}");
     }
@@ -515,24 +704,71 @@ mod tests {
         let (r2, _) = Responder::answer(&s, &hello).unwrap();
         assert!(
             r2.verify(&good).is_err(),
-            "a fresh responder nonce voids the old proof"
+            "a fresh responder nonce and key void the old proof"
         );
     }
 
     #[test]
-    fn the_two_roles_give_different_proofs_and_a_fixed_exchange_verifies() {
-        let s = secret(1);
-        let hello = Hello {
-            nonce: Nonce([2; 32]),
+    fn an_insider_relaying_the_exchange_cannot_compute_the_session_key() {
+        // An insider holding the secret sees every public value of a handshake and could
+        // forge its proofs, but the session key needs one of the two ephemeral private keys.
+        let s = secret(7);
+        let (i, hello) = Initiator::start(&s).unwrap();
+        let (r, c) = Responder::answer(&s, &hello).unwrap();
+        let (p, si) = i.respond(&c).unwrap();
+        let sr = r.verify(&p).unwrap();
+        assert_eq!(si.key, sr.key);
+        let x = Exchange {
+            initiator: hello.nonce,
+            initiator_ephemeral: hello.ephemeral,
+            responder: c.nonce,
+            responder_ephemeral: c.ephemeral,
         };
-        let (r, c) = Responder::answer_with(&s, &hello, Nonce([3; 32]));
-        let i = Initiator {
-            secret: &s,
-            nonce: hello.nonce,
+        // its best guesses: the key without the agreement, or with an agreement of its own
+        assert_ne!(s.session(&x, &[]).key, si.key);
+        let (mine, _) = ephemeral().unwrap();
+        let guess = agree(&s, mine, &hello.ephemeral, &x, "test").unwrap();
+        assert_ne!(guess.key, si.key);
+        assert_eq!(guess.transcript, si.transcript, "the transcript is public");
+    }
+
+    #[test]
+    fn a_bad_ephemeral_key_fails_the_handshake() {
+        let s = secret(7);
+        let (_, mut hello) = Initiator::start(&s).unwrap();
+        // an all-zero X25519 key agrees on the all-zero secret, which ring refuses
+        hello.ephemeral = [0; 32];
+        let (r, c2) = Responder::answer(&s, &hello).unwrap();
+        let x = Exchange {
+            initiator: hello.nonce,
+            initiator_ephemeral: hello.ephemeral,
+            responder: c2.nonce,
+            responder_ephemeral: c2.ephemeral,
         };
-        let (p, _) = i.respond(&c).unwrap();
-        assert_ne!(p.0, c.proof, "the roles give different proofs");
-        r.verify(&p).unwrap();
+        let proof = Proof(*s.proof(Role::Initiator, &x).as_bytes());
+        let e = r.verify(&proof).unwrap_err();
+        assert!(e.to_string().contains("ephemeral"), "{e}");
+    }
+
+    #[test]
+    fn a_payload_mac_is_the_connections_own_and_catches_any_change() {
+        let s = secret(2);
+        let (a, b) = handshake(&s, &s).unwrap();
+        let (other, _) = handshake(&s, &s).unwrap();
+        let (ka, kb) = (a.key.payload_key(), b.key.payload_key());
+        let payload = vec![5u8; 4096];
+        let mac = ka.mac(&payload);
+        assert!(kb.check(&payload, &mac), "both ends agree");
+        assert!(
+            !other.key.payload_key().check(&payload, &mac),
+            "another connection's key"
+        );
+        for at in [0, 1, 2047, 4095] {
+            let mut changed = payload.clone();
+            changed[at] ^= 0x10;
+            assert!(!kb.check(&changed, &mac), "a byte changed at {at}");
+        }
+        assert_eq!(format!("{ka:?}"), "PayloadKey(..)");
     }
 
     #[test]
@@ -557,6 +793,7 @@ mod tests {
     fn another_handshake_version_is_refused() {
         let mut b = Hello {
             nonce: Nonce([0; 32]),
+            ephemeral: [0; 32],
         }
         .encode();
         b[0] = 9;
@@ -571,11 +808,8 @@ mod tests {
     /// A connection's two ends, keyed by a real handshake.
     fn session_pair() -> ((Sealer, Unsealer), (Sealer, Unsealer)) {
         let s = secret(5);
-        let (i, hello) = Initiator::start(&s).unwrap();
-        let (r, c) = Responder::answer(&s, &hello).unwrap();
-        let (p, ki) = i.respond(&c).unwrap();
-        let kr = r.verify(&p).unwrap();
-        (ki.split(Role::Initiator), kr.split(Role::Responder))
+        let (i, r) = handshake(&s, &s).unwrap();
+        (i.key.split(Role::Initiator), r.key.split(Role::Responder))
     }
 
     #[test]

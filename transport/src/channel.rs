@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::admission::Admitted;
-use crate::auth::{Sealer, TAG_BYTES, Unsealer};
+use crate::auth::{PayloadKey, Sealer, TAG_BYTES, Unsealer};
 use crate::error::{Error, Result};
 use crate::link::wire::Purpose;
 
@@ -97,6 +97,17 @@ impl Stream {
         }
     }
 
+    /// Another handle on the same connection (to shut it down from elsewhere).
+    ///
+    /// # Errors
+    /// As the socket's `try_clone` (out of descriptors).
+    pub fn try_clone(&self) -> std::io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Pair(s) => Stream::Pair(s.try_clone()?),
+        })
+    }
+
     /// Shut both directions down (the peer reads end of stream).
     ///
     /// # Errors
@@ -149,6 +160,23 @@ pub struct Channel {
     place: Option<Admitted<PeerPurpose>>,
     /// Where frames that fail their tag are counted (the engine's counter).
     failures: Option<Arc<AtomicU64>>,
+    /// The key of the connection's payload MACs, where its binds turned them on.
+    payload_mac: Option<PayloadKey>,
+}
+
+/// A TCP channel taken apart for a user that frames its own (the TCP engine's ring).
+#[derive(Debug)]
+pub struct Parts {
+    /// The connection.
+    pub stream: TcpStream,
+    /// Tags what this end sends.
+    pub seal: Sealer,
+    /// Checks what this end receives.
+    pub unseal: Unsealer,
+    /// The place under the per-peer bound (the responder's side holds one).
+    pub place: Option<Admitted<PeerPurpose>>,
+    /// The key of the payload MACs, where the connection has them.
+    pub payload_mac: Option<PayloadKey>,
 }
 
 fn io(what: &str, e: &std::io::Error) -> Error {
@@ -177,6 +205,7 @@ impl Channel {
             unseal,
             place,
             failures: None,
+            payload_mac: None,
         }
     }
 
@@ -197,6 +226,7 @@ impl Channel {
                 unseal,
                 place: None,
                 failures: None,
+                payload_mac: None,
             }
         };
         Ok((end(a, Role::Initiator), end(b, Role::Responder)))
@@ -207,6 +237,18 @@ impl Channel {
     pub fn counting(mut self, failures: Arc<AtomicU64>) -> Channel {
         self.failures = Some(failures);
         self
+    }
+
+    /// Carry payload MACs under `key` (the handshake's, where either end's bind asked).
+    #[must_use]
+    pub fn with_payload_mac(mut self, key: PayloadKey) -> Channel {
+        self.payload_mac = Some(key);
+        self
+    }
+
+    /// Whether the connection carries payload MACs.
+    pub fn has_payload_mac(&self) -> bool {
+        self.payload_mac.is_some()
     }
 
     /// The stream, to set its timeouts or shut it down.
@@ -268,13 +310,18 @@ impl Channel {
         Ok(body)
     }
 
-    /// The TCP stream, the key's halves and the place, for a user that frames its own (the
-    /// TCP engine's ring); `None` for an in-process channel, which carries no data.
-    pub fn into_parts(
-        self,
-    ) -> Option<(TcpStream, Sealer, Unsealer, Option<Admitted<PeerPurpose>>)> {
+    /// The TCP stream, the key's halves, the place and the payload MAC key, for a user that
+    /// frames its own (the TCP engine's ring); `None` for an in-process channel, which
+    /// carries no data.
+    pub fn into_parts(self) -> Option<Parts> {
         match self.stream {
-            Stream::Tcp(s) => Some((s, self.seal, self.unseal, self.place)),
+            Stream::Tcp(stream) => Some(Parts {
+                stream,
+                seal: self.seal,
+                unseal: self.unseal,
+                place: self.place,
+                payload_mac: self.payload_mac,
+            }),
             Stream::Pair(_) => None,
         }
     }
@@ -291,7 +338,7 @@ mod tests {
         let (i, hello) = Initiator::start(&s).unwrap();
         let (r, c) = Responder::answer(&s, &hello).unwrap();
         let (p, ki) = i.respond(&c).unwrap();
-        let kr = r.verify(&p).unwrap();
+        let (ki, kr) = (ki.key, r.verify(&p).unwrap().key);
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (b, _) = l.accept().unwrap();

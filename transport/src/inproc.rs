@@ -352,6 +352,8 @@ impl InProcNet {
                 node_id: from.node_id(),
                 node_generation: from.node_generation(),
                 purpose: Purpose::Control,
+                payload_mac: false,
+                to_node: node,
             },
         );
         Ok((
@@ -360,6 +362,8 @@ impl InProcNet {
                 node_id: node,
                 node_generation: target.node_generation(),
                 purpose: Purpose::Control,
+                payload_mac: false,
+                to_node: from.node_id(),
             },
         ))
     }

@@ -4,10 +4,13 @@
 //!   every engine), the page-generation table, a non-temporal copy for large transfers and a
 //!   copy fused with a CRC-32C, so a block's checksum costs no second pass over cold memory.
 //! - [`auth`]: peer authentication by challenge-response over the cluster secret (blake3's
-//!   keyed hash over both ends' nonces; the secret never crosses the wire), and the
-//!   per-connection key that tags every frame after it.
-//! - [`link`]: who a peer is ([`link::PeerAddr`]) and how every connection to it starts (the
-//!   handshake and its frames), shared by the backends so that none depends on another.
+//!   keyed hash over both ends' nonces and ephemeral X25519 keys; the secret never crosses the
+//!   wire), and the per-connection key (known to the two ends only) that tags every frame after
+//!   it and keys the optional payload MACs.
+//! - [`link`]: who a peer is ([`link::PeerAddr`]; each node's Ed25519 key and the members'
+//!   public keys) and how every connection to it starts (the handshake, in which each end
+//!   signs with its node key, and its frames), shared by the backends so that none depends on
+//!   another.
 //! - [`channel`]: an authenticated connection, its key and its place under the per-peer
 //!   bound; tagged, length-framed messages for the daemons' control traffic.
 //! - [`engine`]: the transfer interface every backend implements ([`engine::Transport`]),

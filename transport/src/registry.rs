@@ -619,12 +619,28 @@ impl Backends {
     /// whose handshake introduces this node as it is now: after its generation changed, peers
     /// grant transfers to the new incarnation only, and refuse the old one's connections.
     pub fn reconnect_all(&self) {
-        let eps: Vec<((Backend, u64), EndpointId)> = self
-            .endpoints
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain()
-            .collect();
+        self.close_endpoints(|_| true);
+    }
+
+    /// Close every connection that involves node `node` (its key is no longer trusted): the
+    /// cached endpoints to it, and on the TCP engine the connections it opened here.
+    pub fn evict(&self, node: u64) {
+        self.close_endpoints(|peer| peer == node);
+        if let Base::Tcp(tcp) = &self.base {
+            tcp.evict(node);
+        }
+    }
+
+    /// Close the cached endpoints to the peers `which` names.
+    fn close_endpoints(&self, which: impl Fn(u64) -> bool) {
+        let eps: Vec<((Backend, u64), EndpointId)> = {
+            let mut all = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
+            let named: Vec<(Backend, u64)> = all.keys().filter(|k| which(k.1)).copied().collect();
+            named
+                .into_iter()
+                .filter_map(|k| all.remove(&k).map(|ep| (k, ep)))
+                .collect()
+        };
         for ((backend, _), ep) in eps {
             match (backend, &self.base) {
                 (Backend::Tcp, Base::Tcp(tcp)) => tcp.close(ep),

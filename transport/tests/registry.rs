@@ -12,7 +12,7 @@ use transport::grant::{Direction, Grant, SegmentId, TransferId};
 use transport::link::PeerAddr;
 use transport::registry::{Backend, Backends, RdmaSettings, TransportChoice};
 use transport::segment::SegmentDescriptor;
-use transport::tcp::{TcpConfig, TcpTransport};
+use transport::tcp::TcpTransport;
 
 const SEG: SegmentId = SegmentId(1);
 const LEN: u64 = 8 << 20;
@@ -23,7 +23,7 @@ fn node(
     choice: TransportChoice,
 ) -> (Backends, Arc<HeapMemory>, SegmentDescriptor, PeerAddr) {
     let secret = ClusterSecret::from_bytes(&[7; 32]).unwrap();
-    let mut c = TcpConfig::new(id, 1, "127.0.0.1:0".parse().unwrap(), secret);
+    let mut c = transport::link::testing::tcp_config(id, 1, secret, &[1, 2, 3, 4, 9]);
     c.stall_timeout = Duration::from_secs(2);
     let tcp = TcpTransport::start(c).unwrap();
     let addr = tcp.local_addr();

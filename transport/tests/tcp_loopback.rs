@@ -9,19 +9,21 @@ use transport::engine::{
     HeapMemory, Memory, Op, OpFailure, OpKind, OpStatus, Registration, Transport,
 };
 use transport::grant::{Direction, Grant, PeerNode, SegmentId, TransferId};
-use transport::link::PeerAddr;
+use transport::link::{PeerAddr, testing};
 use transport::segment::SegmentDescriptor;
 use transport::tcp::{TcpConfig, TcpStats, TcpTransport, ZeroCopy};
 
 const SEG: SegmentId = SegmentId(1);
 const MIB: u64 = 1 << 20;
+/// The nodes of these tests: each engine knows every one's (test) key.
+const NODES: &[u64] = &[1, 2, 3, 4, 5];
 
 fn secret(b: u8) -> ClusterSecret {
     ClusterSecret::from_bytes(&[b; 32]).unwrap()
 }
 
 fn engine(node: u64, tune: impl FnOnce(&mut TcpConfig)) -> TcpTransport {
-    let mut c = TcpConfig::new(node, 1, "127.0.0.1:0".parse().unwrap(), secret(7));
+    let mut c = testing::tcp_config(node, 1, secret(7), NODES);
     c.stall_timeout = Duration::from_secs(2);
     // small chunks, so that 1 MiB ops are cut into four
     c.chunk_bytes = 256 << 10;
@@ -219,19 +221,26 @@ fn a_corrupted_chunk_fails_its_op_and_only_its_op() {
     );
 }
 
+/// Four 1 MiB ops of `kind` from `p.a` into (or out of) `p.b`'s granted range, on an endpoint
+/// opened before `fault` is done to the pair; how the batch settled.
+fn four_ops(p: &Pair, kind: OpKind, fault: impl FnOnce(&Pair)) -> transport::engine::BatchStatus {
+    let d = match kind {
+        OpKind::Write => Direction::RemoteWrite,
+        OpKind::Read => Direction::RemoteRead,
+    };
+    grant(&p.b, 1, 0, 4 * MIB, d);
+    let ep = p.a.open(&peer(&p.b, 2)).unwrap();
+    fault(p);
+    // SAFETY: left alone until settled.
+    let b = unsafe { p.a.submit(ep, &ops(kind, p.remote, 1, 4, MIB)).unwrap() };
+    p.a.wait(b, Duration::from_secs(20)).unwrap()
+}
+
 #[test]
 fn a_read_whose_reply_is_corrupted_fails_with_corrupt() {
     let p = pair(4 * MIB, |_| {});
     pattern(&p.mb, 9);
-    grant(&p.b, 1, 0, 4 * MIB, Direction::RemoteRead);
-    let ep = p.a.open(&peer(&p.b, 2)).unwrap();
-    p.b.inject_corrupt_chunk(1);
-    // SAFETY: left alone until settled.
-    let b = unsafe {
-        p.a.submit(ep, &ops(OpKind::Read, p.remote, 1, 4, MIB))
-            .unwrap()
-    };
-    let s = p.a.wait(b, Duration::from_secs(20)).unwrap();
+    let s = four_ops(&p, OpKind::Read, |p| p.b.inject_corrupt_chunk(1));
     assert_eq!((s.failed, s.done), (1, 3), "{s:?}");
     assert_eq!(s.first_failure, Some(OpFailure::Corrupt));
 }
@@ -323,7 +332,7 @@ fn a_grant_bound_to_a_peer_takes_writes_from_that_incarnation_only() {
     };
     // the same node restarted (incarnation 2), and a third node: refused, nothing lands
     let restarted = {
-        let mut c = TcpConfig::new(1, 2, "127.0.0.1:0".parse().unwrap(), secret(7));
+        let mut c = testing::tcp_config(1, 2, secret(7), NODES);
         c.chunk_bytes = 256 << 10;
         TcpTransport::start(c).unwrap()
     };
@@ -356,7 +365,7 @@ fn a_grant_bound_to_a_peer_takes_writes_from_that_incarnation_only() {
 #[test]
 fn a_peer_without_the_secret_cannot_open_an_endpoint() {
     let b = engine(2, |_| {});
-    let mut c = TcpConfig::new(1, 1, "127.0.0.1:0".parse().unwrap(), secret(8));
+    let mut c = testing::tcp_config(1, 1, secret(8), NODES);
     c.connect_timeout = Duration::from_secs(2);
     let a = TcpTransport::start(c).unwrap();
     let e = a.open(&peer(&b, 2)).unwrap_err();
@@ -365,10 +374,13 @@ fn a_peer_without_the_secret_cannot_open_an_endpoint() {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(b.local_addr()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(&[1u8; 33]).unwrap();
-    let mut chal = [0u8; 64];
+    let mut hello = [1u8; Hello::WIRE_BYTES];
+    hello[0] = transport::auth::AUTH_VERSION;
+    s.write_all(&hello).unwrap();
+    let mut chal = [0u8; transport::auth::Challenge::WIRE_BYTES];
     s.read_exact(&mut chal).unwrap(); // a challenge, which proves nothing to us
-    s.write_all(&[0u8; 32 + 24]).unwrap(); // a wrong proof
+    s.write_all(&[0u8; 32 + transport::link::wire::Bind::WIRE_BYTES])
+        .unwrap(); // a wrong proof
     let mut rest = [0u8; 1];
     assert!(
         matches!(s.read(&mut rest), Ok(0) | Err(_)),
@@ -475,7 +487,7 @@ fn control_connections_reach_the_handler_authenticated_and_only_with_the_secret(
     s.send(b"hello").unwrap();
     assert_eq!(s.recv(64).unwrap(), b"1:hello");
     // a peer without the secret gets no control connection either
-    let mut c = TcpConfig::new(3, 1, "127.0.0.1:0".parse().unwrap(), secret(9));
+    let mut c = testing::tcp_config(3, 1, secret(9), NODES);
     c.connect_timeout = Duration::from_secs(2);
     let stranger = TcpTransport::start(c).unwrap();
     assert!(stranger.open_control(&peer(&b, 2)).is_err());
@@ -632,4 +644,137 @@ fn a_hello_trickled_a_byte_at_a_time_is_cut_at_the_handshake_deadline() {
         "closed after {:?}",
         start.elapsed()
     );
+}
+
+#[test]
+fn with_payload_macs_batches_arrive_byte_exact_both_ways() {
+    // one end asking for them turns them on for the connection, both ways
+    let p = pair(8 * MIB, |_| {});
+    let mac = engine(3, |c| c.payload_mac = true);
+    let ma = Arc::new(HeapMemory::zeroed(8 * MIB as usize));
+    mac.register(SEG, ma.clone() as Arc<dyn Memory>, 0, 8 * MIB)
+        .unwrap();
+    pattern(&ma, 4);
+    pattern(&p.mb, 5);
+    grant(&p.b, 1, 0, 4 * MIB, Direction::RemoteWrite);
+    grant(&p.b, 2, 4 * MIB, 4 * MIB, Direction::RemoteRead);
+    let ep = mac.open(&peer(&p.b, 2)).unwrap();
+    let w = ops(OpKind::Write, p.remote, 1, 4, MIB);
+    let r: Vec<Op> = ops(OpKind::Read, p.remote, 2, 4, MIB)
+        .into_iter()
+        .map(|mut o| {
+            o.local_offset += 4 * MIB;
+            o.remote_offset += 4 * MIB;
+            o
+        })
+        .collect();
+    for batch in [w, r] {
+        // SAFETY: the ranges are left alone until the batch settles.
+        let b = unsafe { mac.submit(ep, &batch).unwrap() };
+        let s = mac.wait(b, Duration::from_secs(20)).unwrap();
+        assert!(s.succeeded(), "{s:?}");
+    }
+    p.b.revoke(TransferId(1));
+    p.b.revoke(TransferId(2));
+    // SAFETY: settled and revoked.
+    let (a, b) = unsafe { (ma.bytes(), p.mb.bytes()) };
+    assert!(a == b, "writes and reads landed byte-exact");
+    assert_eq!(
+        (
+            mac.stats().integrity_failures,
+            p.b.stats().integrity_failures
+        ),
+        (0, 0)
+    );
+}
+
+/// A write of 4 MiB to `p.b` whose first payload is rewritten on arrival as an on-path
+/// attacker would (its CRC-32C kept): how the batch settled, and whether the bytes that landed
+/// are the ones sent.
+fn rewritten_write(payload_mac: bool) -> (transport::engine::BatchStatus, bool) {
+    let p = pair(4 * MIB, |c| c.payload_mac = payload_mac);
+    pattern(&p.ma, 6);
+    let s = four_ops(&p, OpKind::Write, |p| p.b.inject_rewritten_payload(1));
+    p.b.revoke(TransferId(1));
+    // SAFETY: settled and revoked.
+    let same = unsafe { p.ma.bytes() == p.mb.bytes() };
+    (s, same)
+}
+
+#[test]
+fn a_payload_rewritten_in_flight_with_its_crc_kept_passes_the_crc_and_fails_the_mac() {
+    // without the MAC, the CRC-32C cannot tell: the write is accepted, the bytes differ
+    let (s, same) = rewritten_write(false);
+    assert!(s.succeeded(), "{s:?}");
+    assert!(!same, "the rewritten bytes landed unseen");
+    // with it, the rewritten chunk fails its op
+    let (s, _) = rewritten_write(true);
+    assert_eq!((s.failed, s.done), (1, 3), "{s:?}");
+    assert_eq!(s.first_failure, Some(OpFailure::Corrupt));
+    // and a read's reply rewritten on its way back likewise
+    let p = pair(4 * MIB, |c| c.payload_mac = true);
+    pattern(&p.mb, 7);
+    let s = four_ops(&p, OpKind::Read, |p| p.a.inject_rewritten_payload(2));
+    assert_eq!((s.failed, s.done), (1, 3), "{s:?}");
+    assert_eq!(s.first_failure, Some(OpFailure::Corrupt));
+    assert_eq!(p.a.stats().integrity_failures, 1);
+}
+
+#[test]
+fn a_node_whose_key_is_removed_is_cut_off_and_cannot_come_back() {
+    let p = pair(4 * MIB, |_| {});
+    pattern(&p.ma, 8);
+    let (_control, _) = p.a.open_control(&peer(&p.b, 2)).unwrap();
+    // node 1's key leaves node 2's members (revoked), with an endpoint open: its
+    // connections there are closed
+    let s = four_ops(&p, OpKind::Write, |p| {
+        let gone = p.b.members().replace(&testing::member_table(&[2, 3]));
+        assert_eq!(gone.unwrap(), vec![1, 4, 5]);
+        p.b.evict(1);
+    });
+    assert!(!s.succeeded(), "{s:?}");
+    let e = p.a.open(&peer(&p.b, 2)).unwrap_err();
+    assert!(e.to_string().contains("has no key for node 1"), "{e}");
+    // another member goes on
+    let c = engine(3, |_| {});
+    assert!(c.open(&peer(&p.b, 2)).is_ok());
+}
+
+#[test]
+fn strangers_from_many_addresses_cannot_take_the_handshakes_kept_for_members() {
+    use transport::link::members::{Member, Members};
+    let member = |n: u64, ip: &str| {
+        (
+            n,
+            Member {
+                key: testing::public_key(n),
+                addr: Some(ip.parse().unwrap()),
+            },
+        )
+    };
+    let b = engine(2, |c| {
+        c.max_handshakes = 8;
+        c.member_handshakes = 4;
+        c.max_handshakes_per_source = 2;
+        c.connect_timeout = Duration::from_secs(5);
+        c.members = Members::of([member(1, "127.0.0.1"), member(2, "127.0.0.2")]);
+    });
+    // 40 silent connections from 20 other addresses: four get a slot, the rest are refused
+    let silent: Vec<_> = (0..40)
+        .map(|i| silent_from(&format!("127.0.4.{}", 1 + i % 20), b.local_addr()))
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(b.stats().handshakes_refused, 36, "{:?}", b.stats());
+    // a member from its own address gets in at once, whatever the strangers hold
+    let a = engine(1, |_| {});
+    let ep = a.open(&peer(&b, 2)).unwrap();
+    // a stranger's handshake is refused naming the share it met
+    use std::io::Read;
+    let mut s = silent_from("127.0.5.1", b.local_addr());
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut frame = [0u8; transport::auth::Challenge::WIRE_BYTES];
+    s.read_exact(&mut frame).unwrap();
+    let text = String::from_utf8_lossy(&frame[24..]);
+    assert!(text.contains("non-members"), "{text}");
+    drop((ep, silent));
 }

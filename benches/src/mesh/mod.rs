@@ -52,7 +52,7 @@ use kvd::protocol::TransferState;
 
 use crate::curve::{Curve, Point, Series};
 use crate::local::{Crc, buffers, connect, descriptor, kvd_beside, put_batch};
-use crate::transfer::write_secret;
+use crate::transfer::{node_key, write_secret};
 
 mod netns;
 mod raw;
@@ -443,6 +443,11 @@ fn start_daemons(
 ) -> Result<Vec<NsDaemon>, String> {
     let n = plan.n;
     let bound = (4 * n).clamp(16, 1024).to_string();
+    // each node's key beside the secret, made once
+    let dir = secret.parent().unwrap_or(Path::new("."));
+    let keys = (1..=n as u64)
+        .map(|id| node_key(dir, id))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut daemons = Vec::with_capacity(n);
     for i in 0..n {
         let mut extra: Vec<String> = vec![
@@ -450,6 +455,8 @@ fn start_daemons(
             secret.to_string_lossy().into_owned(),
             "--node-id".into(),
             (i + 1).to_string(),
+            "--node-key-file".into(),
+            keys[i].0.to_string_lossy().into_owned(),
             "--data-listen".into(),
             format!("{}:{DATA_PORT}", addr(i)),
             "--transport".into(),
@@ -463,7 +470,12 @@ fn start_daemons(
         ];
         for j in (0..n).filter(|&j| j != i) {
             extra.push("--peer".into());
-            extra.push(format!("{}={}:{DATA_PORT}", j + 1, addr(j)));
+            extra.push(format!(
+                "{}={}:{DATA_PORT},key={}",
+                j + 1,
+                addr(j),
+                keys[j].1
+            ));
         }
         daemons.push(NsDaemon::spawn(kvd, &mesh.ns(i), plan, &extra)?);
     }

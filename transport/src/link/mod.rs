@@ -1,11 +1,16 @@
 //! Who a peer is and how a connection to it starts, for every backend: a peer's address and
-//! the node id it must prove ([`PeerAddr`]), the handshake (authentication over the cluster
-//! secret, then one [`wire::Bind`] each way: [`handshake`]), and the handler and opener types
-//! by which backends and the data port hand authenticated connections around. No backend
+//! the node id it must prove ([`PeerAddr`]), each node's key pair ([`identity`]) and the
+//! member nodes' public keys and addresses ([`members`]), the handshake (authentication over
+//! the cluster secret, then one [`wire::Bind`] each way, signed with the sender's node key:
+//! [`handshake`]), and the handler and opener types by which backends and the data port hand
+//! authenticated connections around. No backend
 //! depends on another: TCP owns the data port socket and its listener, RDMA opens its side
 //! channel through an [`Opener`], and both name peers by [`PeerAddr`].
 
 pub mod handshake;
+pub mod identity;
+pub mod members;
+pub mod testing;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -19,7 +24,8 @@ use crate::error::Result;
 pub struct PeerAddr {
     /// Its data address.
     pub addr: SocketAddr,
-    /// The node id it must prove (after authentication) it is.
+    /// The node id it must prove (by its bind's signature, against that node's key among the
+    /// members) it is.
     pub node_id: u64,
 }
 

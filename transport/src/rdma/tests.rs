@@ -10,7 +10,7 @@ use crate::auth::ClusterSecret;
 use crate::engine::HeapMemory;
 use crate::grant::Direction;
 use crate::link::wire::Purpose;
-use crate::tcp::{TcpConfig, TcpTransport};
+use crate::tcp::TcpTransport;
 
 const SEG: SegmentId = SegmentId(1);
 const MIB: u64 = 1 << 20;
@@ -24,13 +24,8 @@ struct Node {
 
 fn node(fabric: &Arc<Fabric>, id: u64, len: u64, tune: impl Fn(&mut RdmaConfig)) -> Node {
     let secret = ClusterSecret::from_bytes(&[5; 32]).unwrap();
-    let tcp = TcpTransport::start(TcpConfig::new(
-        id,
-        1,
-        "127.0.0.1:0".parse().unwrap(),
-        secret,
-    ))
-    .unwrap();
+    let tcp =
+        TcpTransport::start(crate::link::testing::tcp_config(id, 1, secret, &[1, 2, 3])).unwrap();
     let mut c = RdmaConfig {
         chunk_bytes: 256 << 10,
         stall_timeout: Duration::from_millis(300),
@@ -443,7 +438,7 @@ fn a_peer_without_rdma_is_told_apart_so_the_caller_can_use_tcp() {
     // a node whose TCP engine has no RDMA handler (built without it, or no device)
     let secret = ClusterSecret::from_bytes(&[5; 32]).unwrap();
     let plain =
-        TcpTransport::start(TcpConfig::new(3, 1, "127.0.0.1:0".parse().unwrap(), secret)).unwrap();
+        TcpTransport::start(crate::link::testing::tcp_config(3, 1, secret, &[1, 2, 3])).unwrap();
     let e = a
         .rdma
         .open(&PeerAddr {

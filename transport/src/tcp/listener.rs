@@ -1,7 +1,8 @@
 //! The TCP engine's listener: the node's data port socket. It admits connections (the bounds
-//! of [`crate::admission`]), runs each handshake ([`crate::link::handshake`]) on a bounded
-//! thread within one deadline, and hands what it authenticated on by purpose: data connections
-//! to the ring, control and RDMA side connections to their handlers.
+//! of [`crate::admission`], with `member_handshakes` of the slots kept for connections from
+//! members' addresses), runs each handshake ([`crate::link::handshake`]) on a bounded thread
+//! within one deadline, and hands what it authenticated on by purpose: data connections to the
+//! ring, control and RDMA side connections to their handlers.
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -22,7 +23,8 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
     let admission = Admission::new(
         shared.config.max_handshakes,
         shared.config.max_handshakes_per_source,
-    );
+    )
+    .with_reserve(shared.config.member_handshakes);
     // after authentication: each peer's own share per purpose (the totals are bounded apart)
     let peers: Admission<PeerPurpose> =
         Admission::new(usize::MAX, shared.config.max_connections_per_peer);
@@ -46,8 +48,9 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                 shared.config.max_target_connections
             ))
         } else {
+            let member = shared.config.members.is_member_addr(from.ip());
             admission
-                .admit(from.ip())
+                .admit_as(from.ip(), member)
                 .map_err(|bound| format!("handshakes: {bound}"))
         };
         let place = match place {

@@ -29,6 +29,7 @@
 //! endpoint's ops fail with the reason at once, its sockets are reset, and the batch settles
 //! once the kernel has let go of every buffer. Other endpoints are untouched.
 
+pub mod forge;
 mod listener;
 mod ring;
 pub mod wire;
@@ -51,6 +52,8 @@ use crate::engine::{
 use crate::error::{Error, Result};
 use crate::grant::{Grant, GrantLimits, SegmentId, TransferId};
 use crate::link::handshake::{self, Handshake};
+use crate::link::identity::NodeKey;
+use crate::link::members::Members;
 use crate::link::wire::{Bind, Purpose};
 use crate::link::{Handler, Opener, PeerAddr};
 use crate::segment::{BackendKind, SegmentDescriptor};
@@ -79,6 +82,16 @@ pub struct TcpConfig {
     pub listen: SocketAddr,
     /// The cluster secret both sides prove they hold.
     pub secret: ClusterSecret,
+    /// This node's key pair: its binds are signed with it, so peers know which node it is.
+    pub identity: Arc<NodeKey>,
+    /// The member nodes' public keys (a peer must prove it is the node it claims) and the
+    /// addresses they connect from (the member reserve). The owner keeps it current; empty,
+    /// nobody can connect.
+    pub members: Arc<Members>,
+    /// Put a MAC (the connection's own key, blake3) on every payload this engine's
+    /// connections carry, both ways, and check every one that arrives; on any connection whose
+    /// other end asks for it too.
+    pub payload_mac: bool,
     /// Connections per endpoint.
     pub connections: usize,
     /// Ring threads (each its own io_uring): an endpoint's connections are spread over them,
@@ -108,6 +121,10 @@ pub struct TcpConfig {
     /// Handshakes in progress at once from one source address: connections that never finish
     /// their handshake cannot take the slots of peers connecting from elsewhere.
     pub max_handshakes_per_source: usize,
+    /// Of `max_handshakes`, the slots kept for connections from members' addresses
+    /// ([`Members::is_member_addr`]): strangers, from however many addresses, fill the rest
+    /// only, so a (re)starting member always finds a slot.
+    pub member_handshakes: usize,
     /// Connections of one purpose (data, control, RDMA side) one authenticated peer may hold
     /// open here: a node with the secret that idles connections cannot take another's slots.
     pub max_connections_per_peer: usize,
@@ -124,19 +141,31 @@ pub const DEFAULT_LANES: usize = DEFAULT_CONNECTIONS;
 /// The most ring threads an engine runs.
 pub const MAX_LANES: usize = 16;
 
+/// Handshakes in progress at once unless configured otherwise.
+pub const DEFAULT_MAX_HANDSHAKES: usize = 64;
+
+/// Of them, the slots kept for members' addresses unless configured otherwise: a quarter,
+/// room for four restarting members' endpoints and control connections at once.
+pub const DEFAULT_MEMBER_HANDSHAKES: usize = 16;
+
 impl TcpConfig {
-    /// Defaults for a node, listening on `listen`.
+    /// Defaults for node `node_id` with key pair `identity`, listening on `listen`; no member
+    /// is known yet (fill [`TcpConfig::members`]).
     pub fn new(
         node_id: u64,
         node_generation: u64,
         listen: SocketAddr,
         secret: ClusterSecret,
+        identity: Arc<NodeKey>,
     ) -> TcpConfig {
         TcpConfig {
             node_id,
             node_generation,
             listen,
             secret,
+            identity,
+            members: Members::new(),
+            payload_mac: false,
             connections: DEFAULT_CONNECTIONS,
             lanes: DEFAULT_LANES,
             chunk_bytes: 1 << 20,
@@ -148,8 +177,9 @@ impl TcpConfig {
             limits: Limits::default(),
             grant_limits: GrantLimits::default(),
             max_target_connections: 256,
-            max_handshakes: 64,
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
             max_handshakes_per_source: 4,
+            member_handshakes: DEFAULT_MEMBER_HANDSHAKES,
             max_connections_per_peer: 16,
         }
     }
@@ -173,6 +203,9 @@ impl TcpConfig {
         }
         if self.max_handshakes == 0 || self.max_handshakes_per_source == 0 {
             return bad("handshakes at once, in all and per source: at least 1");
+        }
+        if self.member_handshakes >= self.max_handshakes {
+            return bad("handshake slots kept for members: fewer than the handshakes in all");
         }
         if self.max_connections_per_peer < self.connections {
             return bad("connections per peer: at least the connections of one endpoint");
@@ -217,8 +250,12 @@ pub struct TcpStats {
     /// Connections refused at the handshake (wrong secret, malformed, too many).
     pub handshakes_refused: u64,
     /// Frames (chunk headers, binds, control messages) whose integrity tag was wrong: changed
-    /// in flight, replayed, or not from the authenticated peer. Each closed its connection.
+    /// in flight, replayed, or not from the authenticated peer (each closed its connection);
+    /// and payloads whose MAC was wrong (each failed its chunk).
     pub integrity_failures: u64,
+    /// Binds refused because they did not prove the node they claimed (no key for it here,
+    /// a signature that does not verify, or addressed to another node).
+    pub identity_refusals: u64,
     /// Stall checks that found a connection without a completion for the stall timeout but
     /// with bytes still moving under its socket (a slow link, kept; a stopped peer or a cut
     /// link moves none and fails).
@@ -239,8 +276,12 @@ struct Counters {
     slow_progress: AtomicU64,
     /// Shared with every [`Channel`] this engine hands out (control messages count too).
     integrity_failures: Arc<AtomicU64>,
+    identity_refusals: AtomicU64,
     /// Test hook: the Nth payload this engine sends from now (1-based) carries a wrong CRC.
     corrupt_nth: AtomicU64,
+    /// Test hook: the Nth payload this engine receives from now (1-based) is rewritten, its
+    /// CRC-32C kept, before it is checked.
+    rewrite_nth: AtomicU64,
 }
 
 /// What the ring thread is asked to do.
@@ -272,6 +313,8 @@ enum Command {
         endpoint: EndpointId,
         why: crate::engine::OpFailure,
     },
+    /// Close every connection node `node` opened here (its key is no longer trusted).
+    Evict { node: u64 },
 }
 
 #[derive(Debug)]
@@ -332,10 +375,14 @@ impl Shared {
             node_id: self.config.node_id,
             node_generation: self.target.node_generation(),
             secret: &self.config.secret,
+            identity: &self.config.identity,
+            members: &self.config.members,
+            payload_mac: self.config.payload_mac,
             connect_timeout: self.config.connect_timeout,
             stall_timeout: self.config.stall_timeout,
             max_connections_per_peer: self.config.max_connections_per_peer,
             integrity_failures: &self.counters.integrity_failures,
+            identity_refusals: &self.counters.identity_refusals,
         }
     }
 
@@ -522,7 +569,37 @@ impl TcpTransport {
             connections_failed: r(&c.connections_failed),
             handshakes_refused: r(&c.handshakes_refused),
             integrity_failures: r(&c.integrity_failures),
+            identity_refusals: r(&c.identity_refusals),
             slow_progress: r(&c.slow_progress),
+        }
+    }
+
+    /// The member table this engine's handshakes read (the owner keeps it current).
+    pub fn members(&self) -> &Arc<Members> {
+        &self.shared.config.members
+    }
+
+    /// This node's public key, as peers must know it.
+    pub fn public_key(&self) -> crate::link::identity::PublicKey {
+        self.shared.config.identity.public()
+    }
+
+    /// Close every connection that involves node `node`: those it opened here (its transfers'
+    /// accesses end with them) and this engine's endpoints to it. For a node whose key was
+    /// revoked: its new connections are already refused at the handshake.
+    pub fn evict(&self, node: u64) {
+        let gone: Vec<EndpointId> = self
+            .shared
+            .endpoints()
+            .iter()
+            .filter(|(_, e)| e.node_id == node)
+            .map(|(id, _)| *id)
+            .collect();
+        for ep in gone {
+            self.close(ep);
+        }
+        for lane in 0..self.shared.lanes.len() {
+            self.shared.send(lane, Command::Evict { node });
         }
     }
 
@@ -584,6 +661,14 @@ impl TcpTransport {
     #[doc(hidden)]
     pub fn inject_corrupt_chunk(&self, n: u64) {
         self.shared.counters.corrupt_nth.store(n, Ordering::Relaxed);
+    }
+
+    /// Test-only fault: the `n`th payload this engine receives from now on (1-based; 0 turns
+    /// it off) is changed before it is checked the way an attacker on the path would change
+    /// it: other bytes, the same CRC-32C ([`forge`]). Only a payload MAC can show it.
+    #[doc(hidden)]
+    pub fn inject_rewritten_payload(&self, n: u64) {
+        self.shared.counters.rewrite_nth.store(n, Ordering::Relaxed);
     }
 }
 
@@ -779,6 +864,7 @@ impl Transport for TcpTransport {
                         len: piece.len,
                         offset: op.remote_offset + piece.offset,
                         crc: 0,
+                        mac: [0; crate::auth::MAC_BYTES],
                     },
                 });
             }

@@ -6,27 +6,30 @@
 //! connection.
 //!
 //! ```text
-//! Bind (40 bytes, link/)   Request (80 bytes)                 Response (48 bytes)
-//! 0  2 "KB"                0  2 "KQ"                          0  2 "KR"
-//! 2  1 version             2  1 version                       2  1 version
-//! 3  1 purpose (0 data,    3  1 kind (1 write, 2 read)        3  1 status (0 ok, 1 refused,
-//!        1 control,                                                 2 corrupt, 3 bad request)
-//!        2 rdma)
-//! 4  4 reserved            4  4 flags (bit 0: checksummed)    4  4 payload bytes that follow
-//! 8  8 node id             8  8 tag (the initiator's)         8  8 tag
-//! 16 8 node generation     16 8 transfer                      16 4 CRC-32C of the payload
-//! 24 16 integrity tag      24 8 transfer epoch                20 1 refusal code
-//!                          32 8 target node generation        21 11 reserved (zero)
-//!                          40 4 segment                       32 16 integrity tag
-//!                          44 4 payload bytes
-//!                          48 8 offset within the segment
-//!                          56 4 CRC-32C of the payload (write)
-//!                          60 4 reserved (zero)
-//!                          64 16 integrity tag
+//! Request (96 bytes)                          Response (64 bytes)
+//! 0  2 "KQ"                                   0  2 "KR"
+//! 2  1 version                                2  1 version
+//! 3  1 kind (1 write, 2 read)                 3  1 status (0 ok, 1 refused, 2 corrupt,
+//!                                                          3 bad request)
+//! 4  4 flags (bit 0: checksummed)             4  4 payload bytes that follow
+//! 8  8 tag (the initiator's)                  8  8 tag
+//! 16 8 transfer                               16 4 CRC-32C of the payload
+//! 24 8 transfer epoch                         20 1 refusal code
+//! 32 8 target node generation                 21 11 reserved (zero)
+//! 40 4 segment                                32 16 payload MAC (a read's, where on)
+//! 44 4 payload bytes                          48 16 integrity tag
+//! 48 8 offset within the segment
+//! 56 4 CRC-32C of the payload (write)
+//! 60 4 reserved (zero)
+//! 64 16 payload MAC (a write's, where on)
+//! 80 16 integrity tag
 //! ```
 //!
 //! A write request is followed by its payload; a read response with status ok by its
-//! payload (payloads are checked by their CRC-32C, not tagged: see docs/TRANSFER.md). A
+//! payload. Payloads are checked by their CRC-32C and, on a connection whose binds asked for
+//! it, by their MAC ([`crate::auth::PayloadKey`]: the connection's own key, so an on-path
+//! attacker who rewrites a payload and its CRC still fails it); both travel in the tagged
+//! header, so neither can be changed unseen. A MAC field is zero where MACs are off. A
 //! chunk's payload is at most the target's chunk limit; anything larger, an unknown kind,
 //! magic or version, or a wrong tag closes the connection (it is out of step or hostile). The
 //! offset is a number within a segment, checked against a grant; never an address.
@@ -35,15 +38,10 @@
 //! handshake's frames ([`crate::link::wire`]); this file lays them out beside the backend's own
 //! so that the picture is whole.
 
-use crate::auth::TAG_BYTES;
+use crate::auth::{MAC_BYTES, TAG_BYTES};
 use crate::error::Result;
 pub use crate::link::wire::WIRE_VERSION;
 use crate::link::wire::{check_head, protocol, u32_at, u64_at};
-
-/// Where a frame's integrity tag starts in each frame (its last [`TAG_BYTES`]).
-const fn tag_at(wire_bytes: usize) -> usize {
-    wire_bytes - TAG_BYTES
-}
 
 /// Flag: the payload carries a CRC-32C (request: of the write's payload; read: wanted back).
 pub const FLAG_CHECKSUM: u32 = 1;
@@ -81,6 +79,8 @@ pub struct Request {
     pub offset: u64,
     /// CRC-32C of a write's payload (zero otherwise).
     pub crc: u32,
+    /// MAC of a write's payload, where the connection has payload MACs (zero otherwise).
+    pub mac: [u8; MAC_BYTES],
 }
 
 /// Response statuses.
@@ -110,11 +110,13 @@ pub struct Response {
     pub crc: u32,
     /// Why it was refused ([`crate::engine::target::Target::begin`]'s codes).
     pub refusal: u8,
+    /// MAC of a read's payload, where the connection has payload MACs (zero otherwise).
+    pub mac: [u8; MAC_BYTES],
 }
 
 impl Request {
     /// Bytes on the wire.
-    pub const WIRE_BYTES: usize = 64 + TAG_BYTES;
+    pub const WIRE_BYTES: usize = 64 + MAC_BYTES + TAG_BYTES;
 
     /// The wire form.
     pub fn encode(&self) -> [u8; Self::WIRE_BYTES] {
@@ -131,6 +133,7 @@ impl Request {
         b[44..48].copy_from_slice(&self.len.to_le_bytes());
         b[48..56].copy_from_slice(&self.offset.to_le_bytes());
         b[56..60].copy_from_slice(&self.crc.to_le_bytes());
+        b[64..80].copy_from_slice(&self.mac);
         b
     }
 
@@ -150,7 +153,7 @@ impl Request {
         if flags & !FLAG_CHECKSUM != 0 {
             return Err(protocol(format!("unknown request flags {flags:#x}")));
         }
-        if b[60..tag_at(Self::WIRE_BYTES)] != [0; 4] {
+        if b[60..64] != [0; 4] {
             return Err(protocol("reserved request bytes are not zero".into()));
         }
         let len = u32_at(b, 44);
@@ -168,13 +171,26 @@ impl Request {
             len,
             offset: u64_at(b, 48),
             crc: u32_at(b, 56),
+            mac: b[64..80].try_into().expect("16 bytes"),
         })
     }
 }
 
 impl Response {
+    /// A header-only answer with `status` to request `tag` (no payload, checksum or MAC).
+    pub fn header(tag: u64, status: Status) -> Response {
+        Response {
+            status,
+            len: 0,
+            tag,
+            crc: 0,
+            refusal: 0,
+            mac: [0; MAC_BYTES],
+        }
+    }
+
     /// Bytes on the wire.
-    pub const WIRE_BYTES: usize = 32 + TAG_BYTES;
+    pub const WIRE_BYTES: usize = 32 + MAC_BYTES + TAG_BYTES;
 
     /// The wire form.
     pub fn encode(&self) -> [u8; Self::WIRE_BYTES] {
@@ -186,6 +202,7 @@ impl Response {
         b[8..16].copy_from_slice(&self.tag.to_le_bytes());
         b[16..20].copy_from_slice(&self.crc.to_le_bytes());
         b[20] = self.refusal;
+        b[32..48].copy_from_slice(&self.mac);
         b
     }
 
@@ -213,6 +230,7 @@ impl Response {
             tag: u64_at(b, 8),
             crc: u32_at(b, 16),
             refusal: b[20],
+            mac: b[32..48].try_into().expect("16 bytes"),
         })
     }
 }
@@ -228,12 +246,12 @@ mod tests {
         fn requests_round_trip(
             write in any::<bool>(), ck in any::<bool>(), tag in any::<u64>(), transfer in any::<u64>(),
             epoch in any::<u64>(), generation in any::<u64>(), segment in any::<u32>(),
-            len in 1u32.., offset in any::<u64>(), crc in any::<u32>(),
+            len in 1u32.., offset in any::<u64>(), crc in any::<u32>(), mac in any::<[u8; 16]>(),
         ) {
             let r = Request {
                 kind: if write { Kind::Write } else { Kind::Read },
                 flags: if ck { FLAG_CHECKSUM } else { 0 },
-                tag, transfer, epoch, node_generation: generation, segment, len, offset, crc,
+                tag, transfer, epoch, node_generation: generation, segment, len, offset, crc, mac,
             };
             prop_assert_eq!(Request::decode(&r.encode()).unwrap(), r);
         }
@@ -242,11 +260,16 @@ mod tests {
         fn responses_and_binds_round_trip(
             status in 0u8..4, len in any::<u32>(), tag in any::<u64>(), crc in any::<u32>(),
             refusal in any::<u8>(), node in any::<u64>(), generation in any::<u64>(),
+            mac in any::<[u8; 16]>(), to in any::<u64>(),
         ) {
             let status = [Status::Ok, Status::Refused, Status::Corrupt, Status::BadRequest][status as usize];
-            let r = Response { status, len: if status == Status::Ok { len } else { 0 }, tag, crc, refusal };
+            let r = Response { status, len: if status == Status::Ok { len } else { 0 }, tag, crc, refusal, mac };
             prop_assert_eq!(Response::decode(&r.encode()).unwrap(), r);
-            let b = Bind { node_id: node, node_generation: generation, purpose: if node % 2 == 0 { Purpose::Data } else { Purpose::Control } };
+            let b = Bind {
+                node_id: node, node_generation: generation,
+                purpose: if node % 2 == 0 { Purpose::Data } else { Purpose::Control },
+                payload_mac: generation % 2 == 0, to_node: to,
+            };
             prop_assert_eq!(Bind::decode(&b.encode()).unwrap(), b);
         }
 
@@ -256,12 +279,12 @@ mod tests {
         ) {
             let r = Request {
                 kind: Kind::Read, flags: FLAG_CHECKSUM, tag: 9, transfer: 8, epoch: 7,
-                node_generation: 6, segment: 5, len, offset: 4, crc: 0,
+                node_generation: 6, segment: 5, len, offset: 4, crc: 0, mac: [3; 16],
             };
             let mut b = r.encode();
             b[at] = value;
             if let Ok(parsed) = Request::decode(&b) {
-                prop_assert_eq!(&parsed.encode()[..64], &b[..64], "the tag is not part of the value");
+                prop_assert_eq!(&parsed.encode()[..80], &b[..80], "the tag is not part of the value");
             }
         }
     }
@@ -279,6 +302,7 @@ mod tests {
             len: 6,
             offset: 7,
             crc: 8,
+            mac: [0; 16],
         };
         let mut b = r.encode();
         b[2] = 9;

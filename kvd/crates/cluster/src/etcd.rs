@@ -1,8 +1,17 @@
 //! The few etcd calls kvd makes, over `etcd-client`, so that no other crate names its types:
-//! connect with the cluster's credentials, read and write one key, and follow the nodes'
-//! registrations (one full read, then a watch from just after its revision).
+//! connect with the cluster's credentials, read and write one key, follow the nodes'
+//! registrations and the revoked node keys (each one full read, then a watch from just after
+//! its revision), and revoke a key.
+//!
+//! ```text
+//!  <prefix>/nodes/<node id, 20 digits>   a node's registration (JSON), under its lease
+//!  <prefix>/revoked/<public key, hex>    a revoked node key (JSON: the node, when); no lease
+//! ```
 
+use std::collections::BTreeSet;
 use std::time::Duration;
+
+use transport::link::identity::PublicKey;
 
 use crate::view::Registration;
 use crate::{Error, EtcdSecurity, Result};
@@ -16,6 +25,21 @@ pub(crate) fn etcd_err(what: &str, e: etcd_client::Error) -> Error {
 /// keys sort by id).
 pub(crate) fn node_key(prefix: &str, id: u64) -> String {
     format!("{prefix}/nodes/{id:020}")
+}
+
+/// The key under which `key` is revoked in the cluster under `prefix`.
+pub(crate) fn revoked_key(prefix: &str, key: &PublicKey) -> String {
+    format!("{prefix}/revoked/{key}")
+}
+
+/// A revocation as `kvd key revoke` writes it (for people reading etcd; the key is what
+/// counts).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Revocation {
+    /// The node whose key it was, where known.
+    node_id: Option<u64>,
+    /// When, seconds since the Unix epoch.
+    revoked_at_s: u64,
 }
 
 /// A connection to the cluster's etcd.
@@ -72,29 +96,75 @@ impl Etcd {
         Ok(())
     }
 
-    /// The registrations under the cluster's `prefix` as one read, with its revision, and a
-    /// watch of them from just after it (so that no change falls between the two).
+    /// Node `node`'s registration under `prefix`, if it is registered.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when etcd does not answer; [`Error::InvalidArgument`] for a
+    /// value that is not a registration.
+    pub async fn registration(&mut self, prefix: &str, node: u64) -> Result<Option<Registration>> {
+        let key = node_key(prefix, node);
+        match self.get(&key).await? {
+            Some(v) => serde_json::from_slice(&v)
+                .map(Some)
+                .map_err(|e| Error::InvalidArgument(format!("{key}: not a registration: {e}"))),
+            None => Ok(None),
+        }
+    }
+
+    /// Revoke node key `key` in the cluster under `prefix` (once written, no node accepts the
+    /// key: each drops it from its peer table and closes its connections).
     ///
     /// # Errors
     /// [`Error::Unavailable`] when etcd does not answer.
-    pub async fn watch_nodes(&mut self, prefix: &str) -> Result<(Vec<Registration>, NodeWatch)> {
+    pub async fn revoke_key(
+        &mut self,
+        prefix: &str,
+        key: &PublicKey,
+        node: Option<u64>,
+    ) -> Result<()> {
+        let revoked_at_s = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let value = serde_json::to_vec(&Revocation {
+            node_id: node,
+            revoked_at_s,
+        })
+        .expect("a revocation serializes");
+        self.put(&revoked_key(prefix, key), value).await
+    }
+
+    /// The revoked keys under `prefix` as one read, and a watch of them from just after it.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when etcd does not answer.
+    pub async fn watch_revoked(&mut self, prefix: &str) -> Result<(BTreeSet<String>, KeyWatch)> {
+        let (all, revision, watch) = self.read_and_watch(&format!("{prefix}/revoked/")).await?;
+        let keys = all.iter().filter_map(|(k, _)| key_of(k)).collect();
+        Ok((keys, KeyWatch(NodeWatchInner { revision, watch })))
+    }
+
+    /// Everything under `prefix` as one read (keys and values), its revision, and a watch of
+    /// the prefix from just after it (so that no change falls between the two).
+    async fn read_and_watch(
+        &mut self,
+        prefix: &str,
+    ) -> Result<(Vec<(Vec<u8>, Vec<u8>)>, i64, Watch)> {
         use etcd_client::{GetOptions, WatchOptions};
-        let nodes_prefix = format!("{prefix}/nodes/");
         let all = self
             .client
-            .get(nodes_prefix.as_str(), Some(GetOptions::new().with_prefix()))
+            .get(prefix, Some(GetOptions::new().with_prefix()))
             .await
-            .map_err(|e| etcd_err("read the nodes", e))?;
+            .map_err(|e| etcd_err(&format!("read {prefix}"), e))?;
         let revision = all.header().map_or(0, |h| h.revision());
-        let nodes = all
+        let kvs = all
             .kvs()
             .iter()
-            .filter_map(|kv| serde_json::from_slice::<Registration>(kv.value()).ok())
+            .map(|kv| (kv.key().to_vec(), kv.value().to_vec()))
             .collect();
         let (watcher, events) = self
             .client
             .watch(
-                nodes_prefix.as_str(),
+                prefix,
                 Some(
                     WatchOptions::new()
                         .with_prefix()
@@ -104,13 +174,76 @@ impl Etcd {
             .await
             .map_err(|e| etcd_err("watch", e))?;
         Ok((
-            nodes,
-            NodeWatch {
-                revision,
+            kvs,
+            revision,
+            Watch {
                 _watcher: watcher,
                 events,
             },
         ))
+    }
+
+    /// The registrations under the cluster's `prefix` as one read, with its revision, and a
+    /// watch of them from just after it (so that no change falls between the two).
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when etcd does not answer.
+    pub async fn watch_nodes(&mut self, prefix: &str) -> Result<(Vec<Registration>, NodeWatch)> {
+        let (all, revision, watch) = self.read_and_watch(&format!("{prefix}/nodes/")).await?;
+        let nodes = all
+            .iter()
+            .filter_map(|(_, v)| serde_json::from_slice::<Registration>(v).ok())
+            .collect();
+        Ok((
+            nodes,
+            NodeWatch {
+                revision,
+                inner: NodeWatchInner { revision, watch },
+            },
+        ))
+    }
+}
+
+/// The last path element of an etcd key, as text.
+fn last_of(key: &[u8]) -> Option<&str> {
+    std::str::from_utf8(key)
+        .ok()
+        .and_then(|k| k.rsplit('/').next())
+}
+
+/// The revoked key an etcd key under `<prefix>/revoked/` names (lowercase hex), if it names
+/// one.
+fn key_of(key: &[u8]) -> Option<String> {
+    last_of(key)
+        .and_then(|k| k.parse::<PublicKey>().ok())
+        .map(|k| k.to_string())
+}
+
+/// A watch of one prefix.
+struct Watch {
+    _watcher: etcd_client::Watcher,
+    events: etcd_client::WatchStream,
+}
+
+/// A watch and the revision of its last message.
+struct NodeWatchInner {
+    revision: i64,
+    watch: Watch,
+}
+
+impl NodeWatchInner {
+    /// The next message's events (the revision moves on).
+    async fn next(&mut self) -> Result<Vec<etcd_client::Event>> {
+        let w = match self.watch.events.message().await {
+            Ok(Some(w)) => w,
+            Ok(None) => return Err(Error::Unavailable("the watch ended".into())),
+            Err(e) => return Err(etcd_err("watch", e)),
+        };
+        if w.canceled() {
+            return Err(Error::Unavailable("etcd cancelled the watch".into()));
+        }
+        self.revision = w.header().map_or(self.revision, |h| h.revision());
+        Ok(w.events().to_vec())
     }
 }
 
@@ -127,8 +260,7 @@ pub enum NodeChange {
 pub struct NodeWatch {
     /// The revision the read was at (then: of the last message).
     pub revision: i64,
-    _watcher: etcd_client::Watcher,
-    events: etcd_client::WatchStream,
+    inner: NodeWatchInner,
 }
 
 impl std::fmt::Debug for NodeWatch {
@@ -147,16 +279,9 @@ impl NodeWatch {
     /// [`Error::Unavailable`] when the watch failed, ended or was cancelled (start anew with
     /// a full read).
     pub async fn next(&mut self) -> Result<Vec<NodeChange>> {
-        let w = match self.events.message().await {
-            Ok(Some(w)) => w,
-            Ok(None) => return Err(Error::Unavailable("the watch ended".into())),
-            Err(e) => return Err(etcd_err("watch", e)),
-        };
-        if w.canceled() {
-            return Err(Error::Unavailable("etcd cancelled the watch".into()));
-        }
-        self.revision = w.header().map_or(self.revision, |h| h.revision());
-        Ok(w.events()
+        let events = self.inner.next().await?;
+        self.revision = self.inner.revision;
+        Ok(events
             .iter()
             .filter_map(|e| {
                 let kv = e.kv()?;
@@ -164,9 +289,7 @@ impl NodeWatch {
                     etcd_client::EventType::Put => serde_json::from_slice(kv.value())
                         .ok()
                         .map(NodeChange::Registered),
-                    etcd_client::EventType::Delete => std::str::from_utf8(kv.key())
-                        .ok()
-                        .and_then(|k| k.rsplit('/').next())
+                    etcd_client::EventType::Delete => last_of(kv.key())
                         .and_then(|n| n.parse::<u64>().ok())
                         .map(NodeChange::Withdrawn),
                 }
@@ -175,9 +298,60 @@ impl NodeWatch {
     }
 }
 
+/// A change to the revoked keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyChange {
+    /// Every revoked key, from a full read.
+    All(BTreeSet<String>),
+    /// A key revoked.
+    Revoked(String),
+    /// A revocation deleted (by hand, in etcd).
+    Unrevoked(String),
+}
+
+/// The watch of the revoked keys that [`Etcd::watch_revoked`] started.
+pub struct KeyWatch(NodeWatchInner);
+
+impl std::fmt::Debug for KeyWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyWatch")
+            .field("revision", &self.0.revision)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KeyWatch {
+    /// The next message's changes (keys that name no node key are skipped).
+    ///
+    /// # Errors
+    /// As [`NodeWatch::next`].
+    pub async fn next(&mut self) -> Result<Vec<KeyChange>> {
+        let events = self.0.next().await?;
+        Ok(events
+            .iter()
+            .filter_map(|e| {
+                let k = key_of(e.kv()?.key())?;
+                Some(match e.event_type() {
+                    etcd_client::EventType::Put => KeyChange::Revoked(k),
+                    etcd_client::EventType::Delete => KeyChange::Unrevoked(k),
+                })
+            })
+            .collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_revocation_key_names_the_public_key_and_reads_back() {
+        let k = transport::link::testing::public_key(3);
+        let at = revoked_key("/kvd", &k);
+        assert_eq!(at, format!("/kvd/revoked/{k}"));
+        assert_eq!(key_of(at.as_bytes()), Some(k.to_string()));
+        assert_eq!(key_of(b"/kvd/revoked/zz"), None);
+    }
 
     #[test]
     fn node_keys_sort_by_id() {

@@ -18,10 +18,11 @@
 //!
 //! ```text
 //!  settings.rs   EtcdArgs (the flags), EtcdSecurity (password, TLS), ClusterConfig
-//!  etcd.rs       Etcd: connect, get, put, watch_nodes → NodeWatch of NodeChange
+//!  etcd.rs       Etcd: connect, get, put, watch_nodes → NodeWatch of NodeChange,
+//!                watch_revoked → KeyWatch of KeyChange, revoke_key
 //!                (the only module that names etcd-client's types)
-//!  view.rs       Membership (the view, the lease flag, the peer table), Registration,
-//!                ClusterReport
+//!  view.rs       Membership (the view, the lease flag, the revoked keys, the peer table with
+//!                each node's key), Registration, ClusterReport
 //!  registry.rs   EtcdRegistry: register under a lease, keep it alive, feed the view
 //! ```
 
@@ -30,7 +31,7 @@ mod registry;
 mod settings;
 mod view;
 
-pub use etcd::{Etcd, NodeChange, NodeWatch};
+pub use etcd::{Etcd, KeyChange, KeyWatch, NodeChange, NodeWatch};
 pub use kvd_core::{Error, Result};
 pub use registry::EtcdRegistry;
 pub use settings::{ClusterConfig, EtcdArgs, EtcdSecurity, EtcdTls};

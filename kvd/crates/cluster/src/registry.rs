@@ -1,7 +1,8 @@
 //! A node's registration in etcd, kept under a lease, and the membership view fed from etcd.
 //!
 //! ```text
-//!  connect ─▶ grant lease (TTL) ─▶ put registration ─▶ full read (rev R) ─▶ watch from R+1
+//!  connect ─▶ grant lease (TTL) ─▶ put registration ─▶ full reads (revoked keys, nodes)
+//!                                                      ─▶ watches from just after each
 //!     ▲                                                                        │
 //!     └──── backoff ◀── any error (etcd down, partition, lease gone) ◀─────────┘
 //!           keep-alive every TTL/3; no answer for a whole TTL: the lease is lost
@@ -11,6 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::KeyChange;
 use crate::etcd::{Etcd, etcd_err, node_key};
 use crate::view::{Membership, Registration};
 use crate::{ClusterConfig, Error, Result};
@@ -143,7 +145,10 @@ impl EtcdRegistry {
         self.membership.set_lease(true, "");
         *answered = Instant::now();
 
-        // the view: a full read, then a watch from just after its revision
+        // the view: full reads of the revoked keys and the nodes, then watches from just after
+        // their revisions
+        let (revoked, mut revocations) = etcd.watch_revoked(&self.config.prefix).await?;
+        self.membership.revoke(KeyChange::All(revoked));
         let (nodes, mut watch) = etcd.watch_nodes(&self.config.prefix).await?;
         self.membership.replace(
             nodes.into_iter().map(|r| (r.node_id, r)).collect(),
@@ -179,6 +184,11 @@ impl EtcdRegistry {
                 changes = watch.next() => {
                     for c in changes? {
                         self.membership.apply(c, watch.revision);
+                    }
+                }
+                changes = revocations.next() => {
+                    for c in changes? {
+                        self.membership.revoke(c);
                     }
                 }
                 _ = refresh.tick() => {

@@ -1,15 +1,15 @@
-//! The membership view: every registered node, this node's lease, and the peer table the
-//! data port follows. The embedded registry holds this node alone; [`crate::EtcdRegistry`]
-//! feeds the view from etcd.
+//! The membership view: every registered node, this node's lease, the keys revoked, and the
+//! peer table the data port follows (each registered node's data address, and its public key
+//! unless that key is revoked). The embedded registry holds this node alone;
+//! [`crate::EtcdRegistry`] feeds the view from etcd.
 
-use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::RwLock;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use crate::NodeChange;
+use crate::{KeyChange, NodeChange};
 
 /// One node's registration, as etcd holds it (JSON).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -26,6 +26,10 @@ pub struct Registration {
     pub capacity_bytes: u64,
     /// Free pool bytes when it last wrote its registration.
     pub free_bytes: u64,
+    /// Its public key (64 hex digits): what its handshakes must prove. Empty in a registration
+    /// written by a kvd that had none, which no node then accepts.
+    #[serde(default)]
+    pub node_key: String,
 }
 
 /// What `/status` shows of membership.
@@ -46,6 +50,8 @@ pub struct ClusterReport {
     pub registrations: u64,
     /// Times the view was rebuilt from a full read.
     pub full_reads: u64,
+    /// Node keys revoked in the cluster (`kvd key revoke`): no node accepts them.
+    pub revoked_keys: Vec<String>,
 }
 
 /// The membership view, shared by the data port (its peer table), `/readyz` and `/status`.
@@ -53,6 +59,8 @@ pub struct Membership {
     registry: &'static str,
     pub(crate) me: u64,
     view: RwLock<BTreeMap<u64, Registration>>,
+    /// Revoked node keys (hex, lowercase).
+    revoked: RwLock<BTreeSet<String>>,
     revision: AtomicI64,
     lease_held: AtomicBool,
     problem: RwLock<String>,
@@ -73,7 +81,7 @@ impl std::fmt::Debug for Membership {
 }
 
 /// What is told of the peers when the view changes.
-pub use kvd_remote::PeerSink;
+pub use kvd_remote::{Peer, PeerSink};
 
 impl kvd_remote::Membership for Membership {
     fn lease_held(&self) -> bool {
@@ -104,6 +112,7 @@ impl Membership {
             registry,
             me,
             view: RwLock::new(BTreeMap::new()),
+            revoked: RwLock::new(BTreeSet::new()),
             revision: AtomicI64::new(0),
             lease_held: AtomicBool::new(held),
             problem: RwLock::new(if held {
@@ -154,15 +163,33 @@ impl Membership {
         *self.on_change.write().unwrap_or_else(|p| p.into_inner()) = Some(sink);
     }
 
-    /// Every registered node but this one, by data address.
-    pub fn peers(&self) -> BTreeMap<u64, SocketAddr> {
+    /// Every registered node but this one: its data address, and its key unless it has
+    /// none, a malformed one or a revoked one.
+    pub fn peers(&self) -> BTreeMap<u64, Peer> {
+        let revoked = self.revoked.read().unwrap_or_else(|p| p.into_inner());
         self.view
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .values()
             .filter(|r| r.node_id != self.me)
-            .filter_map(|r| r.data_addr.parse().ok().map(|a| (r.node_id, a)))
+            .filter_map(|r| {
+                let addr = r.data_addr.parse().ok()?;
+                let key = r
+                    .node_key
+                    .parse::<transport::link::identity::PublicKey>()
+                    .ok()
+                    .filter(|k| !revoked.contains(&k.to_string()));
+                Some((r.node_id, Peer { addr, key }))
+            })
             .collect()
+    }
+
+    /// Whether `key` (hex) is revoked.
+    pub fn is_revoked(&self, key: &str) -> bool {
+        self.revoked
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&key.to_ascii_lowercase())
     }
 
     /// Whether this view fences by registration (etcd): a peer must be registered, at the
@@ -216,6 +243,37 @@ impl Membership {
         self.changed();
     }
 
+    /// The revoked keys, from a full read (`replace`) or one watch message.
+    pub(crate) fn revoke(&self, change: KeyChange) {
+        {
+            let mut r = self.revoked.write().unwrap_or_else(|p| p.into_inner());
+            match change {
+                KeyChange::All(keys) => *r = keys,
+                KeyChange::Revoked(k) => {
+                    r.insert(k);
+                }
+                KeyChange::Unrevoked(k) => {
+                    r.remove(&k);
+                }
+            }
+            if r.iter().any(|k| Some(k) == self.own_key().as_ref()) {
+                tracing::error!(
+                    "this node's own key is revoked: no node accepts its connections; make it a \
+                     new key (docs/OPERATIONS.md, \"Revoking a node's key\")"
+                );
+            }
+        }
+        self.changed();
+    }
+
+    fn own_key(&self) -> Option<String> {
+        self.view
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&self.me)
+            .map(|r| r.node_key.to_ascii_lowercase())
+    }
+
     /// What `/status` shows.
     pub fn report(&self) -> ClusterReport {
         ClusterReport {
@@ -232,6 +290,13 @@ impl Membership {
                 .collect(),
             registrations: self.registrations.load(Ordering::Relaxed),
             full_reads: self.full_reads.load(Ordering::Relaxed),
+            revoked_keys: self
+                .revoked
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .cloned()
+                .collect(),
         }
     }
 }
@@ -249,6 +314,7 @@ mod tests {
             admin_addr: format!("127.0.0.1:{}", port + 1),
             capacity_bytes: 1 << 30,
             free_bytes: 1 << 29,
+            node_key: transport::link::testing::public_key(node_id).to_string(),
         }
     }
 
@@ -271,6 +337,35 @@ mod tests {
         assert_eq!(m.generation_of(2), None);
         let r = m.report();
         assert_eq!((r.revision, r.full_reads, r.nodes.len()), (12, 1, 2));
+    }
+
+    #[test]
+    fn a_revoked_key_leaves_its_node_in_the_view_without_a_key() {
+        let m = Membership::new("etcd", 1, false);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = Arc::clone(&seen);
+        m.on_change(Box::new(move |p| s.lock().unwrap().push(p)));
+        let mut bad = reg(4, 1, 7400);
+        bad.node_key = "not a key".into();
+        m.replace(
+            [(2, reg(2, 1, 7100)), (3, reg(3, 1, 7200)), (4, bad)].into(),
+            5,
+        );
+        let k3 = reg(3, 1, 0).node_key;
+        m.revoke(KeyChange::Revoked(k3.clone()));
+        {
+            let seen = seen.lock().unwrap();
+            let last = seen.last().unwrap();
+            assert!(last[&2].key.is_some());
+            assert_eq!(last[&3].key, None, "revoked");
+            assert_eq!(last[&4].key, None, "malformed");
+        }
+        assert!(m.is_revoked(&k3.to_uppercase()));
+        assert_eq!(m.report().revoked_keys, vec![k3.clone()]);
+        m.revoke(KeyChange::Unrevoked(k3));
+        assert!(m.peers()[&3].key.is_some());
+        m.revoke(KeyChange::All(BTreeSet::new()));
+        assert!(m.report().revoked_keys.is_empty());
     }
 
     #[test]

@@ -217,6 +217,7 @@ mod tests {
             admin_addr: format!("127.0.0.1:{}", 7100 + node_id),
             capacity_bytes: 1 << 30,
             free_bytes: 1 << 30,
+            node_key: String::new(),
         }
     }
 

@@ -196,6 +196,13 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(skip)]
     pub cluster_secret_file: Option<PathBuf>,
+    /// This node's key file (Ed25519, PKCS#8, readable by its owner only): its data port
+    /// connections prove the node id with it. `kvd key show` prints its public half, which
+    /// peers list [default: DATA_DIR/node.key, made at first start; a file named here must
+    /// exist].
+    #[arg(long)]
+    #[serde(skip)]
+    pub node_key_file: Option<PathBuf>,
     /// Where the data port (peers' transfer connections) listens; needs
     /// --cluster-secret-file [default: 127.0.0.1:7461].
     #[arg(long)]
@@ -222,11 +229,36 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     #[serde(skip)]
     pub rdma_gid_index: u32,
-    /// A peer's data port, as NODE_ID=ADDR (repeat for each peer; a list in the file); needs
-    /// --cluster-secret-file. Cluster mode fills the same table from etcd.
-    #[arg(long = "peer", value_name = "NODE_ID=ADDR")]
+    /// A peer: its data port and its public key (`kvd key show` on it), as
+    /// NODE_ID=ADDR,key=PUBLIC_KEY (repeat for each peer; a list in the file); needs
+    /// --cluster-secret-file. Only listed nodes may connect. Cluster mode fills the same table
+    /// from etcd.
+    #[arg(long = "peer", value_name = "NODE_ID=ADDR,key=PUBLIC_KEY")]
     #[serde(skip)]
     pub peer: Vec<String>,
+    /// A file of peers, one NODE_ID=ADDR,key=PUBLIC_KEY a line (`#` comments; this node's own
+    /// line skipped, so every node may share one file), read again within a second of any
+    /// change: deleting a node's line revokes it (its connections are closed). Its entries win
+    /// over --peer's; needs --cluster-secret-file.
+    #[arg(long)]
+    #[serde(skip)]
+    pub peers_file: Option<PathBuf>,
+    /// Of the data port's 64 handshake slots, how many are kept for connections from the
+    /// addresses of known peers (static peers, etcd members): strangers, from however many
+    /// addresses, can fill the rest only.
+    #[arg(long, default_value_t = transport::tcp::DEFAULT_MEMBER_HANDSHAKES as u32,
+          value_parser = clap::value_parser!(u32)
+              .range(0..transport::tcp::DEFAULT_MAX_HANDSHAKES as i64))]
+    #[serde(skip)]
+    pub data_handshake_reserve: u32,
+    /// Put a MAC (blake3, keyed per connection from its handshake) on every payload this
+    /// node's data connections carry, both ways, and check every one: an attacker on the path
+    /// who rewrites a payload and keeps its CRC-32C is caught. Costs a keyed-hash pass per
+    /// payload on each side (docs/PERFORMANCE.md, "Node identity and the payload MAC"); on for
+    /// a connection when either end asks.
+    #[arg(long)]
+    #[serde(skip)]
+    pub payload_mac: bool,
     /// Pushes and fetches this node runs at once with one peer; more are answered Overloaded
     /// (retryable).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
@@ -423,33 +455,17 @@ pub struct DaemonConfig {
     pub cluster: Option<kvd_cluster::ClusterConfig>,
 }
 
-/// Parse `--peer NODE_ID=ADDR` entries into a table; `me` may not appear in it.
-fn parse_peers(entries: &[String], me: u64) -> Result<std::collections::BTreeMap<u64, SocketAddr>> {
-    let mut peers = std::collections::BTreeMap::new();
-    for e in entries {
-        let bad = |why: &str| {
-            Error::InvalidArgument(format!(
-                "--peer {e:?}: {why}; write it as NODE_ID=ADDR, for example 2=10.0.0.2:7461"
-            ))
-        };
-        let (id, addr) = e.split_once('=').ok_or_else(|| bad("no '='"))?;
-        let id: u64 = id
-            .trim()
-            .parse()
-            .map_err(|_| bad("the node id is not a number"))?;
-        let addr: SocketAddr = addr
-            .trim()
-            .parse()
-            .map_err(|_| bad("the address is not IP:PORT"))?;
-        if id == me {
-            return Err(bad("that is this node's own id (--node-id)"));
-        }
-        if peers.insert(id, addr).is_some() {
-            return Err(bad("node id given twice"));
-        }
+/// Where this node's key is: `--node-key-file`, or `node.key` in the data directory (made
+/// there at first start); and whether it may be made.
+pub fn node_key_path(s: &ServeArgs) -> (PathBuf, bool) {
+    match &s.node_key_file {
+        Some(p) => (p.clone(), false),
+        None => (s.data_dir.join(NODE_KEY_FILE), true),
     }
-    Ok(peers)
 }
+
+/// The key file's name in the data directory.
+pub const NODE_KEY_FILE: &str = "node.key";
 
 impl DaemonConfig {
     /// The daemon's configuration from its settings, with what depends on several of them
@@ -515,10 +531,10 @@ impl DaemonConfig {
     /// The data port's settings, when a cluster secret turns it on.
     fn data_port(s: &ServeArgs) -> Result<Option<DataPortConfig>> {
         let Some(cluster_secret_file) = s.cluster_secret_file.clone() else {
-            if s.data_listen.is_some() || !s.peer.is_empty() {
+            if s.data_listen.is_some() || !s.peer.is_empty() || s.peers_file.is_some() {
                 return Err(Error::InvalidArgument(
-                    "--data-listen and --peer need --cluster-secret-file (the data port only \
-                     runs authenticated)"
+                    "--data-listen, --peer and --peers-file need --cluster-secret-file (the \
+                     data port only runs authenticated)"
                         .into(),
                 ));
             }
@@ -542,7 +558,12 @@ impl DaemonConfig {
                 .data_listen
                 .unwrap_or_else(|| DEFAULT_DATA_LISTEN.parse().expect("a valid literal")),
             cluster_secret_file,
-            peers: parse_peers(&s.peer, s.node_id)?,
+            node_key_file: node_key_path(s).0,
+            create_node_key: node_key_path(s).1,
+            peers: kvd_remote::peers::parse_list(&s.peer, s.node_id)?,
+            peers_file: s.peers_file.clone(),
+            member_handshakes: s.data_handshake_reserve as usize,
+            payload_mac: s.payload_mac,
             max_transfers_per_peer: per_peer,
             max_transfers: total,
             max_incoming_per_peer: in_peer,

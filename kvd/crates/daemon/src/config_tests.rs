@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// A well-formed public key (64 hex digits) for peer entries.
+const KEY: &str = "3b6a27bcceb6a42d62a3a8d02a6f0d73653215771de243a63ac048a18b59da29";
+
 /// The settings and the configuration `args` (what follows `serve`) give.
 fn resolve(args: &[&str]) -> Result<DaemonConfig> {
     DaemonConfig::resolve(&ServeArgs::from_cli(args.iter().map(OsString::from))?)
@@ -17,17 +20,13 @@ fn file(text: &str) -> (tempfile::TempDir, String) {
 
 #[test]
 fn flags_win_over_the_file_and_the_file_over_the_defaults() {
-    let (_d, f) = file(
-        "pool_mib = 64\nmax_sessions = 8\npage_kib = 160\npeer = [\"2=127.0.0.1:1\", \"3=127.0.0.1:2\"]\ncluster_secret_file = \"s\"\nallow_remote_admin = true\n",
-    );
-    let c = resolve(&[
-        "--config",
-        &f,
-        "--max-sessions=4",
-        "--peer",
-        "4=127.0.0.1:3",
-    ])
-    .unwrap();
+    let (_d, f) = file(&format!(
+        "pool_mib = 64\nmax_sessions = 8\npage_kib = 160\npeer = [\"2=127.0.0.1:1,key={k}\", \
+             \"3=127.0.0.1:2,key={k}\"]\ncluster_secret_file = \"s\"\nallow_remote_admin = true\n",
+        k = KEY
+    ));
+    let four = format!("4=127.0.0.1:3,key={KEY}");
+    let c = resolve(&["--config", &f, "--max-sessions=4", "--peer", &four]).unwrap();
     assert_eq!(c.pool_bytes, 64 << 20);
     assert_eq!(c.page_bytes, 160 * 1024);
     assert_eq!(c.settings.max_sessions, 4, "the flag wins");
@@ -194,7 +193,15 @@ fn settings_that_do_not_fit_together_are_refused() {
             ][..],
             "per peer",
         ),
-        (&["--peer", "2=127.0.0.1:1"][..], "--cluster-secret-file"),
+        (
+            &["--peer", "2=127.0.0.1:1,key=00"][..],
+            "--cluster-secret-file",
+        ),
+        (
+            &["--cluster-secret-file", "s", "--peer", "2=127.0.0.1:1"][..],
+            "no key",
+        ),
+        (&["--peers-file", "p"][..], "--cluster-secret-file"),
         (
             &["--etcd", "http://127.0.0.1:2379"][..],
             "--cluster-secret-file",

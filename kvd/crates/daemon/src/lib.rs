@@ -9,8 +9,8 @@
 //!
 //! Read `docs/DAEMON.md` for the protocol, the limits and the reasons behind them.
 //!
-//! A service crate: the `kvd` binary wires it up as `kvd serve`, and `kvd status` and
-//! `kvd drain` use its admin API's client ([`status`]). It is made of the library crates
+//! A service crate: the `kvd` binary wires it up as `kvd serve`, `kvd status` and
+//! `kvd drain` use its admin API's client ([`status`]), and `kvd key` its node keys ([`keys`]). It is made of the library crates
 //! (the store, blocks between daemons, cluster mode) and imports no other service.
 //!
 //! ```text
@@ -27,6 +27,7 @@
 //!  wake.rs      the CPU wake-latency hold
 //!  context.rs   what every task shares
 //!  status.rs    the admin API's client: `kvd status`, `kvd drain`
+//!  keys.rs      `kvd key`: show a node's public key, revoke one in etcd
 //! ```
 
 pub use kvd_core::{Error, Result};
@@ -40,6 +41,7 @@ pub mod config;
 pub mod context;
 pub mod datadir;
 pub mod drain;
+pub mod keys;
 pub mod limits;
 pub mod metrics;
 pub mod probes;
@@ -285,6 +287,11 @@ fn register(
         admin_addr: dd.admin_addr.to_string(),
         capacity_bytes: dd.store.pool_bytes(),
         free_bytes: u64::from(dd.store.stats().accounting.free) * dd.store.page_size(),
+        node_key: dd
+            .data_port
+            .as_ref()
+            .and_then(|dp| dp.public_key())
+            .map_or_else(String::new, |k| k.to_string()),
     };
     let dd = d.clone();
     let advance = move || {

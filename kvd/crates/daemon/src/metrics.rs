@@ -551,8 +551,16 @@ impl DataPortCollector {
             (
                 "kvd_transfer_integrity_failures",
                 "Frames between daemons that failed their integrity tag (changed in flight, \
-                 replayed, forged); each closed its connection",
+                 replayed, forged), each closing its connection; and payloads that failed their \
+                 MAC (--payload-mac), each failing its chunk",
                 c.integrity_failures,
+            ),
+            (
+                "kvd_transfer_identity_refusals",
+                "Data connections refused because their bind did not prove the node it claimed \
+                 (no key for that node here: not a peer, or revoked; a bad signature; addressed \
+                 to another node)",
+                c.identity_refusals,
             ),
         ] {
             counter(e, name, help, v)?;

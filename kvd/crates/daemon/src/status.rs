@@ -241,22 +241,25 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
             let e = &dp.engine;
             let _ = writeln!(
                 o,
-                "data port {} (node {}): {} ops / {} bytes in flight, {} grants live, peers [{}]; \
-                 chunks {} done / {} served, {} refused, {} checksum failures, {} connections \
-                 failed, {} handshakes refused, {} frames failed integrity, {} stall checks \
-                 kept a slow link",
+                "data port {} (node {}, key {}): {} ops / {} bytes in flight, {} grants live, \
+                 peers [{}], {} may connect; chunks {} done / {} served, {} refused, {} checksum \
+                 failures, {} connections failed, {} handshakes refused, {} identities refused, \
+                 {} frames failed integrity, {} stall checks kept a slow link",
                 dp.listen,
                 dp.node_id,
+                dp.node_key,
                 dp.ops_in_flight,
                 dp.bytes_in_flight,
                 dp.live_grants,
                 peers.join(", "),
+                dp.members,
                 e.chunks_done,
                 e.chunks_served,
                 e.refused,
                 e.checksum_failures,
                 e.connections_failed,
                 e.handshakes_refused,
+                e.identity_refusals,
                 e.integrity_failures,
                 e.slow_progress
             );

@@ -11,18 +11,22 @@
 //!  port.rs       DataPort: the transport's backends (`transport::registry`: TCP always, RDMA
 //!                where usable, chosen per peer), the pool registered as one segment, the
 //!                control handler, the reaper; starts transfers, reports, follows membership
+//!  peers.rs      the peer table: `--peer` entries, the peers file, membership; each peer's
+//!                address and the key its handshakes must prove
 //!  transfer/     outgoing.rs (pushes and fetches started here), incoming.rs (peers'
 //!                transfers into and out of here), wire.rs (their messages), mod.rs (counters)
 //! ```
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use serde::Serialize;
 
+pub mod peers;
 pub mod port;
 pub mod transfer;
+
+pub use peers::Peer;
 
 pub use kvd_core::{Error, Result};
 pub(crate) use kvd_core::{error, keys, protocol};
@@ -46,12 +50,13 @@ pub trait Membership: Send + Sync + std::fmt::Debug {
     fn fences(&self) -> bool;
     /// A peer's generation as the membership knows it.
     fn generation_of(&self, node: u64) -> Option<u64>;
-    /// Call `sink` with the peer table (node id → data address) now and at every change.
+    /// Call `sink` with the peer table (node id → data address and key) now and at every
+    /// change.
     fn on_change(&self, sink: PeerSink);
 }
 
-/// Receives the peer table (node id → data address) from a [`Membership`].
-pub type PeerSink = Box<dyn Fn(BTreeMap<u64, SocketAddr>) + Send + Sync>;
+/// Receives the peer table (node id → data address and key) from a [`Membership`].
+pub type PeerSink = Box<dyn Fn(BTreeMap<u64, Peer>) + Send + Sync>;
 
 /// What the data port moves peers' blocks over, and how the RDMA device is chosen (the
 /// transport's backend registry reads both).
@@ -73,11 +78,23 @@ pub const DEFAULT_DATA_LANES: usize = 2;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DataPortConfig {
     /// Where it listens.
-    pub listen: SocketAddr,
+    pub listen: std::net::SocketAddr,
     /// The cluster secret file (read at start; its bytes are not kept here).
     pub cluster_secret_file: PathBuf,
-    /// The static peer table: node id → data address.
-    pub peers: std::collections::BTreeMap<u64, SocketAddr>,
+    /// This node's key file (read at start).
+    pub node_key_file: PathBuf,
+    /// Whether to make the key file when there is none (the default path in the data
+    /// directory: a node's first start).
+    pub create_node_key: bool,
+    /// The static peer table from `--peer`: node id → data address and key.
+    #[serde(serialize_with = "peers::serialize_table")]
+    pub peers: std::collections::BTreeMap<u64, Peer>,
+    /// The peers file, re-read when it changes (its entries win over `peers`).
+    pub peers_file: Option<PathBuf>,
+    /// Handshake slots of the data port kept for connections from members' addresses.
+    pub member_handshakes: usize,
+    /// Payload MACs on this node's connections.
+    pub payload_mac: bool,
     /// Transfers started here at once, per peer.
     pub max_transfers_per_peer: u32,
     /// Transfers started here at once, in all.

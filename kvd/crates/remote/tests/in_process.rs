@@ -67,10 +67,24 @@ fn node(net: &Arc<InProcNet>, id: u64, peers: &[u64], pages: u32) -> Node {
     let config = DataPortConfig {
         listen: unused,
         cluster_secret_file: "/nonexistent".into(),
+        node_key_file: "/nonexistent".into(),
+        create_node_key: false,
+        // in process there is no handshake: a peer's key is never asked for
         peers: peers
             .iter()
-            .map(|&p| (p, unused))
+            .map(|&p| {
+                (
+                    p,
+                    kvd_remote::Peer {
+                        addr: unused,
+                        key: None,
+                    },
+                )
+            })
             .collect::<BTreeMap<_, _>>(),
+        peers_file: None,
+        member_handshakes: 16,
+        payload_mac: false,
         max_transfers_per_peer: 4,
         max_transfers: 8,
         max_incoming_per_peer: 4,

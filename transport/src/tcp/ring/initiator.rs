@@ -1,6 +1,6 @@
 //! The ring's initiator side: chunks pulled from an endpoint's queue while fewer than its
 //! window are unanswered, and the responses read in order (a read's payload straight into
-//! the local range, then its CRC checked).
+//! the local range, then its CRC, and where the connection has them its MAC, checked).
 
 use super::*;
 use crate::local::crc32c;
@@ -55,16 +55,18 @@ impl Ring {
         let checksummed = chunk.request.flags & FLAG_CHECKSUM != 0;
         let corrupt = checksummed && chunk.request.kind == Kind::Write && self.corrupt_this_one();
         let len = chunk.request.len as usize;
+        let mac_key = self.conns[slot].as_ref().expect("live").payload_mac.clone();
         let (payload, payload_len, held) = match chunk.request.kind {
             Kind::Write => {
+                // SAFETY: the chunk's local range holds len bytes, which nobody writes until
+                // the batch settles (the posting contract).
+                let bytes = unsafe { std::slice::from_raw_parts(chunk.local, len) };
                 if checksummed {
-                    let crc = chunk.known_crc.unwrap_or_else(|| {
-                        // SAFETY: the chunk's local range holds len bytes, which nobody
-                        // writes until the batch settles (the posting contract).
-                        let bytes = unsafe { std::slice::from_raw_parts(chunk.local, len) };
-                        crc32c(0, bytes)
-                    });
+                    let crc = chunk.known_crc.unwrap_or_else(|| crc32c(0, bytes));
                     chunk.request.crc = crc ^ u32::from(corrupt);
+                }
+                if let Some(k) = &mac_key {
+                    chunk.request.mac = k.mac(bytes);
                 }
                 self.shared.batches().wire_taken(chunk.batch, 1);
                 let held = Held {
@@ -106,13 +108,20 @@ impl Ring {
                     .try_into()
                     .expect("a response header");
                 let resp = Response::decode(&hdr).map_err(|_| OpFailure::Protocol)?;
-                let intact = c.request.flags & FLAG_CHECKSUM == 0 || {
-                    // SAFETY: the receive just filled these len bytes of the chunk's local
-                    // range; nobody else touches them before the batch settles.
-                    let got =
-                        unsafe { std::slice::from_raw_parts(c.local, c.request.len as usize) };
-                    crc32c(0, got) == resp.crc
-                };
+                let mac_key = conn.payload_mac.clone();
+                // SAFETY: the receive just filled these len bytes of the chunk's local range;
+                // nobody else touches them before the batch settles.
+                let got =
+                    unsafe { std::slice::from_raw_parts_mut(c.local, c.request.len as usize) };
+                if self.rewrite_this_one() {
+                    crate::tcp::forge::keep_crc_change_bytes(got);
+                }
+                let crc_ok = c.request.flags & FLAG_CHECKSUM == 0 || crc32c(0, got) == resp.crc;
+                let mac_ok = mac_key.as_ref().is_none_or(|k| k.check(got, &resp.mac));
+                if !mac_ok {
+                    self.tampered();
+                }
+                let intact = crc_ok && mac_ok;
                 if let Some(b) = batch {
                     self.let_go(b);
                 }

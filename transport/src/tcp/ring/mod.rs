@@ -203,6 +203,9 @@ struct Conn {
     unseal: Unsealer,
     /// The connection's place under the per-peer bound (target side), given back with it.
     _place: Option<Admitted<PeerPurpose>>,
+    /// The key of its payload MACs, where its binds turned them on: every payload it sends
+    /// carries one in its header, every one it receives is checked.
+    payload_mac: Option<crate::auth::PayloadKey>,
     zero_copy: bool,
     send: SendState,
     recv: RecvState,
@@ -442,12 +445,19 @@ impl Ring {
                 }
                 Command::Close { endpoint } => self.fail_endpoint(endpoint, OpFailure::Closed),
                 Command::Fail { endpoint, why } => self.fail_endpoint(endpoint, why),
+                Command::Evict { node } => self.evict(node),
             }
         }
     }
 
     fn add_conn(&mut self, channel: Channel, role: Role) -> Option<usize> {
-        let (stream, seal, unseal, place) = channel.into_parts()?;
+        let crate::channel::Parts {
+            stream,
+            seal,
+            unseal,
+            place,
+            payload_mac,
+        } = channel.into_parts()?;
         if stream.set_nonblocking(true).is_err() {
             return None;
         }
@@ -475,6 +485,7 @@ impl Ring {
             seal,
             unseal,
             _place: place,
+            payload_mac,
             zero_copy,
             send: SendState {
                 busy: false,
@@ -564,7 +575,17 @@ impl Ring {
     /// Whether the next checksummed payload this engine sends is the one the test hook
     /// corrupts.
     fn corrupt_this_one(&self) -> bool {
-        let n = &self.shared.counters.corrupt_nth;
+        Self::nth_from_now(&self.shared.counters.corrupt_nth)
+    }
+
+    /// Whether the payload this engine just received is the one the test hook rewrites as an
+    /// on-path attacker would (its CRC-32C kept).
+    fn rewrite_this_one(&self) -> bool {
+        Self::nth_from_now(&self.shared.counters.rewrite_nth)
+    }
+
+    /// Count a test hook's countdown down; whether this is the one it named.
+    fn nth_from_now(n: &std::sync::atomic::AtomicU64) -> bool {
         n.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| match v {
             0 => None,
             v => Some(v - 1),
@@ -736,6 +757,26 @@ impl Ring {
         match endpoint {
             Some(e) => self.fail_endpoint(e, why),
             None => self.begin_close(slot, why),
+        }
+    }
+
+    /// Close every connection node `node` opened here (its accesses in progress end; its
+    /// key is no longer trusted).
+    fn evict(&mut self, node: u64) {
+        let theirs: Vec<usize> = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, c)| match c.as_deref() {
+                Some(Conn {
+                    role: Role::Target { peer },
+                    ..
+                }) if peer.node == node => Some(slot),
+                _ => None,
+            })
+            .collect();
+        for slot in theirs {
+            self.begin_close(slot, OpFailure::Closed);
         }
     }
 

@@ -1,11 +1,12 @@
 //! The ring's target side: a request header read, its grant checked before anything is
 //! touched, a write's payload received straight into the window (or drained when refused)
-//! and its CRC checked, a read's payload sent straight from the window, answers in order.
+//! and its CRC (and, where the connection has them, its MAC) checked, a read's payload sent
+//! straight from the window, answers in order.
 
 use super::*;
 use crate::grant::{Access, Direction, SegmentId, TransferId};
 use crate::local::crc32c;
-use crate::tcp::wire::{self, FLAG_CHECKSUM, Kind, Status};
+use crate::tcp::wire::{FLAG_CHECKSUM, Kind, Status};
 
 impl Ring {
     pub(super) fn pump_target(&mut self, slot: usize) {
@@ -92,13 +93,20 @@ impl Ring {
             }
             Stage::Payload => {
                 let serving = conn.serving.take().ok_or(OpFailure::Protocol)?;
+                let mac_key = conn.payload_mac.clone();
                 let w = serving.window.expect("a payload stage has a window");
                 let req = serving.request;
-                let intact = req.flags & FLAG_CHECKSUM == 0 || {
-                    // SAFETY: the window's len bytes just arrived; the grant keeps others off.
-                    let got = unsafe { std::slice::from_raw_parts(w.ptr, w.len) };
-                    crc32c(0, got) == req.crc
-                };
+                // SAFETY: the window's len bytes just arrived; the grant keeps others off.
+                let got = unsafe { std::slice::from_raw_parts_mut(w.ptr, w.len) };
+                if self.rewrite_this_one() {
+                    crate::tcp::forge::keep_crc_change_bytes(got);
+                }
+                let crc_ok = req.flags & FLAG_CHECKSUM == 0 || crc32c(0, got) == req.crc;
+                let mac_ok = mac_key.as_ref().is_none_or(|k| k.check(got, &req.mac));
+                if !mac_ok {
+                    self.tampered();
+                }
+                let intact = crc_ok && mac_ok;
                 if !intact {
                     self.shared.target.end_corrupt(w);
                 } else if req.flags & FLAG_CHECKSUM != 0 {
@@ -121,7 +129,7 @@ impl Ring {
                         .fetch_add(1, Ordering::Relaxed);
                     Status::Corrupt
                 };
-                self.reply(slot, req.tag, status, 0, None, 0, 0);
+                self.reply(slot, Response::header(req.tag, status), None);
                 Ok(())
             }
             Stage::Drain => {
@@ -137,7 +145,11 @@ impl Ring {
                     return Ok(());
                 }
                 let s = conn.serving.take().expect("checked");
-                self.reply(slot, s.request.tag, Status::Refused, 0, None, 0, s.refusal);
+                let refused = Response {
+                    refusal: s.refusal,
+                    ..Response::header(s.request.tag, Status::Refused)
+                };
+                self.reply(slot, refused, None);
                 Ok(())
             }
         }
@@ -191,6 +203,8 @@ impl Ring {
     ) {
         match verdict {
             Ok(w) => {
+                // SAFETY: the window lies inside a live read grant, which nobody writes.
+                let bytes = unsafe { std::slice::from_raw_parts(w.ptr, w.len) };
                 let crc = if req.flags & FLAG_CHECKSUM != 0 {
                     let known = self.shared.target.known_checksum(
                         TransferId(req.transfer),
@@ -198,12 +212,7 @@ impl Ring {
                         req.offset,
                         u64::from(req.len),
                     );
-                    let crc = known.unwrap_or_else(|| {
-                        // SAFETY: the window lies inside a live read grant, which nobody
-                        // writes.
-                        let bytes = unsafe { std::slice::from_raw_parts(w.ptr, w.len) };
-                        crc32c(0, bytes)
-                    });
+                    let crc = known.unwrap_or_else(|| crc32c(0, bytes));
                     crc ^ u32::from(self.corrupt_this_one())
                 } else {
                     0
@@ -212,34 +221,33 @@ impl Ring {
                     .counters
                     .chunks_served
                     .fetch_add(1, Ordering::Relaxed);
-                let len = w.len as u32;
-                self.reply(slot, req.tag, Status::Ok, len, Some(w), crc, 0);
+                let conn = self.conn_mut(slot).expect("live");
+                let mac = conn
+                    .payload_mac
+                    .as_ref()
+                    .map(|k| k.mac(bytes))
+                    .unwrap_or_default();
+                let ok = Response {
+                    len: w.len as u32,
+                    crc,
+                    mac,
+                    ..Response::header(req.tag, Status::Ok)
+                };
+                self.reply(slot, ok, Some(w));
             }
-            Err(code) => self.reply(slot, req.tag, Status::Refused, 0, None, 0, code),
+            Err(code) => {
+                let refused = Response {
+                    refusal: code,
+                    ..Response::header(req.tag, Status::Refused)
+                };
+                self.reply(slot, refused, None);
+            }
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn reply(
-        &mut self,
-        slot: usize,
-        tag: u64,
-        status: Status,
-        len: u32,
-        window: Option<Window>,
-        crc: u32,
-        refusal: u8,
-    ) {
+    /// Queue `response` (and a read's payload, from `window`) behind the replies before it.
+    pub(super) fn reply(&mut self, slot: usize, response: Response, window: Option<Window>) {
         let conn = self.conn_mut(slot).expect("live");
-        conn.replies.push_back(Reply {
-            response: wire::Response {
-                status,
-                len,
-                tag,
-                crc,
-                refusal,
-            },
-            window,
-        });
+        conn.replies.push_back(Reply { response, window });
     }
 }

@@ -81,6 +81,8 @@ struct State {
     transfers: HashMap<u64, InFlight>,
     /// The newest epoch seen per (source node, request).
     epochs: HashMap<(u64, u64), u64>,
+    /// The control connections being served: the peer's node, and a handle to shut it down.
+    connections: HashMap<u64, (u64, transport::channel::Stream)>,
 }
 
 /// The destination side of every push into this node.
@@ -145,6 +147,11 @@ impl Incoming {
             return;
         }
         let connection = self.next_connection.fetch_add(1, Ordering::Relaxed);
+        if let Ok(h) = s.stream().try_clone() {
+            self.lock()
+                .connections
+                .insert(connection, (peer.node_id, h));
+        }
         // an idle control connection may stay; a half-sent frame may not stall a thread long
         let _ = s.stream().set_read_timeout(None);
         let _ = s.stream().set_write_timeout(Some(Duration::from_secs(10)));
@@ -159,13 +166,15 @@ impl Incoming {
                 break;
             }
         }
-        let left: Vec<u64> = self
-            .lock()
-            .transfers
-            .iter()
-            .filter(|(_, t)| t.connection == connection)
-            .map(|(id, _)| *id)
-            .collect();
+        let left: Vec<u64> = {
+            let mut st = self.lock();
+            st.connections.remove(&connection);
+            st.transfers
+                .iter()
+                .filter(|(_, t)| t.connection == connection)
+                .map(|(id, _)| *id)
+                .collect()
+        };
         for id in left {
             self.counters
                 .aborted_incoming
@@ -173,6 +182,17 @@ impl Incoming {
             self.abort(backends, id);
         }
         self.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Close every control connection node `node` holds here (its key is no longer trusted):
+    /// each one's serving thread then aborts the transfers it carried, freeing their pages
+    /// and revoking their grants.
+    pub fn evict(&self, node: u64) {
+        for (n, h) in self.lock().connections.values() {
+            if *n == node {
+                let _ = h.shutdown();
+            }
+        }
     }
 
     /// A transfer id no peer can guess (the grants of a transfer are named by it): random,

@@ -246,8 +246,8 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (b, _) = l.accept().unwrap();
-        let (si, ui) = ki.split(Role::Initiator);
-        let (sr, ur) = kr.split(Role::Responder);
+        let (si, ui) = ki.key.split(Role::Initiator);
+        let (sr, ur) = kr.key.split(Role::Responder);
         (Channel::new(a, si, ui, None), Channel::new(b, sr, ur, None))
     }
 
