@@ -59,6 +59,9 @@ pub struct RemoteArgs {
     /// Each daemon's `--data-lanes` (ring threads of its TCP engine).
     #[arg(long, default_value_t = kvd::daemon::DEFAULT_DATA_LANES)]
     pub data_lanes: usize,
+    /// Start both daemons with `--payload-mac` (a keyed MAC on every payload between them).
+    #[arg(long)]
+    pub payload_mac: bool,
 }
 
 /// No single transfer may take longer than this.
@@ -147,6 +150,9 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
                 "--data-lanes".into(),
                 args.data_lanes.to_string(),
             ]
+            .into_iter()
+            .chain(args.payload_mac.then(|| "--payload-mac".to_string()))
+            .collect::<Vec<String>>()
         };
         // room for one set plus the batches in flight
         let pages = n + 2 * (args.in_flight as usize + 1) * args.batch;

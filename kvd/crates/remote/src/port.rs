@@ -95,7 +95,7 @@ pub struct DataPortReport {
     pub members: u64,
     /// The pool's segment descriptor as peers name it (hex of its 32-byte wire form).
     pub pool_segment: String,
-    /// The static peer table (node id → data address).
+    /// The peer table (node id → data address): `--peer`, the peers file and membership.
     pub peers: BTreeMap<u64, String>,
     /// Ops and bytes in flight as initiator.
     pub ops_in_flight: u64,
