@@ -20,8 +20,8 @@ if ! "$venv/bin/python" -c "import nixl" 2>/dev/null; then
     "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps nixl nixl-cu13
 fi
 # the bound's rate: kvd-bench remote's fetch GB/s for 32 KiB blocks (the tiny model's block: 32 tokens
-# of 1 KiB), as
-# many per fetch as a hand-off of that prompt loads, one fetch in flight
+# of 1 KiB), as many per fetch as a hand-off of that prompt loads, one fetch in flight, by the
+# fetching daemon's own timer (its last column): the span the hand-off's rate is measured over
 remote="{"
 for len in ${lengths//,/ }; do
     blocks=$(( (len - 1) / 32 ))
@@ -29,10 +29,11 @@ for len in ${lengths//,/ }; do
     out=$("$target/release/kvd-bench" remote --kvd "$target/release/kvd" --block-kib 32 --batch "$blocks" \
         --in-flight 1 --gib-per-case 0.1 --repeat 3)
     echo "$out" | grep -E "^(block|32 KiB)"
-    remote+="\"$len\": $(echo "$out" | awk '/^32 KiB/ {print $7}'),"
+    remote+="\"$len\": $(echo "$out" | awk '/^32 KiB/ {print $NF}'),"
 done
 remote="${remote%,}}"
-echo "== P/D: colocated, kvd and NIXL ($rounds rounds per length, NIXL in the first $nixl_rounds)"
+command -v etcd >/dev/null || { echo "bench-pd: etcd is missing (apt-get install etcd-server; scripts/test.sh installs it)"; exit 1; }
+echo "== P/D: colocated, kvd (vLLM's proxy contract and kvd control's front) and NIXL ($rounds rounds per length, NIXL $nixl_rounds)"
 KVD_BIN="$target/release/kvd" "$venv/bin/python" benches/python/pd_handoff.py --rounds "$rounds" \
     --lengths "$lengths" --nixl-rounds "$nixl_rounds" --remote-gbps "$remote" \
     ${KVD_PD_FIGURES:+--out "$KVD_PD_FIGURES"}

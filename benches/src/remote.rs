@@ -61,6 +61,10 @@ pub struct RemoteArgs {
     pub data_lanes: usize,
 }
 
+/// The fetching daemon's received bytes and its fetch timer, as `/metrics` names them.
+const FETCHED_BYTES: &str = "kvd_transfer_bytes_received_total";
+const FETCH_SECONDS: &str = "kvd_transfer_duration_seconds_sum{kind=\"fetch\"}";
+
 /// No single transfer may take longer than this.
 const TRANSFER_CAP: Duration = Duration::from_secs(120);
 
@@ -68,6 +72,9 @@ const TRANSFER_CAP: Duration = Duration::from_secs(120);
 struct Samples {
     push: Vec<f64>,
     fetch: Vec<f64>,
+    /// Fetch GB/s by the fetching daemon's own timer (`kvd_transfer_duration_seconds`, request
+    /// to end of each fetch, summed): the span a hand-off's rate is measured over.
+    fetch_daemon: Vec<f64>,
     raw_hot: Vec<f64>,
     raw_mem: Vec<f64>,
 }
@@ -177,8 +184,15 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
                 .push(moved(&mut ca, &set, args, block, |c, k| c.push(2, k))?);
             let set = write_set(&mut ca, &mut keys, n, args.batch, &src, &crcs)?;
             eprintln!("kvd-bench remote:   node 2 fetching another {n} from node 1");
+            let timer = |d: &ChildDaemon| -> Result<(f64, f64), String> {
+                Ok((d.metric(FETCHED_BYTES)?, d.metric(FETCH_SECONDS)?))
+            };
+            let before = timer(&b)?;
             s.fetch
                 .push(moved(&mut cb, &set, args, block, |c, k| c.fetch(1, k))?);
+            let after = timer(&b)?;
+            s.fetch_daemon
+                .push((after.0 - before.0) / (after.1 - before.1).max(1e-9) / 1e9);
         }
         drop((ca, cb));
         a.stop();
@@ -193,7 +207,7 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
 fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
     println!();
     println!(
-        "{:<12} {:>9} {:>13} {:>6} {:>9} {:>9} {:>13} {:>6} {:>9} {:>9} {:>8} {:>8}",
+        "{:<12} {:>9} {:>13} {:>6} {:>9} {:>9} {:>13} {:>6} {:>9} {:>9} {:>8} {:>8} {:>12}",
         "block",
         "push GB/s",
         "spread",
@@ -205,7 +219,8 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
         "blocks/s",
         "raw TCP",
         "raw hot",
-        "raw mem"
+        "raw mem",
+        "fetch(timer)"
     );
     let mut bound_names = Vec::new();
     for (kib, s) in rows {
@@ -216,7 +231,7 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
         let (flo, fhi) = spread(&s.fetch);
         let per_s = |gbps: f64| gbps * 1e9 / (*kib as f64 * 1024.0);
         println!(
-            "{:<12} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>8.2} {:>8.2}",
+            "{:<12} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>8.2} {:>8.2} {:>12.3}",
             format!("{kib} KiB"),
             p,
             plo,
@@ -230,7 +245,8 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
             per_s(f),
             r,
             median(&s.raw_hot),
-            median(&s.raw_mem)
+            median(&s.raw_mem),
+            median(&s.fetch_daemon)
         );
     }
     println!(
@@ -238,7 +254,8 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
          direction, batches of {}, {} in flight, {} ring threads per daemon; raw TCP: {DATA_CONNECTIONS} streams (a daemon's \
          data connections to a peer), cache-hot and memory to memory, the median of the samples of \
          each taken before every run (1 GiB each); `raw TCP` and the ratios are the better of \
-         the two ({}), `raw hot` and `raw mem` each.",
+         the two ({}), `raw hot` and `raw mem` each; `fetch(timer)`: fetch GB/s by node 2's own \
+         timer (request to end of each fetch), the span a P/D hand-off's rate is measured over.",
         args.repeat,
         args.gib_per_case,
         args.batch,
