@@ -29,9 +29,10 @@ daemon's fetch bytes and fetch timer give the hand-off's transfer rate. Every P/
 equal the colocated output of the same prompt.
 
 The bound, per length: colocated TTFT + bytes ÷ (0.9 × R) + 5 ms, with R the fetch rate of
-``kvd-bench remote`` for the same block size and blocks per transfer, one in flight, by the
-fetching daemon's own timer, measured in the same sitting (``--remote-gbps``, passed in by the
-script).
+``kvd-bench remote`` for the same block size and blocks per transfer, one in flight, each
+fetch after 1 s idle (as a hand-off comes), by the fetching daemon's own timer, measured in the
+same sitting (``--remote-gbps``, passed in by the script; back to back: ``--remote-warm-gbps``,
+reported beside).
 """
 
 from __future__ import annotations
@@ -215,6 +216,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="256,1024,2000")
     ap.add_argument("--remote-gbps", type=json.loads, default={},
                     help='kvd-bench remote fetch GB/s per length, e.g. {"256": 0.5}')
+    ap.add_argument("--remote-warm-gbps", type=json.loads, default={},
+                    help="the same, back to back (reported beside)")
     ap.add_argument("--nixl", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--nixl-rounds", type=int, default=5,
                     help="rounds per length of the NIXL phase (its hand-offs take long here)")
@@ -370,6 +373,10 @@ def run_length(args, length: int, rounds: int, plain: VllmServer, modes: dict[st
         if remote and bytes_per[m]:
             row["remote_gbps"] = remote
             row["handoff_vs_remote"] = round(row["handoff_gbps_p50"] / remote, 3)
+            warm = args.remote_warm_gbps.get(str(length))
+            if warm:
+                row["remote_warm_gbps"] = warm
+                row["handoff_vs_remote_warm"] = round(row["handoff_gbps_p50"] / warm, 3)
             slack_ms = statistics.median(bytes_per[m]) / (0.9 * remote * 1e9) * 1000 + 5
             for q in (50, 99):
                 bound = res["colocated"][f"ttft_p{q}_ms"] + slack_ms
@@ -383,7 +390,8 @@ def report(figures: dict[str, Any], args) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
     print("\nP/D | prompt | colocated TTFT p50/p99 | P/D TTFT p50/p99 | bound p50/p99 | 2nd token p50"
-          " (colocated) | prefill p50 | hand-off p50 | decode floor p50 | rate ÷ remote | wrong")
+          " (colocated) | prefill p50 | hand-off p50 | decode floor p50 | rate ÷ remote isolated (back to back)"
+          " | wrong")
     for phase in ("kvd", "nixl"):
         for length, r in figures[phase].items():
             c = r["colocated"]
@@ -397,7 +405,8 @@ def report(figures: dict[str, Any], args) -> None:
                 print(" | ".join([m, length, two("ttft", c), two("ttft"), two("bound"),
                                   f"{row.get('second_p50_ms')} ({c.get('second_p50_ms')})",
                                   str(row.get("prefill_p50_ms")), str(row.get("handoff_p50_ms")),
-                                  str(r["decode_floor_p50_ms"]), str(row.get("handoff_vs_remote", "-")),
+                                  str(r["decode_floor_p50_ms"]),
+                                  f"{row.get('handoff_vs_remote', '-')} ({row.get('handoff_vs_remote_warm', '-')})",
                                   str(row["wrong_outputs"])]))
     print("idle CPU, % of a core:", figures["idle_cpu_percent"])
     print("kvd's hand-off holds at the prefill node:", figures.get("kvd_holds"))

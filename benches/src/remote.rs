@@ -56,6 +56,11 @@ pub struct RemoteArgs {
     /// The `kvd` binary to start (default: the one beside this binary).
     #[arg(long)]
     pub kvd: Option<PathBuf>,
+    /// Idle time before each push or fetch, ms (needs `--in-flight 1`; not counted in the
+    /// rate): an isolated transfer after a pause, as a P/D hand-off is (each request comes
+    /// after the last one ended), wakes the threads that a back-to-back run keeps busy.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    pub idle_ms: u64,
     /// Each daemon's `--data-lanes` (ring threads of its TCP engine).
     #[arg(long, default_value_t = kvd::daemon::DEFAULT_DATA_LANES)]
     pub data_lanes: usize,
@@ -113,6 +118,9 @@ fn free_port() -> Result<u16, String> {
 pub fn run(args: &RemoteArgs) -> Result<(), String> {
     if args.batch == 0 || args.repeat == 0 || args.block_kib.is_empty() {
         return Err("--batch, --repeat and --block-kib need at least one".into());
+    }
+    if args.idle_ms > 0 && args.in_flight != 1 {
+        return Err("--idle-ms pauses before each transfer: use it with --in-flight 1".into());
     }
     let kvd = kvd_beside(args.kvd.as_deref())?;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
@@ -251,7 +259,7 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
     }
     println!(
         "\nmemcpy (1 GiB, best of 3): {memcpy:.2} GB/s. {} runs per size, >= {:.2} GiB per run and \
-         direction, batches of {}, {} in flight, {} ring threads per daemon; raw TCP: {DATA_CONNECTIONS} streams (a daemon's \
+         direction, batches of {}, {} in flight, {} ms idle before each, {} ring threads per daemon; raw TCP: {DATA_CONNECTIONS} streams (a daemon's \
          data connections to a peer), cache-hot and memory to memory, the median of the samples of \
          each taken before every run (1 GiB each); `raw TCP` and the ratios are the better of \
          the two ({}), `raw hot` and `raw mem` each; `fetch(timer)`: fetch GB/s by node 2's own \
@@ -260,6 +268,7 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
         args.gib_per_case,
         args.batch,
         args.in_flight,
+        args.idle_ms,
         args.data_lanes,
         bound_names.join(", ")
     );
@@ -294,12 +303,18 @@ fn moved(
     start: impl Fn(&mut Client, &[BlockKey]) -> kvd::Result<u64>,
 ) -> Result<f64, String> {
     let t = Instant::now();
+    let mut idle = Duration::ZERO;
     let mut pending: Vec<(u64, Instant)> = Vec::new();
     let mut batches = set.chunks(args.batch);
     let mut blocks = 0u64;
     loop {
         while pending.len() < args.in_flight as usize {
             let Some(k) = batches.next() else { break };
+            if args.idle_ms > 0 {
+                let pause = Duration::from_millis(args.idle_ms);
+                std::thread::sleep(pause);
+                idle += pause;
+            }
             pending.push((start(c, k).map_err(|e| e.to_string())?, Instant::now()));
         }
         if pending.is_empty() {
@@ -333,5 +348,6 @@ fn moved(
     if blocks != set.len() as u64 {
         return Err(format!("{blocks} of {} blocks moved", set.len()));
     }
-    Ok(blocks as f64 * block as f64 / 1e9 / t.elapsed().as_secs_f64())
+    let busy = t.elapsed().saturating_sub(idle).as_secs_f64().max(1e-9);
+    Ok(blocks as f64 * block as f64 / 1e9 / busy)
 }

@@ -170,6 +170,8 @@ def test_greedy_requests_through_the_front_match_a_colocated_run_and_the_decode_
     st = front_stats(front)
     assert (st["prefills_started"], st["handoffs_started"], st["handoffs_done"]) >= (1, 1, 1), st
     assert st["first_tokens_from_prefill"] >= 1, st
+    text = get_text(f"http://{front.addr}/metrics")
+    assert metric(text, "kvd_control_front_handoff_seconds_count") >= 1, "the hand-off's time is in its histogram"
     # the front ended the hold at the decode's first token (not its TTL)
     assert nodes[1].daemon_metric("kvd_handoff_holds_ended_total") >= ended0 + 1
     settled(nodes)
