@@ -169,6 +169,11 @@ fn a_hold_nobody_reads_expires_counted_and_its_owner_ends_one_over_http() {
     ca.hold_begin(12, 3, &keys, 30_000).unwrap();
     assert!(metric(&a, "kvd_handoff_held_bytes") >= 4 * (64 << 10));
     assert_eq!(a.get("/holds/12").0, 200);
+    let summary = kvd::daemon::status::summary(&a.status(), None);
+    assert!(
+        summary.contains("hand-off holds: 1 holding 4 blocks"),
+        "`kvd status` shows it: {summary}"
+    );
     // an older epoch's end changes nothing; the hold's own epoch ends it; again is no error
     assert_eq!(
         kvd::daemon::status::http(a.admin, "DELETE", "/holds/12?epoch=2")

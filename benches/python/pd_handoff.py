@@ -1,29 +1,38 @@
 """Prefill on one vLLM server, decode on another, through kvd, beside colocated serving and
-beside vLLM's own NixlConnector: the same tiny model, prompts and proxy, in one sitting.
+beside vLLM's own NixlConnector: the same tiny model, prompts and engines, in one sitting.
 
-    scripts/bench-pd.sh [ROUNDS] [LENGTHS]      (defaults 20 and 256,1024,2000)
+    scripts/bench-pd.sh [ROUNDS] [LENGTHS] [NIXL_ROUNDS]      (defaults 20, 256,1024,2000, 5)
 
 Engines (vLLM's CPU build, the tiny model, float32, one core each: prefill and colocated
 engines on core 0, decode engines on core 1): a plain server (colocated: no connector), a kvd
-pair (``kv_producer`` on node 1's daemon, ``kv_consumer`` on node 2's; the daemons are each
-other's peers) and, when ``nixl`` is importable, a NIXL pair (``NixlConnector``,
-``kv_buffer_device: cpu``, UCX over TCP on loopback). The proxy is vLLM's toy P/D proxy's
-contract: the prefill request carries ``do_remote_decode`` and ``max_tokens`` 1, its response's
-``kv_transfer_params`` go unchanged into the streamed decode request.
+pair (``kv_producer`` on node 1's daemon, ``kv_consumer`` on node 2's; the daemons in cluster
+mode on a real etcd, each the other's peer through it, at nice -10 so that the engines' spinning
+workers do not starve them on two cores) and, when ``nixl`` is importable, a NIXL pair
+(``NixlConnector``, ``kv_buffer_device: cpu``, UCX over TCP on loopback).
+
+The kvd pair is driven two ways, each with its own fresh prompts: ``kvd``, by the proxy of
+vLLM's toy P/D proxy's contract (the prefill request carries ``do_remote_decode`` and
+``max_tokens`` 1, its response's ``kv_transfer_params`` go unchanged into the streamed decode
+request; the client's first token is the decode's), and ``kvd-front``, through ``kvd control``'s
+front in P/D mode (``--prefill-engine 1=... --engine 2=...``, checkpoints off: the figure is the
+hand-off's), which relays the prefill's token to the client at once and has the decode continue
+from prompt + that token. The NIXL pair is driven by the proxy.
 
 Two phases, one per pair, each beside the colocated engine (the other pair is stopped: an idle
-NIXL engine keeps a core busy here, which the figures report). Per prompt length and round,
-one fresh prompt (no engine has seen it) goes to the colocated engine and to the pair, in an
-order that alternates with the round, each request starting ``SETTLE_S`` after the last ended:
-time to first token at the client (TTFT); for P/D also the prefill's answer time and the
-hand-off (prefill's answer to the decode's first token), and the decode engine's floor (the
-same prompt again, its KV now in the engine's own prefix cache). For kvd the decode node's
-daemon's fetch bytes and fetch seconds give the hand-off's transfer rate. Every P/D output must
+NIXL engine keeps a core busy here, which the figures report). Per prompt length, round and
+mode, one fresh prompt (no engine has seen it) goes to the colocated engine and to the mode, in
+an order that alternates with the round, each request starting ``SETTLE_S`` after the last
+ended: time to the first and second tokens at the client; for P/D also the prefill's answer time
+and the hand-off (prefill's answer to the decode's first token), and the decode engine's floor
+(the same prompt again, its KV now in the engine's own prefix cache). For kvd the decode node's
+daemon's fetch bytes and fetch timer give the hand-off's transfer rate. Every P/D output must
 equal the colocated output of the same prompt.
 
 The bound, per length: colocated TTFT + bytes ÷ (0.9 × R) + 5 ms, with R the fetch rate of
-``kvd-bench remote`` for the same block size and blocks per transfer, one in flight, measured
-in the same sitting (``--remote-gbps``, passed in by the script).
+``kvd-bench remote`` for the same block size and blocks per transfer, one in flight, each
+fetch after 1 s idle (as a hand-off comes), by the fetching daemon's own timer, measured in the
+same sitting (``--remote-gbps``, passed in by the script; back to back: ``--remote-warm-gbps``,
+reported beside).
 """
 
 from __future__ import annotations
@@ -40,15 +49,17 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 ENGINES = HERE.parent.parent / "tests" / "engines"
 sys.path.insert(0, str(ENGINES))
 
-from test_stream_recovery import free_port, get_text, metric  # noqa: E402
+from kvd_daemon import Daemon, wait_until  # noqa: E402
+from test_stream_recovery import Etcd, Front, free_port, get_text, metric  # noqa: E402
 from test_vllm import connector  # noqa: E402
-from test_vllm_checkpoint import peer_daemons, tiny_model  # noqa: E402
+from test_vllm_checkpoint import tiny_model  # noqa: E402
 from vllm_server import SERVED_NAME, VllmServer  # noqa: E402
 
 BLOCK = 32  # tokens per block (vllm_server.py's --block-size)
@@ -96,8 +107,8 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def stream(url: str, body: dict) -> tuple[float, list[int]]:
-    """Stream ``body``; (seconds to the first token, every token id)."""
+def stream(url: str, body: dict) -> tuple[float, list[int], float]:
+    """Stream ``body``; (seconds to the first token, every token id, seconds to the second)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=300)
     t0 = time.perf_counter()
@@ -105,19 +116,20 @@ def stream(url: str, body: dict) -> tuple[float, list[int]]:
                  headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
-    first: Optional[float] = None
+    arrivals: list[float] = []
     tokens: list[int] = []
     for raw in resp:
         line = raw.decode().strip()
         if not line.startswith("data:") or line == "data: [DONE]":
             continue
-        ids = json.loads(line[5:])["choices"][0].get("token_ids") or []
-        if ids and first is None:
-            first = time.perf_counter() - t0
+        event = json.loads(line[5:])
+        assert "error" not in event, event
+        ids = event["choices"][0].get("token_ids") or []
+        arrivals += [time.perf_counter() - t0] * len(ids)
         tokens += ids
     conn.close()
-    assert first is not None, "no token"
-    return first, tokens
+    assert len(arrivals) >= 2, "fewer than two tokens"
+    return arrivals[0], tokens, arrivals[1]
 
 
 def body(prompt: list[int]) -> dict:
@@ -136,9 +148,41 @@ def pd(prefill: VllmServer, decode: VllmServer, prompt: list[int]) -> dict:
     dec = body(prompt)
     if params:
         dec["kv_transfer_params"] = params
-    first, tokens = stream(decode.url, dec)
+    first, tokens, second = stream(decode.url, dec)
     return {"ttft": t1 - t0 + first, "prefill": t1 - t0, "handoff": first, "tokens": tokens,
-            "handed": bool(params)}
+            "second": t1 - t0 + second, "handed": bool(params)}
+
+
+def through_front(front: Front, prompt: list[int]) -> dict:
+    """The same request through ``kvd control``'s front in P/D mode (no checkpoint: the figure is
+    the hand-off's): TTFT, time to the second token (the decode's first), and the hand-off as
+    the front measured it (the prefill's answer to the decode's first token)."""
+    ttft, tokens, second = stream(f"http://{front.addr}", dict(body(prompt), kvd={"checkpoint": False}))
+    h = front.get("/status")["handoffs"][-1]
+    return {"ttft": ttft, "second": second, "prefill": h["prefill_ms"] / 1000,
+            "handoff": h["handoff_ms"] / 1000, "tokens": tokens}
+
+
+def nice_daemon(d: Daemon, niceness: int = -10) -> None:
+    """Every thread of a daemon gets ``niceness``: on two cores whose engines busy-poll (vLLM's
+    worker spins a second after each step), the daemon gets the CPU as it would on a node where
+    it is not squeezed between two engines' spinning threads."""
+    for task in Path(f"/proc/{d.proc.pid}/task").iterdir():
+        os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
+
+
+def cluster_daemons(tmp: Path, etcd: Etcd) -> dict[int, Daemon]:
+    """Daemons 1 (the prefill node's) and 2 (the decode node's) in cluster mode: registered in
+    etcd, each the other's peer through it, as ``kvd control``'s front needs them."""
+    secret = tmp / "secret"
+    secret.write_bytes(bytes(range(32)))
+    secret.chmod(0o600)
+    nodes = {i: Daemon(["--cluster-secret-file", str(secret), "--data-listen", f"127.0.0.1:{free_port()}",
+                        "--node-id", str(i), "--etcd", etcd.url, "--pool-mib", "64", "--page-kib", "64"])
+             for i in (1, 2)}
+    for d in nodes.values():
+        nice_daemon(d)
+    return nodes
 
 
 def pct(xs: list[float], q: int) -> float:
@@ -172,6 +216,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="256,1024,2000")
     ap.add_argument("--remote-gbps", type=json.loads, default={},
                     help='kvd-bench remote fetch GB/s per length, e.g. {"256": 0.5}')
+    ap.add_argument("--remote-warm-gbps", type=json.loads, default={},
+                    help="the same, back to back (reported beside)")
     ap.add_argument("--nixl", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--nixl-rounds", type=int, default=5,
                     help="rounds per length of the NIXL phase (its hand-offs take long here)")
@@ -179,7 +225,8 @@ def main() -> None:
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-pd-"))
-    nodes = peer_daemons(tmp, 2)
+    etcd = Etcd(tmp)
+    nodes = cluster_daemons(tmp, etcd)
     model = tiny_model(tmp)
     plain = Engine(0, model, free_port(), tmp / "plain.log", None)
     kvd = (Engine(0, model, free_port(), tmp / "kvd-prefill.log",
@@ -189,6 +236,7 @@ def main() -> None:
     nixl = nixl_pair(tmp, model) if args.nixl else None
     figures: dict[str, Any] = {"kvd": {}, "nixl": {}, "idle_cpu_percent": {}}
     every = [plain, *kvd, *(nixl or ())]
+    front: Optional[Front] = None
     try:
         # one phase per P/D pair, each beside the colocated engine: the other pair is not
         # running (an idle NIXL engine keeps a core busy here: see idle_cpu_percent)
@@ -200,26 +248,42 @@ def main() -> None:
                     srv.start()
             for srv in (plain, *pair):
                 srv.wait_ready(900)
+            modes: dict[str, Any] = {name: lambda p, pair=pair: pd(pair[0], pair[1], p)}
+            if name == "kvd":
+                # the same engines behind kvd control's front in P/D mode
+                front = Front(tmp, etcd, {2: SimpleNamespace(i=2, url=pair[1].url)},
+                              prefill={1: SimpleNamespace(i=1, url=pair[0].url)})
+                wait_until("the decode worker in service", lambda: 2 in front.in_service(), timeout_s=60)
+                modes["kvd-front"] = lambda p, front=front: through_front(front, p)
             print(f"{name} phase: engines up; logs in {tmp}", file=sys.stderr, flush=True)
             figures["idle_cpu_percent"][name] = idle_cpu({"colocated": plain, "prefill": pair[0], "decode": pair[1]})
-            warm = prompt_of(300, 999_999 + len(name))  # first-request costs are not the figure
-            stream(plain.url, body(warm))
-            pd(pair[0], pair[1], warm)
+            for k, run in enumerate(modes.values()):  # first-request costs are not the figure
+                warm = prompt_of(300, 999_999 + len(name) + k)
+                stream(plain.url, body(warm))
+                run(warm)
             for length in lengths:
-                figures[name][str(length)] = run_length(args, length, rounds, plain, name, pair,
-                                                        nodes if name == "kvd" else None)
+                figures[name][str(length)] = run_length(args, length, rounds, plain, modes, pair[1],
+                                                        nodes[2] if name == "kvd" else None)
             if name == "kvd":  # every hold ended by its decode: none released unread, none reused
                 text = get_text(f"http://{nodes[1].admin}/metrics")
                 figures["kvd_holds"] = {k: metric(text, f"kvd_handoff_holds_{k}_total")
                                         for k in ("begun", "taken", "ended", "expired")}
+                figures["front"] = {k: v for k, v in front.get("/status")["front"].items()
+                                    if k in ("handoffs_started", "handoffs_done", "first_tokens_from_prefill",
+                                             "self_prefills", "prefill_retries")}
+                front.stop()
+                front = None
             for srv in pair:
                 srv.stop()
     finally:
+        if front is not None:
+            front.stop()
         for srv in every:
             if srv.alive():
                 srv.stop()
         for d in nodes.values():
             d.stop()
+        etcd.stop()
         if os.environ.get("KVD_KEEP_LOGS") is None:
             shutil.rmtree(tmp, ignore_errors=True)
     report(figures, args)
@@ -247,61 +311,77 @@ def idle_cpu(servers: dict[str, VllmServer], seconds: float = 3.0) -> dict[str, 
     return {n: round((ticks(g) - before[n]) / hz / seconds * 100, 1) for n, g in pgids.items()}
 
 
-def run_length(args, length: int, rounds: int, plain: VllmServer, name: str,
-               pair: tuple[VllmServer, VllmServer], nodes) -> dict[str, Any]:
-    modes = ["colocated", name]
-    got: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "prefill": [], "handoff": []} for m in modes}
-    rates, bytes_per, floor, wrong = [], [], [], 0
+def run_length(args, length: int, rounds: int, plain: VllmServer, modes: dict[str, Any],
+               decode: VllmServer, daemon: Optional[Daemon]) -> dict[str, Any]:
+    """``rounds`` rounds of one prompt length. Each P/D mode gets its own fresh prompt per round
+    (an engine that saw a prompt would serve it from its own prefix cache), sent to the
+    colocated engine and to the mode in an order that alternates with the round."""
+    got: dict[str, dict[str, list[float]]] = {m: {"ttft": [], "second": [], "prefill": [], "handoff": []}
+                                              for m in ("colocated", *modes)}
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    bytes_per: dict[str, list[float]] = {m: [] for m in modes}
+    wrong = {m: 0 for m in modes}
+    floor: list[float] = []
     for r in range(rounds):
-        prompt = prompt_of(length, length * 1000 + r + (500 if name != "kvd" else 0))
-        out: dict[str, Any] = {}
-        for m in (modes if r % 2 == 0 else modes[::-1]):
-            time.sleep(SETTLE_S)
-            if m == "colocated":
-                t, tokens = stream(plain.url, body(prompt))
-                out[m] = {"ttft": t, "tokens": tokens}
-                continue
-            if nodes is not None:
-                b0, s0 = fetch_figures(nodes[2])
-            out[m] = pd(pair[0], pair[1], prompt)
-            if nodes is not None:
-                b1, s1 = fetch_figures(nodes[2])
-                if b1 > b0 and s1 > s0:
-                    rates.append((b1 - b0) / (s1 - s0) / 1e9)
-                    bytes_per.append(b1 - b0)
-            # the decode engine's own floor: the same prompt again, its blocks now in the
-            # engine's prefix cache (the last block computed, the first token out): what a
-            # hand-off would take if the KV were there already
-            time.sleep(SETTLE_S)
-            floor.append(stream(pair[1].url, body(prompt))[0])
-        for m in modes:
-            for k in ("ttft", "prefill", "handoff"):
-                if k in out[m]:
-                    got[m][k].append(out[m][k])
-        wrong += out[name]["tokens"] != out["colocated"]["tokens"]
-        print(f"{name}, {length} tokens, round {r + 1}/{rounds}: " + ", ".join(
-            f"{m} {out[m]['ttft'] * 1000:.1f} ms" for m in modes), file=sys.stderr, flush=True)
-    res: dict[str, Any] = {"rounds": rounds, "wrong_outputs": wrong}
-    for m in modes:
-        for k, xs in got[m].items():
+        line = []
+        for k, (m, run) in enumerate(modes.items()):
+            prompt = prompt_of(length, length * 1000 + r + 500 * k + (5000 if m == "nixl" else 0))
+            out: dict[str, Any] = {}
+            for which in (("colocated", m) if r % 2 == 0 else (m, "colocated")):
+                time.sleep(SETTLE_S)
+                if which == "colocated":
+                    t, tokens, second = stream(plain.url, body(prompt))
+                    out[which] = {"ttft": t, "tokens": tokens, "second": second}
+                    continue
+                if daemon is not None:
+                    b0, s0 = fetch_figures(daemon)
+                out[which] = run(prompt)
+                if daemon is not None:
+                    b1, s1 = fetch_figures(daemon)
+                    if b1 > b0 and s1 > s0:
+                        rates[m].append((b1 - b0) / (s1 - s0) / 1e9)
+                        bytes_per[m].append(b1 - b0)
+            if k == 0:
+                # the decode engine's own floor: the same prompt again, its blocks now in the
+                # engine's prefix cache (the last block computed, the first token out): what a
+                # hand-off would take if the KV were there already
+                time.sleep(SETTLE_S)
+                floor.append(stream(decode.url, body(prompt))[0])
+            for which in ("colocated", m):
+                for f in got[which]:
+                    if f in out[which]:
+                        got[which][f].append(out[which][f])
+            wrong[m] += out[m]["tokens"] != out["colocated"]["tokens"]
+            line.append(f"{m} {out[m]['ttft'] * 1000:.1f} ms (colocated {out['colocated']['ttft'] * 1000:.1f})")
+        print(f"{length} tokens, round {r + 1}/{rounds}: " + ", ".join(line), file=sys.stderr, flush=True)
+    res: dict[str, Any] = {"rounds": rounds, "decode_floor_p50_ms": round(pct(floor, 50) * 1000, 2)}
+    for m, fs in got.items():
+        row: dict[str, Any] = {}
+        for f, xs in fs.items():
             if xs:
-                res[f"{m if m == 'colocated' else 'pd'}_{k}_p50_ms"] = round(pct(xs, 50) * 1000, 2)
-                res[f"{m if m == 'colocated' else 'pd'}_{k}_p99_ms"] = round(pct(xs, 99) * 1000, 2)
-    res["decode_floor_p50_ms"] = round(pct(floor, 50) * 1000, 2)
-    res["handoff_over_floor_p50_ms"] = round(res["pd_handoff_p50_ms"] - res["decode_floor_p50_ms"], 2)
-    res["handoff_share_p50"] = round(res["pd_handoff_p50_ms"] / res["pd_ttft_p50_ms"], 3)
-    if rates:
-        res["handoff_gbps_p50"] = round(pct(rates, 50), 3)
-        res["handoff_bytes"] = int(statistics.median(bytes_per))
+                row[f"{f}_p50_ms"] = round(pct(xs, 50) * 1000, 2)
+                row[f"{f}_p99_ms"] = round(pct(xs, 99) * 1000, 2)
+        res[m] = row
     remote = args.remote_gbps.get(str(length))
-    if remote and bytes_per:
-        res["remote_gbps"] = remote
-        res["handoff_vs_remote"] = round(res["handoff_gbps_p50"] / remote, 3)
-        slack_ms = statistics.median(bytes_per) / (0.9 * remote * 1e9) * 1000 + 5
-        for q in (50, 99):
-            bound = res[f"colocated_ttft_p{q}_ms"] + slack_ms
-            res[f"bound_p{q}_ms"] = round(bound, 2)
-            res[f"within_bound_p{q}"] = res[f"pd_ttft_p{q}_ms"] <= bound
+    for m in modes:
+        row = res[m]
+        row["wrong_outputs"] = wrong[m]
+        row["handoff_over_floor_p50_ms"] = round(row["handoff_p50_ms"] - res["decode_floor_p50_ms"], 2)
+        if rates[m]:
+            row["handoff_gbps_p50"] = round(pct(rates[m], 50), 3)
+            row["handoff_bytes"] = int(statistics.median(bytes_per[m]))
+        if remote and bytes_per[m]:
+            row["remote_gbps"] = remote
+            row["handoff_vs_remote"] = round(row["handoff_gbps_p50"] / remote, 3)
+            warm = args.remote_warm_gbps.get(str(length))
+            if warm:
+                row["remote_warm_gbps"] = warm
+                row["handoff_vs_remote_warm"] = round(row["handoff_gbps_p50"] / warm, 3)
+            slack_ms = statistics.median(bytes_per[m]) / (0.9 * remote * 1e9) * 1000 + 5
+            for q in (50, 99):
+                bound = res["colocated"][f"ttft_p{q}_ms"] + slack_ms
+                row[f"bound_p{q}_ms"] = round(bound, 2)
+                row[f"within_bound_p{q}"] = row[f"ttft_p{q}_ms"] <= bound
     return res
 
 
@@ -309,17 +389,25 @@ def report(figures: dict[str, Any], args) -> None:
     print(json.dumps(figures, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
-    print("\npair | prompt | colocated p50/p99 | P/D p50/p99 | bound p50/p99 | prefill p50 | hand-off p50"
-          " | decode floor p50 | rate ÷ remote | wrong")
-    for name in ("kvd", "nixl"):
-        for length, r in figures[name].items():
-            def two(k: str) -> str:
-                a, b = r.get(f"{k}_p50_ms"), r.get(f"{k}_p99_ms")
-                return "-" if a is None else f"{a}/{b}"
-            print(" | ".join([name, length, two("colocated_ttft"), two("pd_ttft"), two("bound"),
-                              str(r.get("pd_prefill_p50_ms")), str(r.get("pd_handoff_p50_ms")),
-                              str(r.get("decode_floor_p50_ms")), str(r.get("handoff_vs_remote", "-")),
-                              str(r["wrong_outputs"])]))
+    print("\nP/D | prompt | colocated TTFT p50/p99 | P/D TTFT p50/p99 | bound p50/p99 | 2nd token p50"
+          " (colocated) | prefill p50 | hand-off p50 | decode floor p50 | rate ÷ remote isolated (back to back)"
+          " | wrong")
+    for phase in ("kvd", "nixl"):
+        for length, r in figures[phase].items():
+            c = r["colocated"]
+            for m, row in r.items():
+                if not isinstance(row, dict) or m == "colocated":
+                    continue
+
+                def two(k: str, row: dict = row) -> str:
+                    a, b = row.get(f"{k}_p50_ms"), row.get(f"{k}_p99_ms")
+                    return "-" if a is None else f"{a}/{b}"
+                print(" | ".join([m, length, two("ttft", c), two("ttft"), two("bound"),
+                                  f"{row.get('second_p50_ms')} ({c.get('second_p50_ms')})",
+                                  str(row.get("prefill_p50_ms")), str(row.get("handoff_p50_ms")),
+                                  str(r["decode_floor_p50_ms"]),
+                                  f"{row.get('handoff_vs_remote', '-')} ({row.get('handoff_vs_remote_warm', '-')})",
+                                  str(row["wrong_outputs"])]))
     print("idle CPU, % of a core:", figures["idle_cpu_percent"])
     print("kvd's hand-off holds at the prefill node:", figures.get("kvd_holds"))
 

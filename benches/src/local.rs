@@ -694,6 +694,8 @@ pub(crate) fn stdout_lines(child: &mut Child) -> std::sync::mpsc::Receiver<Strin
 pub(crate) struct ChildDaemon {
     child: Option<Child>,
     pub(crate) socket: PathBuf,
+    /// Its admin HTTP address (from its ready line).
+    pub(crate) admin: String,
     _dir: tempfile::TempDir,
 }
 
@@ -734,21 +736,50 @@ impl ChildDaemon {
             .map_err(|e| format!("starting {}: {e}", kvd.display()))?;
         let rx = stdout_lines(&mut child);
         let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
+        let admin = loop {
             match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(l) if l.starts_with("kvd ready") => break,
+                Ok(l) if l.starts_with("kvd ready") => {
+                    let admin = l.split_whitespace().find_map(|w| w.strip_prefix("admin="));
+                    break admin.unwrap_or_default().to_string();
+                }
                 Ok(_) => {}
                 Err(_) => {
                     let _ = child.kill();
                     return Err("kvd serve did not become ready within 60 s".into());
                 }
             }
-        }
+        };
         Ok(ChildDaemon {
             child: Some(child),
             socket,
+            admin,
             _dir: dir,
         })
+    }
+
+    /// The value of the sample `series` (name and labels as `/metrics` prints them, e.g.
+    /// `kvd_transfer_duration_seconds_sum{kind="fetch"}`) on the daemon's admin port.
+    pub(crate) fn metric(&self, series: &str) -> Result<f64, String> {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&self.admin)
+            .map_err(|e| format!("admin {}: {e}", self.admin))?;
+        c.set_read_timeout(Some(Duration::from_secs(10)))
+            .map_err(|e| e.to_string())?;
+        write!(c, "GET /metrics HTTP/1.0\r\nHost: {}\r\n\r\n", self.admin)
+            .map_err(|e| e.to_string())?;
+        let mut text = String::new();
+        c.take(64 << 20)
+            .read_to_string(&mut text)
+            .map_err(|e| e.to_string())?;
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(series)?
+                    .strip_prefix(' ')?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .ok_or_else(|| format!("{series} not in {}'s /metrics", self.admin))
     }
 
     pub(crate) fn stop(mut self) {

@@ -56,6 +56,11 @@ pub struct RemoteArgs {
     /// The `kvd` binary to start (default: the one beside this binary).
     #[arg(long)]
     pub kvd: Option<PathBuf>,
+    /// Idle time before each push or fetch, ms (needs `--in-flight 1`; not counted in the
+    /// rate): an isolated transfer after a pause, as a P/D hand-off is (each request comes
+    /// after the last one ended), wakes the threads that a back-to-back run keeps busy.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    pub idle_ms: u64,
     /// Each daemon's `--data-lanes` (ring threads of its TCP engine).
     #[arg(long, default_value_t = kvd::daemon::DEFAULT_DATA_LANES)]
     pub data_lanes: usize,
@@ -64,6 +69,10 @@ pub struct RemoteArgs {
     pub payload_mac: bool,
 }
 
+/// The fetching daemon's received bytes and its fetch timer, as `/metrics` names them.
+const FETCHED_BYTES: &str = "kvd_transfer_bytes_received_total";
+const FETCH_SECONDS: &str = "kvd_transfer_duration_seconds_sum{kind=\"fetch\"}";
+
 /// No single transfer may take longer than this.
 const TRANSFER_CAP: Duration = Duration::from_secs(120);
 
@@ -71,6 +80,9 @@ const TRANSFER_CAP: Duration = Duration::from_secs(120);
 struct Samples {
     push: Vec<f64>,
     fetch: Vec<f64>,
+    /// Fetch GB/s by the fetching daemon's own timer (`kvd_transfer_duration_seconds`, request
+    /// to end of each fetch, summed): the span a hand-off's rate is measured over.
+    fetch_daemon: Vec<f64>,
     raw_hot: Vec<f64>,
     raw_mem: Vec<f64>,
 }
@@ -109,6 +121,9 @@ fn free_port() -> Result<u16, String> {
 pub fn run(args: &RemoteArgs) -> Result<(), String> {
     if args.batch == 0 || args.repeat == 0 || args.block_kib.is_empty() {
         return Err("--batch, --repeat and --block-kib need at least one".into());
+    }
+    if args.idle_ms > 0 && args.in_flight != 1 {
+        return Err("--idle-ms pauses before each transfer: use it with --in-flight 1".into());
     }
     let kvd = kvd_beside(args.kvd.as_deref())?;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
@@ -187,8 +202,15 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
                 .push(moved(&mut ca, &set, args, block, |c, k| c.push(2, k))?);
             let set = write_set(&mut ca, &mut keys, n, args.batch, &src, &crcs)?;
             eprintln!("kvd-bench remote:   node 2 fetching another {n} from node 1");
+            let timer = |d: &ChildDaemon| -> Result<(f64, f64), String> {
+                Ok((d.metric(FETCHED_BYTES)?, d.metric(FETCH_SECONDS)?))
+            };
+            let before = timer(&b)?;
             s.fetch
                 .push(moved(&mut cb, &set, args, block, |c, k| c.fetch(1, k))?);
+            let after = timer(&b)?;
+            s.fetch_daemon
+                .push((after.0 - before.0) / (after.1 - before.1).max(1e-9) / 1e9);
         }
         drop((ca, cb));
         a.stop();
@@ -203,7 +225,7 @@ pub fn run(args: &RemoteArgs) -> Result<(), String> {
 fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
     println!();
     println!(
-        "{:<12} {:>9} {:>13} {:>6} {:>9} {:>9} {:>13} {:>6} {:>9} {:>9} {:>8} {:>8}",
+        "{:<12} {:>9} {:>13} {:>6} {:>9} {:>9} {:>13} {:>6} {:>9} {:>9} {:>8} {:>8} {:>12}",
         "block",
         "push GB/s",
         "spread",
@@ -215,7 +237,8 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
         "blocks/s",
         "raw TCP",
         "raw hot",
-        "raw mem"
+        "raw mem",
+        "fetch(timer)"
     );
     let mut bound_names = Vec::new();
     for (kib, s) in rows {
@@ -226,7 +249,7 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
         let (flo, fhi) = spread(&s.fetch);
         let per_s = |gbps: f64| gbps * 1e9 / (*kib as f64 * 1024.0);
         println!(
-            "{:<12} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>8.2} {:>8.2}",
+            "{:<12} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>5.2}..{:<6.2} {:>6.2} {:>9.0} {:>9.2} {:>8.2} {:>8.2} {:>12.3}",
             format!("{kib} KiB"),
             p,
             plo,
@@ -240,19 +263,22 @@ fn print_table(args: &RemoteArgs, rows: &[(u64, Samples)], memcpy: f64) {
             per_s(f),
             r,
             median(&s.raw_hot),
-            median(&s.raw_mem)
+            median(&s.raw_mem),
+            median(&s.fetch_daemon)
         );
     }
     println!(
         "\nmemcpy (1 GiB, best of 3): {memcpy:.2} GB/s. {} runs per size, >= {:.2} GiB per run and \
-         direction, batches of {}, {} in flight, {} ring threads per daemon; raw TCP: {DATA_CONNECTIONS} streams (a daemon's \
+         direction, batches of {}, {} in flight, {} ms idle before each, {} ring threads per daemon; raw TCP: {DATA_CONNECTIONS} streams (a daemon's \
          data connections to a peer), cache-hot and memory to memory, the median of the samples of \
          each taken before every run (1 GiB each); `raw TCP` and the ratios are the better of \
-         the two ({}), `raw hot` and `raw mem` each.",
+         the two ({}), `raw hot` and `raw mem` each; `fetch(timer)`: fetch GB/s by node 2's own \
+         timer (request to end of each fetch), the span a P/D hand-off's rate is measured over.",
         args.repeat,
         args.gib_per_case,
         args.batch,
         args.in_flight,
+        args.idle_ms,
         args.data_lanes,
         bound_names.join(", ")
     );
@@ -287,12 +313,18 @@ fn moved(
     start: impl Fn(&mut Client, &[BlockKey]) -> kvd::Result<u64>,
 ) -> Result<f64, String> {
     let t = Instant::now();
+    let mut idle = Duration::ZERO;
     let mut pending: Vec<(u64, Instant)> = Vec::new();
     let mut batches = set.chunks(args.batch);
     let mut blocks = 0u64;
     loop {
         while pending.len() < args.in_flight as usize {
             let Some(k) = batches.next() else { break };
+            if args.idle_ms > 0 {
+                let pause = Duration::from_millis(args.idle_ms);
+                std::thread::sleep(pause);
+                idle += pause;
+            }
             pending.push((start(c, k).map_err(|e| e.to_string())?, Instant::now()));
         }
         if pending.is_empty() {
@@ -326,5 +358,6 @@ fn moved(
     if blocks != set.len() as u64 {
         return Err(format!("{blocks} of {} blocks moved", set.len()));
     }
-    Ok(blocks as f64 * block as f64 / 1e9 / t.elapsed().as_secs_f64())
+    let busy = t.elapsed().saturating_sub(idle).as_secs_f64().max(1e-9);
+    Ok(blocks as f64 * block as f64 / 1e9 / busy)
 }

@@ -18,6 +18,9 @@ Settings (``kv_connector_extra_config``):
 ``socket``           the daemon's Unix socket (else ``$KVD_SOCKET``, else ``kvd-data/kvd.sock``)
 ``async_lookup``     default true: the scheduler submits lookups to libkvd's worker thread and
                      answers "ask again" until the hit is known, so it never waits on kvd
+``lookup_wait_ms``   how long the scheduler waits for a lookup's answer before it answers "ask
+                     again" (0 to 10; default 1 for ``kv_producer``, a prefill-only engine with no
+                     decode to hold up, where asking again costs a whole engine step; else 0)
 ``pin_ttl_ms``       how long a lookup's pins hold the hit blocks for the load (default 30000)
 ``model_identity``   replaces the weights stamp (see ``kvd.identity``) in the namespace
 ``cache_salt``       a free string in the namespace (tenants, experiments)
@@ -226,6 +229,10 @@ class KvdConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self.pin_ttl_ms = int(extra.get("pin_ttl_ms", 30_000))
         self.async_lookup = bool(extra.get("async_lookup", True))
+        # a prefill-only engine (kv_producer) has no decode to keep going: its scheduler waits
+        # for a lookup's answer up to this long, where "ask again" would cost a whole engine step
+        role = str(getattr(self._kv_transfer_config, "kv_role", "") or "")
+        self.lookup_wait_ms = max(0, min(int(extra.get("lookup_wait_ms", 1 if role == "kv_producer" else 0)), 10))
         self.reconnect_s = int(extra.get("reconnect_ms", 1000)) / 1000
         self.socket = str(extra.get("socket") or os.environ.get("KVD_SOCKET", "kvd-data/kvd.sock"))
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "fail":
@@ -503,12 +510,18 @@ class KvdConnector(KVConnectorBase_V1):
                 lk.found[shard] = len(got)
                 lk.pins += [b.handle for b in got]
         if self.async_lookup:
-            self._poll()
+            self._poll(lk, self.lookup_wait_ms)
 
-    def _poll(self) -> None:
+    def _poll(self, waiting: Optional["_Lookup"] = None, wait_ms: int = 0) -> None:
+        """Take the finished asynchronous calls; while ``waiting``'s answers are still out,
+        wait for them up to ``wait_ms`` in all (0: never)."""
+        deadline = time.monotonic() + wait_ms / 1000
         for _ in range(64):  # bounded: at most 64 batches of completions per ask
-            done = self.client.poll(0)
+            wait = 1 if waiting is not None and waiting.tickets and time.monotonic() < deadline else 0
+            done = self.client.poll(wait)
             if not done:
+                if wait:
+                    continue
                 return
             for ticket, result in done:
                 if ticket in self._release_tickets:

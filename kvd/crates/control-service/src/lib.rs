@@ -254,6 +254,7 @@ async fn metrics(State(s): State<Arc<Hub>>) -> Response {
                 .filter_map(|(k, v)| v.as_u64().map(|v| (format!("front_{k}"), v))),
         );
     }
+    m.handoff_seconds = Some(s.handoff_seconds().clone());
     let mut registry = prometheus_client::registry::Registry::default();
     registry.register_collector(Box::new(m));
     let mut text = String::with_capacity(4096);
@@ -276,6 +277,8 @@ struct ControllerMetrics {
     free_checkpoint_bytes: i64,
     reserved_checkpoint_bytes: i64,
     held_checkpoints: i64,
+    /// P/D: the front's hand-off times.
+    handoff_seconds: Option<prometheus_client::metrics::histogram::Histogram>,
 }
 
 impl ControllerMetrics {
@@ -309,6 +312,7 @@ impl ControllerMetrics {
             free_checkpoint_bytes: load.in_service().map(|w| w.free_bytes() as i64).sum(),
             reserved_checkpoint_bytes: load.iter().map(|w| w.reserved_bytes as i64).sum(),
             held_checkpoints: load.iter().map(|w| i64::from(w.held_checkpoints)).sum(),
+            handoff_seconds: None,
         }
     }
 }
@@ -358,7 +362,17 @@ impl prometheus_client::collector::Collector for ControllerMetrics {
             "kvd_control_held_checkpoints",
             "Checkpoints held across workers",
             self.held_checkpoints,
-        )
+        )?;
+        if let Some(h) = &self.handoff_seconds {
+            let family = e.encode_descriptor(
+                "kvd_control_front_handoff_seconds",
+                "P/D hand-offs: the prefill's answer to the decode's first token",
+                None,
+                prometheus_client::metrics::MetricType::Histogram,
+            )?;
+            h.encode(family)?;
+        }
+        Ok(())
     }
 }
 

@@ -317,6 +317,19 @@ pub fn summary(r: &StatusReport, earlier: Option<&StatusReport>) -> String {
         s.sessions, s.pins, s.manifests, s.namespaces, s.evictable
     );
     write_sessions(&mut o, &r.sessions);
+    let h = &r.holds;
+    let _ = writeln!(
+        o,
+        "hand-off holds: {} holding {} blocks ({:.1} MiB){}",
+        h.holds,
+        h.blocks,
+        h.bytes as f64 / (1 << 20) as f64,
+        if h.holds > 0 {
+            format!(", the oldest {:.1} s old", h.oldest_age_ms as f64 / 1000.0)
+        } else {
+            String::new()
+        }
+    );
     let c = &s.counters;
     let (secs, base) = match earlier {
         Some(e) => (

@@ -391,10 +391,12 @@ impl Front {
                 prefill,
                 decode,
                 prefill_ms,
+                not_relayed,
             } => {
                 self.count(|s| {
                     s.handoffs_started += 1;
                     s.prefill_ms += prefill_ms;
+                    s.first_tokens_from_prefill += u64::from(not_relayed.is_none());
                 });
                 tracing::info!(
                     request = id,
@@ -402,6 +404,7 @@ impl Front {
                     prefill,
                     decode,
                     prefill_ms,
+                    first_token = not_relayed.as_deref().unwrap_or("from the prefill"),
                     "front: P/D: prefilled; the decode worker takes the hand-off"
                 );
             }
@@ -475,6 +478,9 @@ impl Front {
             s.handoffs_done += 1;
             s.handoff_ms += rec.handoff_ms;
         });
+        self.hub
+            .handoff_seconds()
+            .observe(rec.handoff_ms as f64 / 1000.0);
         let mut h = lock(&self.handoffs);
         if h.len() >= HANDOFFS_KEPT {
             h.pop_front();

@@ -12,6 +12,7 @@ use kvd_control::{
 };
 use kvd_core::Result;
 use kvd_core::clock::Clock;
+use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::watch;
 
 use crate::stats::FrontStats;
@@ -32,7 +33,14 @@ pub struct Hub {
     /// never lands a decode on them.
     outside: Mutex<std::collections::BTreeSet<u64>>,
     front_stats: Mutex<FrontStats>,
+    /// P/D: the hand-offs' times (the prefill's answer to the decode's first token), seconds.
+    handoff_seconds: Histogram,
 }
+
+/// Upper bounds of the hand-off time buckets, seconds (1 ms … 10 s).
+pub const HANDOFF_BUCKETS_S: [f64; 13] = [
+    1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0,
+];
 
 /// Decisions about the requests the front drives, until their task takes them.
 #[derive(Debug, Default)]
@@ -58,7 +66,13 @@ impl Hub {
             nodes: Mutex::default(),
             outside: Mutex::default(),
             front_stats: Mutex::default(),
+            handoff_seconds: Histogram::new(HANDOFF_BUCKETS_S),
         })
+    }
+
+    /// P/D: the hand-offs' times so far (`/metrics`: `kvd_control_front_handoff_seconds`).
+    pub fn handoff_seconds(&self) -> &Histogram {
+        &self.handoff_seconds
     }
 
     /// Now, on the controller's clock, ms.

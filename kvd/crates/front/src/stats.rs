@@ -51,6 +51,8 @@ pub struct FrontStats {
     pub prefills_started: u64,
     /// P/D: prefill answers that handed the prompt over (a decode attempt with their params).
     pub handoffs_started: u64,
+    /// P/D: hand-offs whose prefill's token went to the client as the request's first.
+    pub first_tokens_from_prefill: u64,
     /// P/D: hand-offs done (the decode's first token came).
     pub handoffs_done: u64,
     /// P/D: decode attempts resumed on a survivor with the hand-off params (the decode broke

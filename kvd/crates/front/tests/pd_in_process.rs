@@ -55,7 +55,23 @@ async fn a_prefill_hands_off_to_the_decode_worker_which_ends_the_hold_at_its_fir
         pre.body["kv_transfer_params"]["kvd"],
         json!({"request": id, "epoch": 1})
     );
+    let first = &client.got[0].data;
+    assert_eq!(
+        (
+            first["kvd"]["worker"].as_u64(),
+            first["kvd"]["seq"].as_u64()
+        ),
+        (Some(u64::from(P1)), Some(0)),
+        "the first token is the prefill's, relayed at its answer"
+    );
     let decode = &c.engines.calls()[0];
+    let mut history = prompt(40);
+    history.push(scripted::next_token(&history));
+    assert_eq!(
+        (&decode.body["prompt"], &decode.body["max_tokens"]),
+        (&json!(history), &json!(11)),
+        "the decode continues from prompt + the prefill's token"
+    );
     let p = &decode.body["kv_transfer_params"];
     assert_eq!(
         p["do_remote_prefill"], true,
@@ -83,6 +99,7 @@ async fn a_prefill_hands_off_to_the_decode_worker_which_ends_the_hold_at_its_fir
         (1, 1, 1, 1)
     );
     assert_eq!(s.prefill_ms, PREFILL_MS);
+    assert_eq!(s.first_tokens_from_prefill, 1);
     let h = &c.front.status()["handoffs"][0];
     assert_eq!(
         (h["prefill"].as_u64(), h["hold_node"].as_u64()),
@@ -250,6 +267,10 @@ async fn a_decode_that_dies_before_its_first_token_resumes_on_a_survivor_with_th
         "the same hold"
     );
     assert_eq!(second["kvd"]["checkpoint"]["epoch"], 2);
+    assert_eq!(
+        calls[1].body["prompt"], calls[0].body["prompt"],
+        "from prompt + the prefill's token, which the client already has"
+    );
     assert_eq!(c.engines.prefills().len(), 1, "no second prefill");
     assert_eq!(
         c.engines.hold_ends(),
@@ -499,4 +520,45 @@ fn the_first_token_ends_the_hold_and_no_later_state_ends_it_again() {
         10,
     );
     assert!(late.is_empty(), "a terminal request takes nothing");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_seeded_sampler_gets_its_first_token_from_the_decode_which_draws_every_token() {
+    let c = Cluster::pd(3, 2, args());
+    let (id, log, guard) = c
+        .front
+        .admit(
+            json!({"model": "m", "prompt": prompt(40), "max_tokens": 6, "stream": true,
+            "temperature": 0.8, "seed": 7, "return_token_ids": true}),
+        )
+        .await
+        .unwrap();
+    let mut client = scripted::Client::new(log, guard, 0);
+    client.read_to_end().await;
+    assert_eq!(client.tokens(), scripted::greedy(&prompt(40), 6));
+    nothing_left(&c, id, RequestState::Completed).await;
+    let decode = &c.engines.calls()[0];
+    assert_eq!(
+        (&decode.body["prompt"], &decode.body["max_tokens"]),
+        (&json!(prompt(40)), &json!(6)),
+        "a fresh generator would draw the second token: the decode draws the first"
+    );
+    assert_ne!(client.got[0].data["kvd"]["worker"], json!(P1));
+    let s = c.front.stats();
+    assert_eq!((s.handoffs_done, s.first_tokens_from_prefill), (1, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_for_one_token_ends_at_the_prefills_answer_and_its_hold_ends() {
+    let c = Cluster::pd(3, 2, args());
+    let (id, mut client) = c.start(&prompt(40), 1).await;
+    client.read_to_end().await;
+    assert_eq!(client.tokens(), scripted::greedy(&prompt(40), 1));
+    assert_eq!(
+        client.got[0].data["choices"][0]["finish_reason"], "length",
+        "its one token was the last"
+    );
+    nothing_left(&c, id, RequestState::Completed).await;
+    assert!(c.engines.calls().is_empty(), "no decode was sent");
+    assert_eq!(c.engines.hold_ends(), [(P1, id, 1)], "the hold ends once");
 }

@@ -189,6 +189,7 @@ pub fn attempt_body(a: &AttemptSpec<'_>) -> Value {
 pub fn prefill_body(
     body: &Map<String, Value>,
     prompt: &[u32],
+    min_tokens: u32,
     id: RequestId,
     epoch: Epoch,
 ) -> Value {
@@ -199,8 +200,15 @@ pub fn prefill_body(
         b.insert("max_completion_tokens".into(), json!(1));
     }
     b.insert("stream".into(), json!(false));
+    // its one token may go to the client as the request's first (see `first_token_event`)
+    b.insert("return_token_ids".into(), json!(true));
     b.remove("stream_options");
-    b.remove("min_tokens");
+    if min_tokens > 0 {
+        // the client forbids a stop at the first token: so must the prefill
+        b.insert("min_tokens".into(), json!(1));
+    } else {
+        b.remove("min_tokens");
+    }
     b.insert(
         "kv_transfer_params".into(),
         json!({
@@ -214,6 +222,71 @@ pub fn prefill_body(
         }),
     );
     Value::Object(b)
+}
+
+/// Why the prefill's token cannot be the request's first, for a client body (`None`: it can).
+///
+/// The decode then continues from prompt + that token, as a recovery resumes from the
+/// committed tokens; that is exact unless the continuation depends on what the decode engine
+/// saw of the first token itself: a seeded sampler (a fresh generator would draw the second
+/// token), stop strings (one could span the first and second tokens), logprobs (the prefill
+/// answer's shape differs from a stream's).
+pub fn first_token_barred(body: &Map<String, Value>) -> Option<&'static str> {
+    let set = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
+    let greedy = body
+        .get("temperature")
+        .and_then(Value::as_f64)
+        .is_some_and(|t| t == 0.0);
+    if set("seed") && !greedy {
+        return Some("a seeded sampler");
+    }
+    let stops = match body.get("stop") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(_) => true,
+    };
+    if stops {
+        return Some("stop strings");
+    }
+    if set("logprobs") || set("prompt_logprobs") {
+        return Some("logprobs");
+    }
+    None
+}
+
+/// The prefill answer's one token as the data of a stream event, as the engine would have
+/// streamed it (`None`: the answer carries no single token id). `more`: the client wants more
+/// tokens than this one, so a `length` finish (the prefill's own `max_tokens` 1) is no finish.
+pub fn first_token_event(answer: &Value, more: bool) -> Option<String> {
+    let choice = answer.get("choices")?.get(0)?;
+    let ids = token_ids(choice.get("token_ids")?)?;
+    if ids.len() != 1 {
+        return None;
+    }
+    let finish = match choice.get("finish_reason").and_then(Value::as_str) {
+        Some("length") if more => None,
+        r => r,
+    };
+    let stop_reason = finish.and_then(|_| choice.get("stop_reason").cloned());
+    let mut event = Map::new();
+    for k in ["id", "object", "created", "model"] {
+        if let Some(v) = answer.get(k) {
+            event.insert(k.into(), v.clone());
+        }
+    }
+    event.insert(
+        "choices".into(),
+        json!([{
+            "index": 0,
+            "text": choice.get("text").and_then(Value::as_str).unwrap_or(""),
+            "logprobs": null,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+            "token_ids": ids,
+        }]),
+    );
+    Some(Value::Object(event).to_string())
 }
 
 /// A hand-off hold: the prefill node's daemon keeps the prompt's blocks for the decode worker
@@ -310,12 +383,21 @@ mod tests {
     #[test]
     fn a_prefill_body_asks_one_token_without_a_stream_and_names_the_hold() {
         let body = json!({"temperature": 0, "min_tokens": 3, "stream_options": {}});
-        let v = prefill_body(body.as_object().unwrap(), &[1, 2], 7, 3);
+        let v = prefill_body(body.as_object().unwrap(), &[1, 2], 0, 7, 3);
         assert_eq!(
             (&v["prompt"], &v["max_tokens"], &v["stream"]),
             (&json!([1, 2]), &json!(1), &json!(false))
         );
         assert!(v.get("min_tokens").is_none() && v.get("stream_options").is_none());
+        assert_eq!(
+            v["return_token_ids"], true,
+            "its token may be the client's first"
+        );
+        let v = prefill_body(body.as_object().unwrap(), &[1, 2], 3, 7, 3);
+        assert_eq!(
+            v["min_tokens"], 1,
+            "no stop at the first token when the client forbids it"
+        );
         assert_eq!(v["temperature"], 0);
         let p = &v["kv_transfer_params"];
         assert_eq!(
@@ -324,6 +406,56 @@ mod tests {
         );
         assert!(p["remote_engine_id"].is_null() && p["remote_block_ids"].is_null());
         assert_eq!(p["kvd"], json!({"request": 7, "epoch": 3}));
+    }
+
+    #[test]
+    fn a_prefill_answers_token_becomes_a_stream_event_unless_the_body_bars_it() {
+        let answer = json!({"id": "cmpl-p", "object": "text_completion", "created": 5,
+            "model": "m", "choices": [{"index": 0, "text": " a", "token_ids": [42],
+            "finish_reason": "length", "stop_reason": null, "prompt_token_ids": [1, 2],
+            "logprobs": null}], "usage": {"prompt_tokens": 2},
+            "kv_transfer_params": {"do_remote_prefill": true}});
+        let e: Value = serde_json::from_str(&first_token_event(&answer, true).unwrap()).unwrap();
+        assert_eq!(
+            e,
+            json!({"id": "cmpl-p", "object": "text_completion", "created": 5, "model": "m",
+                "choices": [{"index": 0, "text": " a", "logprobs": null, "finish_reason": null,
+                "stop_reason": null, "token_ids": [42]}]})
+        );
+        let e: Value = serde_json::from_str(&first_token_event(&answer, false).unwrap()).unwrap();
+        assert_eq!(
+            e["choices"][0]["finish_reason"], "length",
+            "the client wanted one token"
+        );
+        let mut stop = answer.clone();
+        stop["choices"][0]["finish_reason"] = json!("stop");
+        let e: Value = serde_json::from_str(&first_token_event(&stop, true).unwrap()).unwrap();
+        assert_eq!(
+            e["choices"][0]["finish_reason"], "stop",
+            "an end of sequence ends it"
+        );
+        for bad in [
+            json!({}),
+            json!({"choices": [{"text": "a"}]}),
+            json!({"choices": [{"token_ids": [1, 2]}]}),
+            json!({"choices": [{"token_ids": []}]}),
+        ] {
+            assert_eq!(first_token_event(&bad, true), None, "{bad}");
+        }
+        let barred = |b: Value| first_token_barred(b.as_object().unwrap());
+        assert_eq!(
+            barred(json!({"temperature": 0, "seed": 3, "stop": []})),
+            None
+        );
+        assert_eq!(
+            barred(json!({"temperature": 0.7})),
+            None,
+            "unseeded: any draw is a sample"
+        );
+        assert_eq!(barred(json!({"seed": 3})), Some("a seeded sampler"));
+        assert_eq!(barred(json!({"stop": "x"})), Some("stop strings"));
+        assert_eq!(barred(json!({"stop": ["x"]})), Some("stop strings"));
+        assert_eq!(barred(json!({"logprobs": 2})), Some("logprobs"));
     }
 
     #[test]

@@ -537,7 +537,8 @@ impl Request {
             });
             return;
         }
-        let handoff = n == 0 && self.pd.as_ref().is_some_and(|pd| pd.handoff.is_some());
+        // until the decode's first token (the prefill's own may have gone to the client)
+        let handoff = self.pd.as_ref().is_some_and(|pd| pd.handoff.is_some());
         let (request_id, epoch) = (self.a.id, self.epoch);
         if handoff {
             self.state = State::Transferring;
@@ -604,6 +605,20 @@ impl Request {
             }
             return;
         }
+        let (value, n) = match self.take_tokens(data) {
+            Ok(r) => r,
+            Err(msg) => return self.engine_failed(msg, out),
+        };
+        if n > 0 {
+            self.committed(now_ms, out);
+        }
+        let data = stamp(value, self.a.id, self.next_seq, self.epoch, self.serving);
+        self.push(&data, n, out);
+    }
+
+    /// An engine event's tokens become the request's (committed): the event as the client
+    /// gets it (less its stamp), and how many tokens it carried.
+    fn take_tokens(&mut self, data: &str) -> Result<(Value, u32), String> {
         let cx = RelayContext {
             id: self.a.id,
             want_token_ids: self.a.want_token_ids,
@@ -611,20 +626,12 @@ impl Request {
             prompt: &self.a.prompt,
             generated_before: self.generated.len(),
         };
-        let r = match rewrite(data, &cx) {
-            Ok(r) => r,
-            Err(msg) => return self.engine_failed(msg, out),
-        };
-        let n = r.tokens.len() as u32;
+        let r = rewrite(data, &cx)?;
         self.generated.extend_from_slice(&r.tokens);
         if r.finish_reason.is_some() {
             self.finish_reason = r.finish_reason;
         }
-        if n > 0 {
-            self.committed(now_ms, out);
-        }
-        let data = stamp(r.value, self.a.id, self.next_seq, self.epoch, self.serving);
-        self.push(&data, n, out);
+        Ok((r.value, r.tokens.len() as u32))
     }
 
     /// Tokens of this attempt were committed: decoding (the first time: the recovery is done).

@@ -6,6 +6,7 @@
 //! | Window                                   | What the front does                                  |
 //! |------------------------------------------|------------------------------------------------------|
 //! | prefill breaks (5xx, no connection, silence) | its epoch's hold ends; epoch + 1, prefill on another prefill worker; none left: the decode worker prefills itself |
+//! | prefill answers                         | its token goes to the client at once (unless the request is seeded, has stop strings or logprobs); the decode continues from prompt + that token |
 //! | prefill refuses (4xx)                    | the request fails with the refusal                    |
 //! | answer hands nothing over                | the decode worker prefills itself (its hold, if any, ends) |
 //! | decode breaks before its first token     | the usual recovery; the survivor gets the hand-off params |
@@ -18,7 +19,8 @@
 use kvd_control::{Epoch, Event, WorkerId};
 use serde_json::{Map, Value};
 
-use super::body::{Hold, handoff_of, hold_of, prefill_body};
+use super::body::{Hold, first_token_barred, first_token_event, handoff_of, hold_of, prefill_body};
+use super::relay::stamp;
 use super::{Action, Attempt, Request, State};
 use crate::stats::HandoffRecord;
 
@@ -90,6 +92,8 @@ pub enum HandoffNote {
         decode: WorkerId,
         /// How long the prefill took, ms.
         prefill_ms: u64,
+        /// Why the prefill's token did not go to the client as its first (`None`: it did).
+        not_relayed: Option<String>,
     },
     /// The decode's first token after a hand-off (its hold ended).
     Done(crate::stats::HandoffRecord),
@@ -180,7 +184,13 @@ impl Request {
         out.push(Action::Prefill(Attempt {
             epoch,
             worker,
-            body: prefill_body(&self.a.body, &self.a.prompt, request_id, epoch),
+            body: prefill_body(
+                &self.a.body,
+                &self.a.prompt,
+                self.a.min_tokens,
+                request_id,
+                epoch,
+            ),
         }));
     }
 
@@ -193,6 +203,12 @@ impl Request {
         self.end_hold(out); // none is held before a prefill answers; never leave one pinned
         let pd = self.pd.as_mut().expect("prefilling is P/D");
         pd.hold = hold;
+        let not_relayed = self.prefill_token(answer, p.worker, out).err();
+        if self.finish_reason.is_some() || self.generated.len() as u32 >= self.a.max_tokens {
+            // the prefill's token was the request's last: nothing to hand over (the hold ends)
+            return self.finish(out);
+        }
+        let pd = self.pd.as_mut().expect("prefilling is P/D");
         let Some(params) = params else {
             pd.self_prefill = true;
             let reason = format!(
@@ -213,8 +229,30 @@ impl Request {
             prefill: p.worker,
             decode: self.serving,
             prefill_ms,
+            not_relayed,
         }));
         self.start_attempt(out);
+    }
+
+    /// P/D: the prefill answer's token goes to the client at once, as the request's first: the
+    /// decode continues from prompt + that token, as a recovery does from the committed ones,
+    /// so time to first token is the prefill's, not the prefill's plus the hand-off's (`Err`:
+    /// why not; the decode then generates the first token itself).
+    fn prefill_token(
+        &mut self,
+        answer: &Value,
+        worker: WorkerId,
+        out: &mut Vec<Action>,
+    ) -> Result<(), String> {
+        if let Some(why) = first_token_barred(&self.a.body) {
+            return Err(format!("the request asks for {why}"));
+        }
+        let event = first_token_event(answer, self.a.max_tokens > 1)
+            .ok_or("the prefill answer carries no single token id")?;
+        let (value, n) = self.take_tokens(&event)?;
+        let data = stamp(value, self.a.id, self.next_seq, self.epoch, worker);
+        self.push(&data, n, out);
+        Ok(())
     }
 
     /// P/D: the prefill broke: epoch + 1 and prefill again elsewhere (at most once per prefill

@@ -449,10 +449,16 @@ impl Scripted {
             kvd["request"].as_u64().unwrap(),
             kvd["epoch"].as_u64().unwrap(),
         );
-        let blocks = ids(&body["prompt"]).len().div_ceil(16);
+        let prompt = ids(&body["prompt"]);
+        let blocks = prompt.len().div_ceil(16);
         self.w().holds.insert((worker, request), epoch);
+        // vLLM answers the token's id when asked (`return_token_ids`), as the front does
+        let token = next_token(&prompt);
+        let token_ids = (body["return_token_ids"] == json!(true)).then_some(vec![token]);
         Ok(PrefillAnswer::Done(
-            json!({"choices": [{"text": " x", "finish_reason": "length"}],
+            json!({"id": "cmpl-scripted", "object": "text_completion", "model": "scripted",
+            "choices": [{"index": 0, "text": format!(" t{token}"), "finish_reason": "length",
+                "token_ids": token_ids}],
             "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false,
                 "remote_engine_id": format!("scripted-{worker}"), "remote_block_ids": (0..blocks).collect::<Vec<_>>(),
                 "remote_host": "127.0.0.1", "remote_port": 5600,
