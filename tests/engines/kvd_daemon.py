@@ -14,3 +14,5 @@ _spec.loader.exec_module(_mod)
 
 Daemon = _mod.Daemon
 wait_until = _mod.wait_until
+peers_file = _mod.peers_file
+write_peers = _mod.write_peers

@@ -23,7 +23,7 @@ from typing import Iterator
 import pytest
 
 import kvd
-from kvd_daemon import Daemon, wait_until
+from kvd_daemon import Daemon, peers_file, wait_until, write_peers
 from test_vllm import BLOCK, HERE, connector, engine, scenario, step, words
 
 PROMPT = words(11, 300, 23)
@@ -43,16 +43,18 @@ def free_ports(n: int) -> list[int]:
 
 
 def peer_daemons(tmp: Path, n: int) -> dict[int, Daemon]:
-    """Daemons 1..n with data ports, each in the others' peer table, sharing a cluster secret."""
+    """Daemons 1..n with data ports, sharing a cluster secret, each in the others' peer table:
+    one peers file with every node's data port and public key (each skips its own line)."""
     secret = tmp / "secret"
     secret.write_bytes(bytes(range(32)))
     secret.chmod(0o600)
+    peers = peers_file(tmp / "peers")
     ports = free_ports(n)
     nodes = {}
     for i in range(1, n + 1):
-        peers = [f"--peer={j}=127.0.0.1:{ports[j - 1]}" for j in range(1, n + 1) if j != i]
         nodes[i] = Daemon(["--cluster-secret-file", str(secret), "--data-listen", f"127.0.0.1:{ports[i - 1]}",
-                           "--node-id", str(i), "--pool-mib", "64", "--page-kib", "64", *peers])
+                           "--node-id", str(i), "--pool-mib", "64", "--page-kib", "64", "--peers-file", str(peers)])
+    write_peers(peers, nodes)
     return nodes
 
 

@@ -52,6 +52,27 @@ class Daemon:
         self.dir.cleanup()
 
 
+def peer_entry(d: Daemon, node_id: int) -> str:
+    """``d``'s line of a peers file: ``NODE_ID=ADDR,key=PUBLIC_KEY`` (``kvd key show``)."""
+    out = subprocess.run([os.environ["KVD_BIN"], "key", "show", "--data-dir", d.dir.name,
+                          "--as-peer", f"{node_id}={d.data}"], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def peers_file(path: Path) -> Path:
+    """An empty peers file for daemons to start with (``--peers-file``); fill it with
+    ``write_peers`` once they are up: each reads it again within a second of a change."""
+    path.write_text("# NODE_ID=ADDR,key=PUBLIC_KEY\n")
+    return path
+
+
+def write_peers(path: Path, nodes: dict[int, Daemon]) -> None:
+    """Every node's entry (each skips its own), written at once."""
+    tmp = path.with_suffix(".new")
+    tmp.write_text("".join(peer_entry(d, i) + "\n" for i, d in nodes.items()))
+    tmp.replace(path)
+
+
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
     d = Daemon([])
@@ -69,13 +90,16 @@ def small_pool_daemon() -> Iterator[Daemon]:
 
 @pytest.fixture
 def two_nodes(tmp_path) -> Iterator[tuple[Daemon, Daemon]]:
-    """Node 1 and node 2 with data ports, node 2 in node 1's peer table."""
+    """Node 1 and node 2 with data ports, each in the other's peer table (a peers file with
+    both keys)."""
     secret = tmp_path / "secret"
     secret.write_bytes(bytes([5]) * 32)
     secret.chmod(0o600)
-    port = ["--cluster-secret-file", str(secret), "--data-listen", "127.0.0.1:0"]
+    peers = peers_file(tmp_path / "peers")
+    port = ["--cluster-secret-file", str(secret), "--data-listen", "127.0.0.1:0", "--peers-file", str(peers)]
     b = Daemon([*port, "--node-id", "2"])
-    a = Daemon([*port, "--node-id", "1", "--peer", f"2={b.data}"])
+    a = Daemon([*port, "--node-id", "1"])
+    write_peers(peers, {1: a, 2: b})
     yield a, b
     a.stop()
     b.stop()
