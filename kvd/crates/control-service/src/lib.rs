@@ -254,7 +254,7 @@ async fn metrics(State(s): State<Arc<Hub>>) -> Response {
                 .filter_map(|(k, v)| v.as_u64().map(|v| (format!("front_{k}"), v))),
         );
     }
-    m.handoff_seconds = Some(s.handoff_seconds().clone());
+    m.handoff_times = Some(s.handoff_times());
     let mut registry = prometheus_client::registry::Registry::default();
     registry.register_collector(Box::new(m));
     let mut text = String::with_capacity(4096);
@@ -278,7 +278,7 @@ struct ControllerMetrics {
     reserved_checkpoint_bytes: i64,
     held_checkpoints: i64,
     /// P/D: the front's hand-off times.
-    handoff_seconds: Option<prometheus_client::metrics::histogram::Histogram>,
+    handoff_times: Option<kvd_front::stats::Buckets>,
 }
 
 impl ControllerMetrics {
@@ -312,7 +312,7 @@ impl ControllerMetrics {
             free_checkpoint_bytes: load.in_service().map(|w| w.free_bytes() as i64).sum(),
             reserved_checkpoint_bytes: load.iter().map(|w| w.reserved_bytes as i64).sum(),
             held_checkpoints: load.iter().map(|w| i64::from(w.held_checkpoints)).sum(),
-            handoff_seconds: None,
+            handoff_times: None,
         }
     }
 }
@@ -363,14 +363,26 @@ impl prometheus_client::collector::Collector for ControllerMetrics {
             "Checkpoints held across workers",
             self.held_checkpoints,
         )?;
-        if let Some(h) = &self.handoff_seconds {
-            let family = e.encode_descriptor(
+        if let Some(h) = &self.handoff_times {
+            let mut family = e.encode_descriptor(
                 "kvd_control_front_handoff_seconds",
                 "P/D hand-offs: the prefill's answer to the decode's first token",
                 None,
                 prometheus_client::metrics::MetricType::Histogram,
             )?;
-            h.encode(family)?;
+            let buckets: Vec<(f64, u64)> = h
+                .bounds_ms
+                .iter()
+                .map(|b| *b as f64 / 1000.0)
+                .chain([f64::INFINITY])
+                .zip(h.counts.iter().copied())
+                .collect();
+            family.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+                h.sum_ms as f64 / 1000.0,
+                h.count(),
+                &buckets,
+                None,
+            )?;
         }
         Ok(())
     }

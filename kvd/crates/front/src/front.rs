@@ -478,9 +478,7 @@ impl Front {
             s.handoffs_done += 1;
             s.handoff_ms += rec.handoff_ms;
         });
-        self.hub
-            .handoff_seconds()
-            .observe(rec.handoff_ms as f64 / 1000.0);
+        self.hub.observe_handoff(rec.handoff_ms);
         let mut h = lock(&self.handoffs);
         if h.len() >= HANDOFFS_KEPT {
             h.pop_front();

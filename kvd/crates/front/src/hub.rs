@@ -12,10 +12,9 @@ use kvd_control::{
 };
 use kvd_core::Result;
 use kvd_core::clock::Clock;
-use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::watch;
 
-use crate::stats::FrontStats;
+use crate::stats::{Buckets, FrontStats, HANDOFF_BUCKETS_MS};
 
 /// The controller and what the front keeps beside it.
 #[derive(Debug)]
@@ -33,14 +32,9 @@ pub struct Hub {
     /// never lands a decode on them.
     outside: Mutex<std::collections::BTreeSet<u64>>,
     front_stats: Mutex<FrontStats>,
-    /// P/D: the hand-offs' times (the prefill's answer to the decode's first token), seconds.
-    handoff_seconds: Histogram,
+    /// P/D: the hand-offs' times (the prefill's answer to the decode's first token).
+    handoff_times: Mutex<Buckets>,
 }
-
-/// Upper bounds of the hand-off time buckets, seconds (1 ms … 10 s).
-pub const HANDOFF_BUCKETS_S: [f64; 13] = [
-    1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0,
-];
 
 /// Decisions about the requests the front drives, until their task takes them.
 #[derive(Debug, Default)]
@@ -66,13 +60,18 @@ impl Hub {
             nodes: Mutex::default(),
             outside: Mutex::default(),
             front_stats: Mutex::default(),
-            handoff_seconds: Histogram::new(HANDOFF_BUCKETS_S),
+            handoff_times: Mutex::new(Buckets::new(&HANDOFF_BUCKETS_MS)),
         })
     }
 
+    /// P/D: count one hand-off's time, ms.
+    pub fn observe_handoff(&self, ms: u64) {
+        lock(&self.handoff_times).observe(ms);
+    }
+
     /// P/D: the hand-offs' times so far (`/metrics`: `kvd_control_front_handoff_seconds`).
-    pub fn handoff_seconds(&self) -> &Histogram {
-        &self.handoff_seconds
+    pub fn handoff_times(&self) -> Buckets {
+        lock(&self.handoff_times).clone()
     }
 
     /// Now, on the controller's clock, ms.

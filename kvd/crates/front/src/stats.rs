@@ -96,6 +96,46 @@ impl FrontStats {
     }
 }
 
+/// Upper bounds of the hand-off time buckets, ms (1 ms … 10 s; beyond: the last, open one).
+pub const HANDOFF_BUCKETS_MS: [u64; 13] = [
+    1, 3, 5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000,
+];
+
+/// A histogram's counts (a fixed, small set of buckets: bounded), kept as plain data so the
+/// front needs no metrics crate; `kvd control`'s `/metrics` encodes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Buckets {
+    /// Upper bounds, ms, ascending.
+    pub bounds_ms: Vec<u64>,
+    /// Observations per bucket (one more than the bounds: the last is above them all).
+    pub counts: Vec<u64>,
+    /// Sum of the observations, ms.
+    pub sum_ms: u64,
+}
+
+impl Buckets {
+    /// Empty buckets with these upper bounds (ms, ascending).
+    pub fn new(bounds_ms: &[u64]) -> Buckets {
+        Buckets {
+            bounds_ms: bounds_ms.to_vec(),
+            counts: vec![0; bounds_ms.len() + 1],
+            sum_ms: 0,
+        }
+    }
+
+    /// Count one observation of `ms`.
+    pub fn observe(&mut self, ms: u64) {
+        let i = self.bounds_ms.partition_point(|b| *b < ms);
+        self.counts[i] += 1;
+        self.sum_ms = self.sum_ms.saturating_add(ms);
+    }
+
+    /// Observations in all.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+}
+
 /// One recovery, as `/status` lists it and the log line carries it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecoveryRecord {
@@ -138,4 +178,19 @@ pub struct HandoffRecord {
     pub prefill_ms: u64,
     /// The prefill's answer to the decode's first token, ms.
     pub handoff_ms: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_observation_lands_in_the_first_bucket_whose_bound_it_does_not_pass() {
+        let mut b = Buckets::new(&[1, 10]);
+        for ms in [0, 1, 2, 10, 11, 500] {
+            b.observe(ms);
+        }
+        assert_eq!(b.counts, [2, 2, 2]);
+        assert_eq!((b.count(), b.sum_ms), (6, 524));
+    }
 }
