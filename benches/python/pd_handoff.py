@@ -42,10 +42,8 @@ import http.client
 import json
 import os
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -57,9 +55,9 @@ ENGINES = HERE.parent.parent / "tests" / "engines"
 sys.path.insert(0, str(ENGINES))
 
 from kvd_daemon import Daemon, wait_until  # noqa: E402
-from test_stream_recovery import Etcd, Front, free_port, get_text, metric  # noqa: E402
+from test_stream_recovery import (Etcd, Front, cluster_folder, free_port, get_text, metric,  # noqa: E402
+                                  stop_cluster)
 from test_vllm import connector  # noqa: E402
-from test_vllm_checkpoint import tiny_model  # noqa: E402
 from vllm_server import SERVED_NAME, VllmServer  # noqa: E402
 
 BLOCK = 32  # tokens per block (vllm_server.py's --block-size)
@@ -171,12 +169,9 @@ def nice_daemon(d: Daemon, niceness: int = -10) -> None:
         os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
 
 
-def cluster_daemons(tmp: Path, etcd: Etcd) -> dict[int, Daemon]:
+def cluster_daemons(secret: Path, etcd: Etcd) -> dict[int, Daemon]:
     """Daemons 1 (the prefill node's) and 2 (the decode node's) in cluster mode: registered in
     etcd, each the other's peer through it, as ``kvd control``'s front needs them."""
-    secret = tmp / "secret"
-    secret.write_bytes(bytes(range(32)))
-    secret.chmod(0o600)
     nodes = {i: Daemon(["--cluster-secret-file", str(secret), "--data-listen", f"127.0.0.1:{free_port()}",
                         "--node-id", str(i), "--etcd", etcd.url, "--pool-mib", "64", "--page-kib", "64"])
              for i in (1, 2)}
@@ -224,10 +219,9 @@ def main() -> None:
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-pd-"))
+    tmp, model, secret = cluster_folder("kvd-bench-pd-")
     etcd = Etcd(tmp)
-    nodes = cluster_daemons(tmp, etcd)
-    model = tiny_model(tmp)
+    nodes = cluster_daemons(secret, etcd)
     plain = Engine(0, model, free_port(), tmp / "plain.log", None)
     kvd = (Engine(0, model, free_port(), tmp / "kvd-prefill.log",
                   dict(connector(nodes[1].socket, node_id=1), kv_role="kv_producer")),
@@ -276,16 +270,10 @@ def main() -> None:
             for srv in pair:
                 srv.stop()
     finally:
-        if front is not None:
-            front.stop()
         for srv in every:
             if srv.alive():
                 srv.stop()
-        for d in nodes.values():
-            d.stop()
-        etcd.stop()
-        if os.environ.get("KVD_KEEP_LOGS") is None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        stop_cluster(tmp, front, nodes, etcd)  # type: ignore[arg-type]
     report(figures, args)
 
 

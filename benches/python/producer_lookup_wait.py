@@ -11,23 +11,21 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pd_handoff import (SETTLE_S, Engine, Etcd, body, cluster_daemons, connector, free_port, post,  # noqa: E402
-                        prompt_of, tiny_model)
+from pd_handoff import (SETTLE_S, Engine, Etcd, body, cluster_daemons, cluster_folder, connector,  # noqa: E402
+                        free_port, post, prompt_of, stop_cluster)
 
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 16
     length = int(sys.argv[2]) if len(sys.argv) > 2 else 256
-    tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-lookup-"))
+    tmp, model, secret = cluster_folder("kvd-bench-lookup-")
     etcd = Etcd(tmp)
-    nodes = cluster_daemons(tmp, etcd)
-    model = tiny_model(tmp)
+    nodes = cluster_daemons(secret, etcd)
     producer = dict(connector(nodes[1].socket, node_id=1), kv_role="kv_producer")
     engines = {
         "plain": Engine(0, model, free_port(), tmp / "plain.log", None),
@@ -57,9 +55,7 @@ def main() -> None:
         for e in engines.values():
             if e.alive():
                 e.stop()
-        for d in nodes.values():
-            d.stop()
-        etcd.stop()
+        stop_cluster(tmp, None, nodes, etcd)  # type: ignore[arg-type]
     plain = statistics.median(times["plain"])
     print(f"\n{length}-token prefills, {rounds} each | p50 ms | min ms | p50 over plain")
     for k, xs in times.items():

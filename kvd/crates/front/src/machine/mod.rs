@@ -503,6 +503,11 @@ impl Request {
         epoch == self.epoch && self.state == State::Migrating
     }
 
+    /// Its last token came (a finish reason, or `max_tokens` of them).
+    fn complete(&self) -> bool {
+        self.finish_reason.is_some() || self.generated.len() as u32 >= self.a.max_tokens
+    }
+
     fn push(&mut self, data: &str, tokens: u32, out: &mut Vec<Action>) {
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -518,7 +523,7 @@ impl Request {
     }
 
     fn start_attempt(&mut self, out: &mut Vec<Action>) {
-        if self.generated.len() as u32 >= self.a.max_tokens || self.finish_reason.is_some() {
+        if self.complete() {
             self.finish(out);
             return;
         }
@@ -594,7 +599,7 @@ impl Request {
 
     fn on_engine_event(&mut self, data: &str, now_ms: u64, out: &mut Vec<Action>) {
         if data.trim() == "[DONE]" {
-            if self.finish_reason.is_some() || self.generated.len() as u32 >= self.a.max_tokens {
+            if self.complete() {
                 self.finish(out);
             } else {
                 let why = format!(

@@ -204,7 +204,7 @@ impl Request {
         let pd = self.pd.as_mut().expect("prefilling is P/D");
         pd.hold = hold;
         let not_relayed = self.prefill_token(answer, p.worker, out).err();
-        if self.finish_reason.is_some() || self.generated.len() as u32 >= self.a.max_tokens {
+        if self.complete() {
             // the prefill's token was the request's last: nothing to hand over (the hold ends)
             return self.finish(out);
         }
