@@ -205,6 +205,11 @@
 #define KVD_TRANSFER_FAILED 2
 
 /**
+ * `kvd_fetch`'s peer for "whichever peers hold them": a cluster fetch.
+ */
+#define KVD_ANY_NODE 0
+
+/**
  * `KvdBlockClass.kind`: a prefix-cache block (evictable, published with `kvd_publish`).
  */
 #define KVD_CLASS_CACHE 0
@@ -1522,7 +1527,11 @@ int32_t kvd_push(KvdClient *client, uint64_t peer, const KvdKey *keys_in, size_t
 /**
  * Fetch PUBLISHED blocks `keys[0..n]` (one namespace) from peer node `peer`, published here
  * as one group when every byte arrived intact (keys the peer lacks are skipped); `*id`
- * receives the transfer's id at once. Thread-safe (serialized per client).
+ * receives the transfer's id at once. With `peer` `KVD_ANY_NODE`, a cluster fetch: the
+ * daemon asks its live peers which of the keys they hold and fetches the longest run from
+ * the first key that they hold between them, each piece from its holder (the transfer's
+ * `blocks` says how many arrived, its `peer` the first piece's holder). Thread-safe
+ * (serialized per client).
  */
 int32_t kvd_fetch(KvdClient *client, uint64_t peer, const KvdKey *keys_in, size_t n, uint64_t *id);
 

@@ -78,9 +78,17 @@ pub extern "C" fn kvd_push(
     start_keyed("kvd_push", client, keys_in, n, id, |c, ks| c.push(peer, ks))
 }
 
+/// `kvd_fetch`'s peer for "whichever peers hold them": a cluster fetch.
+pub const KVD_ANY_NODE: u64 = 0;
+const _: () = assert!(KVD_ANY_NODE == kvd_core::protocol::ANY_NODE);
+
 /// Fetch PUBLISHED blocks `keys[0..n]` (one namespace) from peer node `peer`, published here
 /// as one group when every byte arrived intact (keys the peer lacks are skipped); `*id`
-/// receives the transfer's id at once. Thread-safe (serialized per client).
+/// receives the transfer's id at once. With `peer` `KVD_ANY_NODE`, a cluster fetch: the
+/// daemon asks its live peers which of the keys they hold and fetches the longest run from
+/// the first key that they hold between them, each piece from its holder (the transfer's
+/// `blocks` says how many arrived, its `peer` the first piece's holder). Thread-safe
+/// (serialized per client).
 #[unsafe(no_mangle)]
 pub extern "C" fn kvd_fetch(
     client: *mut KvdClient,

@@ -55,7 +55,7 @@ import kvd.sglang  # noqa: E402
 from kvd.sglang import KvdHiCacheStorage  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kvd_daemon import Daemon  # noqa: E402
+from kvd_daemon import Daemon, peers_file, write_peers  # noqa: E402
 
 PAGE, LAYERS, HEADS, HEAD_DIM = 4, 2, 2, 8  # MHA: 2 * 2 * 2 * 8 * 4 * 2 bytes = 512 B a page
 LORA, ROPE = 16, 8  # MLA: 24 * 2 * 4 * 2 bytes = 384 B a page
@@ -447,3 +447,43 @@ def test_close_ends_the_session_and_is_idempotent(daemon, model_dir):
     backend.close()  # again: nothing happens
     with pytest.raises(ValueError, match="closed"):
         backend.batch_set_v1(["k"], torch.arange(PAGE))
+
+
+# -- a page stored through another node's daemon -------------------------------------------
+
+
+def test_pages_stored_on_another_node_are_a_hit_fetched_through_this_nodes_daemon(model_dir, tmp_path):
+    """Two daemons with data ports, each in the other's peers file: a stack on node 1 writes,
+    a stack on node 2 reads. Node 2's hit query finds nothing here, asks the cluster, and
+    loads node 1's pages through its own daemon, equal per token; a longer prompt hits only
+    the stored prefix."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(bytes([7]) * 32)
+    secret.chmod(0o600)
+    peers = peers_file(tmp_path / "peers")
+    port = ["--pool-mib", "64", "--cluster-secret-file", str(secret), "--data-listen", "127.0.0.1:0",
+            "--peers-file", str(peers)]
+    d1, d2 = Daemon([*port, "--node-id", "1"]), Daemon([*port, "--node-id", "2"])
+    a = b = None
+    try:
+        write_peers(peers, {1: d1, 2: d2})
+        time.sleep(1.5)  # each daemon reads the peers file again within a second
+        a = Stack(d1.socket, "mha", "page_first", True, model_dir)
+        b = Stack(d2.socket, "mha", "page_first", True, model_dir)
+        tokens = fresh_tokens(3)
+        stored, written = a.write(tokens)
+        assert stored == len(tokens)
+        hit, loaded, kv = b.read(tokens + fresh_tokens(2))
+        assert hit == loaded == len(tokens), "the stored prefix, fetched from node 1"
+        for t, (want, got) in enumerate(zip(written, kv)):
+            assert torch.equal(want, got), f"token {t} differs after the fetch"
+        assert b.backend.cluster_figures["cluster_fetched_pages"] == 3, b.backend.cluster_figures
+        # a prompt nobody stored: a miss after asking, nothing fetched
+        assert b.read(fresh_tokens(2))[0] == 0
+        assert b.backend.cluster_figures["cluster_fetched_pages"] == 3
+    finally:
+        for s in (a, b):
+            if s is not None:
+                s.close()
+        d1.stop()
+        d2.stop()

@@ -176,7 +176,7 @@ class Front:
     """``kvd control`` with the streaming front over the three engines."""
 
     def __init__(self, tmp: Path, etcd: Etcd, nodes: dict[int, Node],
-                 prefill: Optional[dict[int, Node]] = None) -> None:
+                 prefill: Optional[dict[int, Node]] = None, extra: Optional[list[str]] = None) -> None:
         binary = os.environ["KVD_BIN"]
         engines = [a for n in nodes.values() for a in ("--engine", f"{n.i}={n.url}")]
         engines += [a for n in (prefill or {}).values() for a in ("--prefill-engine", f"{n.i}={n.url}")]
@@ -186,7 +186,7 @@ class Front:
              "--kv-bytes-per-token", "2048",  # a 64 KiB page per 32-token block
              "--kv-tokens-per-block", "32",   # vllm_server.py's --block-size
              "--reconnect-grace-ms", str(GRACE_MS),
-             "--engine-timeout-ms", "60000"],
+             "--engine-timeout-ms", "60000", *(extra or [])],
             stdout=subprocess.PIPE, stderr=self.log, env={**os.environ, "RUST_LOG": os.environ.get("KVD_CONTROL_LOG", "info")})
         assert self.proc.stdout is not None
         deadline = time.monotonic() + 30

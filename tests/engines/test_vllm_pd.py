@@ -70,7 +70,11 @@ def tokens(out: dict) -> tuple[str, Any]:
 
 
 def pd_connector(socket: str, role: str, node: int) -> dict:
-    c = connector(socket, node_id=node, handoff_ttl_ms=TTL_MS, handoff_timeout_ms=20_000)
+    # The cluster lookup off: these cases test the hand-off alone. With it on, a decode whose
+    # hand-off is refused still finds the prompt's blocks at the prefill node (its own
+    # prompt's keys, so the right bytes) and loads them: test_cluster_cache.py shows that.
+    c = connector(socket, node_id=node, handoff_ttl_ms=TTL_MS, handoff_timeout_ms=20_000,
+                  cluster_lookup=False)
     c["kv_role"] = role
     return c
 

@@ -16,6 +16,7 @@ Adapters: ``kvd.sglang`` (a HiCache L3 storage backend) and ``kvd.vllm`` (a KV c
 
 from ._lib import ABI_VERSION
 from .client import (
+    ANY_NODE,
     Allocation,
     Block,
     BlockView,
@@ -54,6 +55,7 @@ from .errors import (
 
 __all__ = [
     "ABI_VERSION",
+    "ANY_NODE",
     "AlreadyExists",
     "Allocation",
     "Block",

@@ -221,6 +221,7 @@ class EventBatch(Structure):
 
 EVENT_STORED = 1
 EVENT_REMOVED = 2
+ANY_NODE = 0  # KVD_ANY_NODE: kvd_fetch's peer for a cluster fetch
 
 
 class TransferInfo(Structure):

@@ -25,6 +25,7 @@ from .errors import OK, Disconnected, KvdError, check, for_status, last_error
 
 L = _lib.lib
 
+ANY_NODE = _lib.ANY_NODE  # fetch's peer for "whichever peers hold them" (a cluster fetch)
 DTYPES = {"bf16": 1, "f16": 2, "f32": 3, "fp8_e4m3": 4, "fp8_e5m2": 5}
 
 Buffer = Any  # anything with the buffer protocol (bytes, bytearray, memoryview, numpy arrays)
@@ -843,7 +844,12 @@ class Client:
 
     def fetch(self, peer: int, keys: Sequence[bytes]) -> int:
         """Fetch PUBLISHED blocks (one namespace) from peer node ``peer``; they are published
-        here as one group when every byte arrived intact. Returns the transfer's id at once."""
+        here as one group when every byte arrived intact. Returns the transfer's id at once.
+
+        With ``peer`` ``ANY_NODE``, a cluster fetch: the daemon asks its live peers which of
+        ``keys`` they hold and fetches the longest run from the first key that they hold
+        between them, each piece from its holder (the transfer's ``blocks`` says how many
+        arrived, its ``peer`` the first piece's holder)."""
         out = ctypes.c_uint64()
         check(L.kvd_fetch(self._c(), peer, _keys(keys), len(keys), ctypes.byref(out)))
         return out.value

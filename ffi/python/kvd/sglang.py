@@ -26,7 +26,10 @@ pool group). Launch::
   (a hub id) and no ``model_identity`` is given: a name alone could be any revision;
 - ``kv_cache_dtype``: ``fp8_e4m3`` or ``fp8_e5m2`` for FP8 KV caches (SGLang stores them as
   ``uint8``, so the pool does not say which);
-- ``cache_salt``, ``pin_ttl_ms``.
+- ``cache_salt``, ``pin_ttl_ms``;
+- ``cluster_lookup`` (default true), ``cluster_timeout_ms`` (1000), ``cluster_min_pages`` (1):
+  a hit query that falls short here asks the other nodes' daemons for the rest and waits for
+  the fetch up to the timeout (``kvd.cluster``; needs the daemon's data port).
 
 What can be a hit: keys are SGLang's page hashes (SHA-256 of the hash string
 gives the 32-byte tag) inside a kvd namespace that holds every field that gives a page's bytes
@@ -60,6 +63,7 @@ import time
 from typing import Any, List, Optional, Sequence
 
 from .client import Client, Namespace, key
+from .cluster import fetch_and_wait, no_cluster
 from .errors import AlreadyExists, KvdError
 from .identity import weights_identity
 
@@ -165,6 +169,10 @@ class KvdHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             for f in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")
         }
         self._lock = threading.Lock()
+        self.cluster = bool(extra.get("cluster_lookup", True))
+        self.cluster_timeout_s = int(extra.get("cluster_timeout_ms", 1000)) / 1000
+        self.cluster_min_pages = max(1, int(extra.get("cluster_min_pages", 1)))
+        self.cluster_figures: collections.Counter = collections.Counter()
 
     # -- host pools and the namespace: every field that shapes a page's bytes --------------
 
@@ -290,11 +298,37 @@ class KvdHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         if not keys:
             return 0
         try:
-            found = self._client().exists(self._keys(keys, self.io))
+            ks = self._keys(keys, self.io)
+            n = _leading(self._client().exists(ks))
+            if self.cluster and len(ks) - n >= self.cluster_min_pages:
+                n = self._from_cluster(ks, n)
         except KvdError as e:
             log.warning("kvd: exists failed: %s", e)
             return 0
-        return next((i for i, f in enumerate(found) if not f), len(found))
+        return n
+
+    def _from_cluster(self, ks: list[bytes], n: int) -> int:
+        """The leading hit after asking the cluster for pages ``n``.. (``kvd.cluster``)."""
+        try:
+            t = fetch_and_wait(self._client(), ks[n:], self.cluster_timeout_s)
+        except KvdError as e:
+            if no_cluster(e):
+                log.info("kvd: no cluster fetches from this daemon (%s): hit queries stay local", e)
+                self.cluster = False
+            else:
+                self.cluster_figures["cluster_errors"] += 1
+                log.warning("kvd: cluster fetch not started (%s): a local hit only", e)
+            return n
+        self.cluster_figures["cluster_fetches"] += 1
+        if t is None:
+            self.cluster_figures["cluster_timeouts"] += 1
+            return n
+        if t.state != "done":
+            self.cluster_figures["cluster_errors"] += 1
+            log.info("kvd: cluster fetch failed (%s): a local hit only", t.error)
+            return n
+        self.cluster_figures["cluster_fetched_pages"] += t.blocks
+        return _leading(self._client().exists(ks)) if t.blocks else n
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
@@ -502,6 +536,11 @@ class KvdHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             if pinned:
                 c.release(pinned)
         return ok
+
+
+def _leading(found: Sequence[bool]) -> int:
+    """How many from the start are true."""
+    return next((i for i, f in enumerate(found) if not f), len(found))
 
 
 def _first_page(pool: Any) -> Any:

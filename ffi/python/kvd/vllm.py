@@ -35,6 +35,12 @@ Settings (``kv_connector_extra_config``):
 ``handoff_ttl_ms``   how long a prefill's daemon holds a handed-off run unread (30000)
 ``handoff_timeout_ms``  how long a decode waits for a hand-off's fetch before it fails the load (30000)
 ``max_pending_handoffs``  hand-off loads in flight per scheduler; past it a hand-off is a miss (64)
+``cluster_lookup``   default true: a lookup that falls short here asks the other nodes' daemons
+                     for the rest (``kvd.cluster``; needs the daemon's data port)
+``cluster_min_blocks``  blocks a cluster fetch must be able to add to be asked for (1)
+``cluster_timeout_ms``  how long a request waits for its cluster fetch before it takes the local
+                     hit (2000)
+``max_cluster_fetches``  cluster fetches in flight per scheduler; past it a lookup stays local (16)
 ==================== ========================================================================
 
 What can be a hit (the namespace): the model's weights (a stamp of the weight files, not the
@@ -51,6 +57,10 @@ and the saves of every block that this step's forward completes (only fully comp
 never the one holding the last sampled token); ``update_connector_output`` releases the pins of
 loads the workers report done; ``request_finished`` drops a request's bookkeeping (also for
 aborts) and never delays the free, since saves happen as blocks complete.
+
+A lookup that falls short of the request's full blocks asks the cluster for the rest: the
+daemon locates the missing blocks at its peers and fetches them, the lookup runs again once they
+are here (``kvd.cluster`` says how).
 
 Requests that carry ``{"kvd": {"checkpoint": ...}}`` or ``{"kvd": {"restore": ...}}`` in their
 ``kv_transfer_params`` stream their blocks to a checkpoint holder, or restore their prefix from
@@ -88,6 +98,7 @@ from .errors import AlreadyExists, Disconnected, KvdError, Overloaded
 RENEW_BELOW_MS = 5_000
 from .identity import weights_identity
 from .vllm_checkpoint import CheckpointStep, Restorer, Streamer, params
+from .cluster import ClusterLookups
 from .vllm_handoff import HandoffLoad, Handoffs, Receiver
 from .vllm_layout import BlockLayout, LayoutError
 
@@ -166,7 +177,9 @@ _COUNTERS = ("loaded_blocks", "loaded_bytes", "load_errors", "saved_blocks", "sa
              "save_skipped", "save_errors", "load_us", "save_us", "checkpoint_blocks",
              "checkpoint_bytes", "checkpoint_deferred", "checkpoint_dropped", "checkpoint_failed",
              "handoff_held_blocks", "handoff_fetches", "handoff_fetched_blocks", "handoff_fetched_bytes",
-             "handoff_failed", "handoff_over_bound")
+             "handoff_failed", "handoff_over_bound", "cluster_fetches", "cluster_fetched_blocks",
+             "cluster_fetched_bytes", "cluster_misses", "cluster_timeouts", "cluster_errors",
+             "cluster_over_bound", "lookup_local_blocks", "lookup_remote_blocks", "lookup_missed_blocks")
 
 
 @dataclass
@@ -280,6 +293,8 @@ class KvdConnector(KVConnectorBase_V1):
                                  str(getattr(ktc, "engine_id", "") or ""))
         self._handoff_loads: list[HandoffLoad] = []
         self.receiver = Receiver(self.client)
+        self.cluster = ClusterLookups(self.client, self.namespace, extra,
+                                      self.is_scheduler and len(self.shard_ns) == 1)
         self._events: collections.deque = collections.deque(maxlen=MAX_EVENTS_BUFFERED)
         self._events_thread: Optional[_EventsThread] = None
         if self.is_scheduler and int(extra.get("events_ms", 200)) > 0:
@@ -454,6 +469,10 @@ class KvdConnector(KVConnectorBase_V1):
             return handoff, True  # an asynchronous load of a prefill's run (kvd.vllm_handoff)
         lk = self._lookups.get(rid)
         try:
+            waiting = self.cluster.waiting(rid)
+            self._sync(self.cluster.figures)
+            if waiting:
+                return None, False  # a cluster fetch of the rest is under way (kvd.cluster)
             tags = self._lookup_tags(request)
             if tags is None:
                 return None, False  # a restore's recovery read is still under way
@@ -479,6 +498,15 @@ class KvdConnector(KVConnectorBase_V1):
         found = lk.hit_blocks(len(self.shard_ns))
         if found is None:
             return None, False
+        if rid not in self._restore_tags:
+            want = min(len(tags), (request.num_tokens - 1) // self.block_size)
+            started = self.cluster.start(rid, tags, found, want)
+            self._sync(self.cluster.figures)
+            if started:  # looked up again, locally, once the fetch ends (kvd.cluster)
+                self._drop_lookup(rid)
+                return None, False
+            self.cluster.account(rid, found, want)
+            self._sync(self.cluster.figures)
         hit_tokens = found * self.block_size
         if hit_tokens >= request.num_tokens:  # the last token is always computed (its logits)
             hit_tokens = (request.num_tokens - 1) // self.block_size * self.block_size
@@ -680,6 +708,8 @@ class KvdConnector(KVConnectorBase_V1):
             handoff = self.handoffs.hold(request, block_ids, self._tags(request), self.tp_size, self.pp_size)
         self.handoffs.done(rid)
         self._sync(self.handoffs.figures)
+        self.cluster.forget(rid)
+        self._sync(self.cluster.figures)
         self._drop_lookup(rid)
         self._release(self._loading_pins.pop(rid, []))
         self._loading_blocks.pop(rid, None)

@@ -408,6 +408,17 @@ def test_blocks_are_pushed_to_a_peer_and_fetched_back_between_two_daemons(two_no
             ca.push(9, pushed[:1])
         assert ca.transfers([123456]) == []
 
+        # a cluster fetch: node 1 names no peer; node 2 holds the first two of a chain of three
+        chain = keys(ns, 42, 3)
+        chained = [page(65536, 60 + i) for i in range(3)]
+        assert cb.put(chain[:2], chained[:2]) == [None] * 2
+        t = _ended(ca, ca.fetch(kvd.ANY_NODE, chain))
+        assert (t.state, t.blocks, t.peer) == ("done", 2, 2), t
+        assert ca.exists(chain) == [True, True, False]
+        dsts = [bytearray(65536) for _ in chain[:2]]
+        assert ca.get(chain[:2], dsts) == [65536] * 2
+        assert [bytes(d) for d in dsts] == chained[:2]
+
         # a hand-off: node 2 holds the pushed run for request 5 at epoch 3, beyond its session;
         # node 1 reads it bound to that pair (an older epoch's read is refused), which ends it
         assert cb.hold(5, 3, pushed, 30_000) == (4, 4 * 65536)

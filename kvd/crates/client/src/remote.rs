@@ -33,6 +33,10 @@ impl Client {
     /// byte arrived intact; keys the peer lacks are skipped (the transfer's `blocks` says how
     /// many arrived).
     ///
+    /// With `peer` [`kvd_core::protocol::ANY_NODE`], a cluster fetch: the daemon asks its live
+    /// peers which of `keys` they hold and fetches the longest run from the first key that
+    /// they hold between them, each piece from its holder.
+    ///
     /// # Errors
     /// As [`Client::push`].
     pub fn fetch(&mut self, peer: u64, keys: &[BlockKey]) -> Result<u64> {

@@ -540,6 +540,7 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
             let holders = Arc::new(kvd_front::http::HttpHolders::new(Arc::clone(&shared)));
             let front = kvd_front::Front::new(Arc::clone(&shared), args.front.clone(), engines, holders);
             front.spawn_health_watch();
+            front.spawn_cache_feed();
             app = app.merge(crate::front::routes(front));
             println!("kvd control: the streaming front serves POST /v1/completions for {} engines", args.front.engines.len());
             if args.front.pd() {

@@ -185,6 +185,29 @@ impl BlockTag {
     pub fn from_bytes(bytes: [u8; 32]) -> Self {
         BlockTag(bytes)
     }
+
+    /// The tag as 64 lowercase hex digits (the admin port's event feed writes it so).
+    pub fn to_hex(&self) -> String {
+        use std::fmt::Write;
+        self.0.iter().fold(String::with_capacity(64), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+    }
+
+    /// A tag from 64 hex digits (either case); `None` for anything else.
+    pub fn from_hex(hex: &str) -> Option<BlockTag> {
+        let hex = hex.as_bytes();
+        if hex.len() != 64 {
+            return None;
+        }
+        let digit = |c: u8| (c as char).to_digit(16);
+        let mut out = [0u8; 32];
+        for (o, pair) in out.iter_mut().zip(hex.chunks_exact(2)) {
+            *o = u8::try_from(digit(pair[0])? * 16 + digit(pair[1])?).ok()?;
+        }
+        Some(BlockTag(out))
+    }
 }
 
 /// The full key of a block: its namespace and its tag.
@@ -324,6 +347,25 @@ mod tests {
 
     fn qwen14b() -> NamespaceDescriptor {
         NamespaceDescriptor::example_qwen3_14b()
+    }
+
+    #[test]
+    fn a_tag_goes_to_hex_and_back_and_anything_else_is_refused() {
+        let t = BlockTag(std::array::from_fn(|i| (i * 37) as u8));
+        let h = t.to_hex();
+        assert_eq!(h.len(), 64);
+        assert_eq!(&h[..6], "00254a");
+        assert_eq!(BlockTag::from_hex(&h), Some(t));
+        assert_eq!(BlockTag::from_hex(&h.to_uppercase()), Some(t));
+        for bad in [
+            "",
+            &h[..63],
+            &format!("{h}0"),
+            &h.replacen('0', "g", 1),
+            &h.replacen('0', "+", 1),
+        ] {
+            assert_eq!(BlockTag::from_hex(bad), None, "{bad}");
+        }
     }
 
     #[test]

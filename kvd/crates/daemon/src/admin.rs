@@ -13,6 +13,8 @@
 //! | GET    | `/holds/{request}` | JSON [`HoldReport`]: the hand-off hold this node keeps       |
 //! | DELETE | `/holds/{request}?epoch=E` | `204`: the hold ends if its epoch is at most `E`     |
 //! |        |            | (nothing there is no error: the decode may have taken it)          |
+//! | GET    | `/events?since=S&max=M` | JSON [`EventsReport`]: the block event log from `S` (at  |
+//! |        |            | most `M`, at most the batch bound), for cache-aware routers        |
 //!
 //! At the cap the probes get the `503` too; a liveness probe that must answer under any
 //! admin flood points at the probe listener instead (`--probe-listen`, [`super::probes`]).
@@ -224,6 +226,7 @@ pub fn router(a: Arc<Admin>) -> Router {
             get(checkpoint).delete(end_checkpoint),
         )
         .route("/holds/{request}", get(hold).delete(end_hold))
+        .route("/events", get(events))
         .with_state(a)
 }
 
@@ -778,6 +781,71 @@ async fn end_hold(
         tracing::info!(%peer, request, epoch = q.epoch, "hand-off hold ended over HTTP");
     }
     StatusCode::NO_CONTENT.into_response()
+}
+
+/// The query of `GET /events`.
+#[derive(Debug, Deserialize)]
+struct EventsQuery {
+    /// The first sequence number wanted (0: the oldest held).
+    #[serde(default)]
+    since: u64,
+    /// Events at most (clamped to the daemon's batch bound).
+    max: Option<u32>,
+}
+
+/// `GET /events`: the node's block events (published blocks stored and removed), in order,
+/// for a cache-aware router (the same log as the local protocol's `Events`).
+#[derive(Debug, Serialize)]
+pub struct EventsReport {
+    /// The node's incarnation: sequence numbers restart at 1 when it changes.
+    pub node_generation: u64,
+    /// Where to read from next.
+    pub next_seq: u64,
+    /// Events asked for that the bounded log had dropped (the reader's picture has a hole).
+    pub lost: u64,
+    /// The events.
+    pub events: Vec<EventEntry>,
+}
+
+/// One block event of [`EventsReport`].
+#[derive(Debug, Serialize)]
+pub struct EventEntry {
+    /// Its sequence number.
+    pub seq: u64,
+    /// Stored (`true`) or removed.
+    pub stored: bool,
+    /// The block's tag, 64 hex digits (its namespace is left out: a router matches tags).
+    pub tag: String,
+}
+
+async fn events(
+    State(a): State<Arc<Admin>>,
+    axum::extract::Query(q): axum::extract::Query<EventsQuery>,
+) -> Response {
+    let s = &a.d.store;
+    let max = q
+        .max
+        .unwrap_or(u32::MAX)
+        .min(s.config().max_batch)
+        .max(1);
+    match s.events(q.since, max) {
+        Ok(b) => Json(EventsReport {
+            node_generation: s.node_generation(),
+            next_seq: b.next_seq,
+            lost: b.lost,
+            events: b
+                .events
+                .iter()
+                .map(|e| EventEntry {
+                    seq: e.seq,
+                    stored: e.kind == kvd_core::types::BlockEventKind::Stored,
+                    tag: e.key.tag.to_hex(),
+                })
+                .collect(),
+        })
+        .into_response(),
+        Err(e) => store_error(&e),
+    }
 }
 
 #[cfg(test)]

@@ -402,11 +402,53 @@ struct DataPortCollector {
 impl Collector for DataPortCollector {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> std::fmt::Result {
         self.encode_transfers(&mut e)?;
+        self.encode_cluster(&mut e)?;
         self.encode_engine(&mut e)
     }
 }
 
 impl DataPortCollector {
+    /// The cluster lookups' fetches (a lookup's miss asked of the peers) and the locates
+    /// answered for peers.
+    fn encode_cluster(&self, e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        let t = self.port.transfer_counters();
+        for (name, help, v) in [
+            (
+                "kvd_cluster_fetches",
+                "Cluster fetches started here (a lookup's miss asked of the peers)",
+                t.cluster_fetches,
+            ),
+            (
+                "kvd_cluster_located_blocks",
+                "Blocks the cluster fetches' locates found at peers",
+                t.cluster_located_blocks,
+            ),
+            (
+                "kvd_cluster_fetched_blocks",
+                "Of those, blocks fetched and published here",
+                t.cluster_fetched_blocks,
+            ),
+            (
+                "kvd_cluster_shortfall_blocks",
+                "Located blocks that did not arrive (evicted since the locate, holder gone, piece failed): a shorter hit",
+                t.cluster_shortfall_blocks,
+            ),
+            (
+                "kvd_cluster_locate_unanswered",
+                "Peers that did not answer a locate in time (counted as holding nothing)",
+                t.cluster_locate_unanswered,
+            ),
+            (
+                "kvd_cluster_locates_served",
+                "Locates this node answered for its peers",
+                t.locates_served,
+            ),
+        ] {
+            counter(e, name, help, v)?;
+        }
+        Ok(())
+    }
+
     /// The transfers this node started or served: counts, failures by reason, durations.
     fn encode_transfers(&self, e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         let t = self.port.transfer_counters();
@@ -485,6 +527,7 @@ impl DataPortCollector {
         for (kind, h) in [
             ("push", self.port.push_seconds()),
             ("fetch", self.port.fetch_seconds()),
+            ("cluster_fetch", self.port.cluster_fetch_seconds()),
         ] {
             let mut family = e.encode_descriptor(
                 "kvd_transfer_duration_seconds",

@@ -667,7 +667,12 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
         Op::Fetch { peer, keys } => {
             refuse_new_work(d, "fetches")?;
             let dp = d.data_port.as_ref().ok_or_else(no_data_port)?;
-            Reply::Transfer(dp.start_transfer(Kind::Fetch, peer, keys)?)
+            let kind = if peer == crate::protocol::ANY_NODE {
+                Kind::FetchCluster
+            } else {
+                Kind::Fetch
+            };
+            Reply::Transfer(dp.start_transfer(kind, peer, keys)?)
         }
         Op::PushCheckpoint {
             peer,

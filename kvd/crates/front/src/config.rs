@@ -52,6 +52,53 @@ pub struct FrontArgs {
     /// Bytes of events kept per stream for clients that reconnect; past it the oldest go.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_stream_bytes: usize,
+    /// Cache-aware routing.
+    #[command(flatten)]
+    pub route: RouteArgs,
+}
+
+/// Cache-aware routing (`kvd_front::cache`): a new request goes to the worker that scores best
+/// by `--route-overlap-weight` × its node's cached blocks of the prompt − `--route-load-weight`
+/// × the requests it serves. The cached blocks come from the daemons' block event logs; the
+/// prompt's blocks are hashed as vLLM hashes them under `--prefix-caching-hash-algo
+/// sha256_cbor`, which the engines must use for a prefix to be recognised (with any other
+/// hash nothing matches, and routing is by load alone).
+#[derive(Debug, Clone, clap::Args)]
+pub struct RouteArgs {
+    /// Route by cached prefix and load (false: by load alone, the fewest requests served).
+    #[arg(long = "cache-routing", default_value_t = true, action = clap::ArgAction::Set)]
+    pub cache_routing: bool,
+    /// What one cached block of the prompt at a worker's node is worth.
+    #[arg(long, default_value_t = 1.0)]
+    pub route_overlap_weight: f64,
+    /// What one request the worker already serves costs (in cached blocks, with the default
+    /// overlap weight): 4 means a request's worth of queue outweighs 4 cached blocks.
+    #[arg(long, default_value_t = 4.0)]
+    pub route_load_weight: f64,
+    /// How often the daemons' event logs are read, ms.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    pub route_events_ms: u64,
+    /// Block tags the routing index holds at most (about 80 bytes each); stored events past it
+    /// are dropped, counted.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub route_max_blocks: usize,
+    /// The seed of the engines' first block hash: their PYTHONHASHSEED if they set one, else
+    /// vLLM's default.
+    #[arg(long, default_value = crate::cache::VLLM_NONE_HASH_SEED)]
+    pub route_hash_seed: String,
+}
+
+impl Default for RouteArgs {
+    fn default() -> RouteArgs {
+        RouteArgs {
+            cache_routing: true,
+            route_overlap_weight: 1.0,
+            route_load_weight: 4.0,
+            route_events_ms: 100,
+            route_max_blocks: 1_000_000,
+            route_hash_seed: crate::cache::VLLM_NONE_HASH_SEED.into(),
+        }
+    }
 }
 
 impl FrontArgs {

@@ -142,4 +142,20 @@ pub trait Holders: Send + Sync + Debug {
         request: RequestId,
         epoch: Epoch,
     ) -> BoxFuture<'_, Result<()>>;
+
+    /// A page of `node`'s daemon's block event log from `since` (at most `max` events), for
+    /// cache-aware routing (`GET /events`). Without it the front routes by load alone.
+    ///
+    /// # Errors
+    /// The daemon does not answer; `InvalidArgument` for a `since` past its log (a restarted
+    /// daemon: read again from 0).
+    fn events(
+        &self,
+        node: WorkerId,
+        since: u64,
+        max: u32,
+    ) -> BoxFuture<'_, Result<crate::cache::EventsPage>> {
+        let _ = (node, since, max);
+        Box::pin(async { Err(kvd_core::Error::Unsupported("no event feed".into())) })
+    }
 }

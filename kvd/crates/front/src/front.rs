@@ -9,6 +9,7 @@ use kvd_core::{Error, Result};
 use serde_json::{Value, json};
 use tokio::time::{MissedTickBehavior, interval, timeout};
 
+use crate::cache::{CacheIndex, RouteReason, RouteWeights, choose, vllm_block_tags};
 use crate::config::{
     FrontArgs, HANDOFFS_KEPT, HEALTH_EVERY, HEALTH_MISSES, PROBE_TIMEOUT, RECOVERIES_KEPT,
 };
@@ -40,7 +41,14 @@ pub struct Front {
     prefill_load: Mutex<BTreeMap<WorkerId, u32>>,
     /// P/D: the last hand-offs.
     handoffs: Mutex<VecDeque<HandoffRecord>>,
+    /// Cache-aware routing: which worker's node holds which blocks.
+    cache: Mutex<CacheIndex>,
 }
+
+/// Events one read of a daemon's log asks for.
+const FEED_PAGE: u32 = 4096;
+/// Reads of one daemon's log per round of the feed (a backlog is read over several rounds).
+const FEED_PAGES_PER_ROUND: usize = 8;
 
 /// A prefill counted in its worker's load while it lives.
 #[derive(Debug)]
@@ -100,7 +108,9 @@ impl Front {
             .into_iter()
             .map(|w| (w, 0))
             .collect();
+        let cache = Mutex::new(CacheIndex::new(args.route.route_max_blocks));
         Arc::new(Front {
+            cache,
             prefill_load: Mutex::new(prefill_load),
             handoffs: Mutex::default(),
             hub,
@@ -143,6 +153,109 @@ impl Front {
             tracing::debug!(event = ?e, error = %err, "front: event refused");
             vec![]
         })
+    }
+
+    /// Where a new request of `prompt` goes: the least loaded worker (`first`) unless
+    /// cache-aware routing finds a worker whose node holds enough of the prompt's prefix to
+    /// outweigh its queue (`kvd_front::cache`).
+    fn route(&self, first: WorkerId, prompt: &[u32]) -> WorkerId {
+        let r = &self.args.route;
+        if !r.cache_routing {
+            return first;
+        }
+        let block = usize::try_from(self.args.kv_tokens_per_block).unwrap_or(usize::MAX);
+        let tags = vllm_block_tags(prompt, block, &r.route_hash_seed);
+        let engines = self.engines.workers();
+        let candidates: Vec<(WorkerId, u32, usize)> = {
+            let load = self.hub.load();
+            let index = lock(&self.cache);
+            load.in_service()
+                .filter(|w| engines.contains(&w.id))
+                .map(|w| (w.id, w.serving_requests, index.overlap(w.id, &tags)))
+                .collect()
+        };
+        let weights = RouteWeights {
+            overlap: r.route_overlap_weight,
+            load: r.route_load_weight,
+        };
+        let Some((to, reason)) = choose(&candidates, weights) else {
+            return first;
+        };
+        let cached = candidates.iter().find(|c| c.0 == to).map_or(0, |c| c.2) as u64;
+        self.count(|s| {
+            s.routed_cached_blocks += cached;
+            match reason {
+                RouteReason::Load => s.routed_by_load += 1,
+                RouteReason::Cache => s.routed_by_cache += 1,
+                RouteReason::LoadOverCache => s.routed_load_over_cache += 1,
+            }
+        });
+        tracing::debug!(
+            worker = to,
+            ?reason,
+            cached,
+            blocks = tags.len(),
+            "front: routed"
+        );
+        to
+    }
+
+    /// Start the routing index's feed (until the process ends): every `--route-events-ms`,
+    /// each worker's node's block events since the last read.
+    pub fn spawn_cache_feed(self: &Arc<Self>) {
+        if !self.args.route.cache_routing {
+            return;
+        }
+        let f = Arc::clone(self);
+        tokio::spawn(async move { f.cache_feed().await });
+    }
+
+    async fn cache_feed(&self) {
+        let mut tick = interval(std::time::Duration::from_millis(
+            self.args.route.route_events_ms,
+        ));
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            for w in self.engines.workers() {
+                if self.hub.node_admin(u64::from(w)).is_none() {
+                    lock(&self.cache).forget(w); // its registration ended: so did its blocks
+                    continue;
+                }
+                self.feed_from(w).await;
+            }
+        }
+    }
+
+    /// Read `w`'s node's event log into the index, a bounded number of pages.
+    async fn feed_from(&self, w: WorkerId) {
+        for _ in 0..FEED_PAGES_PER_ROUND {
+            let since = lock(&self.cache).since(w);
+            match timeout(PROBE_TIMEOUT, self.holders.events(w, since, FEED_PAGE)).await {
+                Ok(Ok(page)) => {
+                    let n = page.events.len();
+                    lock(&self.cache).apply(w, &page);
+                    if n < FEED_PAGE as usize {
+                        return;
+                    }
+                }
+                // a restarted daemon's log is shorter than where the feed stood: from 0
+                Ok(Err(Error::InvalidArgument(_))) => {
+                    lock(&self.cache).forget(w);
+                    return;
+                }
+                Ok(Err(Error::Unsupported(_))) => return,
+                Ok(Err(_)) | Err(_) => {
+                    self.count(|s| s.route_feed_errors += 1);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// What the routing index holds, for `/status`.
+    pub fn cache_figures(&self) -> crate::cache::IndexFigures {
+        lock(&self.cache).figures()
     }
 
     /// The in-service worker with an engine that serves the fewest requests.
@@ -209,12 +322,13 @@ impl Front {
     /// `--max-streams` reached ([`Error::Overloaded`]), a refused admission.
     pub async fn admit(self: &Arc<Self>, body: Value) -> Result<Opened> {
         let mut asked = parse_body(body)?;
-        let serving = self.pick_worker().ok_or_else(|| {
+        let first = self.pick_worker().ok_or_else(|| {
             Error::Unavailable(
                 "no worker with an engine is in service (see --engine and GET /workers)".into(),
             )
         })?;
-        let prompt = self.prompt_ids(&mut asked, serving).await?;
+        let prompt = self.prompt_ids(&mut asked, first).await?;
+        let serving = self.route(first, &prompt);
         let running = self.retire_finished();
         if running >= self.args.max_streams {
             return Err(Error::Overloaded {
@@ -327,6 +441,7 @@ impl Front {
             "streams": lock(&self.streams).len(),
             "active": active,
             "recoveries": recoveries,
+            "routing": {"cache_routing": self.args.route.cache_routing, "index": self.cache_figures()},
         });
         if self.disaggregated() {
             let handoffs: Vec<HandoffRecord> = lock(&self.handoffs).iter().cloned().collect();

@@ -474,6 +474,28 @@ impl Holders for HttpHolders {
                 .await
         })
     }
+
+    fn events(
+        &self,
+        node: WorkerId,
+        since: u64,
+        max: u32,
+    ) -> BoxFuture<'_, Result<crate::cache::EventsPage>> {
+        Box::pin(async move {
+            let ep = self.admin(node)?;
+            let path = format!("/events?since={since}&max={max}");
+            let (status, body) = call(&ep, Method::GET, &path, None, PROBE_TIMEOUT).await?;
+            match status {
+                s if s.is_success() => serde_json::from_slice(&body)
+                    .map_err(|e| Error::Protocol(format!("{ep}{path}: {e}"))),
+                StatusCode::BAD_REQUEST => Err(Error::InvalidArgument(format!(
+                    "{ep}{path}: {}",
+                    String::from_utf8_lossy(&body)
+                ))),
+                s => Err(Error::Unavailable(format!("{ep}{path}: {s}"))),
+            }
+        })
+    }
 }
 
 #[cfg(test)]

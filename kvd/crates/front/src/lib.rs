@@ -70,6 +70,7 @@
 //! timers. [`TokioClock`] reads tokio's time, so a test on a paused runtime runs every timeout
 //! deterministically and in no wall time (`tests/in_process.rs`).
 
+pub mod cache;
 pub mod config;
 pub mod driver;
 pub mod engine;

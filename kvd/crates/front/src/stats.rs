@@ -79,6 +79,17 @@ pub struct FrontStats {
     pub prefill_ms: u64,
     /// P/D: sum over hand-offs of the prefill's answer to the decode's first token, ms.
     pub handoff_ms: u64,
+    /// Routing: requests sent to the least loaded worker (no node held any of the prompt).
+    pub routed_by_load: u64,
+    /// Routing: requests sent where the longest cached prefix lives.
+    pub routed_by_cache: u64,
+    /// Routing: requests whose longest cached prefix lived on a worker whose queue outweighed
+    /// it (sent elsewhere: the engine's cluster lookup may still fetch the prefix).
+    pub routed_load_over_cache: u64,
+    /// Routing: prompt blocks the chosen workers' nodes held (summed over requests).
+    pub routed_cached_blocks: u64,
+    /// Routing: event feed reads that failed (the index keeps what it had).
+    pub route_feed_errors: u64,
 }
 
 impl FrontStats {

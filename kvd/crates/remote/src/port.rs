@@ -395,7 +395,7 @@ impl DataPort {
         peer: u64,
         keys: Vec<BlockKey>,
     ) -> Result<u64> {
-        if !self.outgoing.peers().contains_key(&peer) {
+        if peer != crate::protocol::ANY_NODE && !self.outgoing.peers().contains_key(&peer) {
             self.reload_peers_file();
         }
         let id = self.outgoing.admit(peer)?;
@@ -464,6 +464,11 @@ impl DataPort {
     /// Latencies of fetches started here.
     pub fn fetch_seconds(&self) -> &prometheus_client::metrics::histogram::Histogram {
         &self.counters.fetch_seconds
+    }
+
+    /// Latencies of cluster fetches started here (locate and every piece).
+    pub fn cluster_fetch_seconds(&self) -> &prometheus_client::metrics::histogram::Histogram {
+        &self.counters.cluster_fetch_seconds
     }
 
     /// Feed the peer table from a membership view: `--peer` entries and the peers file,

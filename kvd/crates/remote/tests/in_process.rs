@@ -301,3 +301,51 @@ fn a_transfer_to_a_node_not_in_the_process_fails_retryably_and_one_to_a_restarte
     a.settled();
     b.settled();
 }
+
+#[test]
+fn a_cluster_fetch_takes_a_prefix_split_over_two_holders_from_each_and_stops_where_no_one_holds_the_next()
+ {
+    let net = InProcNet::new();
+    // node 4 is named by b but not there: it answers no locate, and the others carry on
+    let a = node(&net, 1, &[2, 3], 64);
+    let b = node(&net, 2, &[1, 3, 4], 64);
+    let c = node(&net, 3, &[1, 2], 64);
+    // the chain 1..=10: a holds 1-6, c holds 1-3 and 7-9, nobody holds 10; b holds 2 already
+    a.put(&[1, 2, 3, 4, 5, 6]);
+    c.put(&[1, 2, 3, 7, 8, 9]);
+    b.put(&[2]);
+    let chain: Vec<BlockKey> = (1..=10).map(|t| key(b.ns, t)).collect();
+    let info = b.transfer(Kind::FetchCluster, kvd_core::protocol::ANY_NODE, &chain);
+    assert_eq!(info.state, TransferState::Done, "{info:?}");
+    // 1 and 3-6 from a (2 is here already), 7-9 from c
+    assert_eq!((info.blocks, info.bytes), (8, 8 * PAGE), "{info:?}");
+    assert_eq!(info.peer, 1, "the first piece's holder");
+    for t in 1..=9u8 {
+        assert_eq!(
+            b.get(key(b.ns, t)).as_deref(),
+            Some(&bytes(t)[..]),
+            "block {t} at b"
+        );
+    }
+    assert_eq!(b.get(key(b.ns, 10)), None);
+    let cb = b.port.transfer_counters();
+    assert_eq!(cb.cluster_fetches, 1);
+    assert_eq!(cb.cluster_located_blocks, 9, "{cb:?}");
+    assert_eq!(cb.cluster_fetched_blocks, 8, "{cb:?}");
+    // the block b held already was skipped, not short
+    assert_eq!(cb.cluster_shortfall_blocks, 0, "{cb:?}");
+    assert_eq!(cb.cluster_locate_unanswered, 1, "node 4: {cb:?}");
+    assert_eq!(a.port.transfer_counters().locates_served, 1);
+    assert_eq!(c.port.transfer_counters().locates_served, 1);
+    // a chain nobody holds the first block of: a miss, nothing moves
+    let other: Vec<BlockKey> = (50..55).map(|t| key(b.ns, t)).collect();
+    let info = b.transfer(Kind::FetchCluster, kvd_core::protocol::ANY_NODE, &other);
+    assert_eq!(
+        (info.state.clone(), info.blocks, info.peer),
+        (TransferState::Done, 0, 0),
+        "{info:?}"
+    );
+    a.settled();
+    b.settled();
+    c.settled();
+}

@@ -284,8 +284,13 @@ pub enum Op {
     /// [`Reply::Transfer`] at once (poll it with [`Op::Transfers`]). The peer pins them while
     /// they are read; this node publishes them as one group only when every byte arrived
     /// intact (keys the peer lacks, or this node holds already, are skipped).
+    ///
+    /// With `peer` [`ANY_NODE`], a cluster lookup's fetch: the daemon asks its live peers
+    /// which of `keys` they hold and fetches the longest run from the first key that they
+    /// hold between them, each piece from its holder (the transfer's `peer` is then the first
+    /// piece's holder, 0 when none held the first key).
     Fetch {
-        /// The peer's node id (in the daemon's peer table).
+        /// The peer's node id (in the daemon's peer table), or [`ANY_NODE`].
         peer: u64,
         /// The blocks.
         keys: Vec<BlockKey>,
@@ -700,6 +705,9 @@ impl From<WireError> for Error {
         }
     }
 }
+
+/// [`Op::Fetch`]'s peer for "whichever peers hold them" (node ids start at 1).
+pub const ANY_NODE: u64 = 0;
 
 /// Pack booleans into a bitmap (bit i of byte i / 8, least significant first).
 pub fn pack_bits(bits: impl IntoIterator<Item = bool>) -> Vec<u8> {

@@ -575,6 +575,7 @@ pub fn args() -> FrontArgs {
         request_deadline_ms: 60_000,
         max_streams: 8,
         max_stream_bytes: 1 << 20,
+        route: kvd_front::config::RouteArgs::default(),
     }
 }
 

@@ -285,6 +285,14 @@ impl Incoming {
                 }
                 Ok(PeerReply::HoldEnded(ended))
             }
+            PeerRequest::Have { keys } => {
+                check_batch(keys.len(), self.store.config().max_batch)?;
+                self.counters.locates_served.fetch_add(1, Ordering::Relaxed);
+                let found = self.store.lookup(&keys)?;
+                Ok(PeerReply::Have(crate::protocol::pack_bits(
+                    found.iter().map(Option::is_some),
+                )))
+            }
         }
     }
 

@@ -57,6 +57,21 @@ pub struct Counters {
     pub fenced: AtomicU64,
     /// Transfers not started because their peer failed one recently (local suppression).
     pub suppressed: AtomicU64,
+    /// End-to-end latency of cluster fetches started here (locate and every piece), seconds.
+    pub cluster_fetch_seconds: Histogram,
+    /// Cluster fetches started here (a lookup's miss asked of the peers).
+    pub cluster_fetches: AtomicU64,
+    /// Blocks their locates found at peers.
+    pub cluster_located_blocks: AtomicU64,
+    /// Of those, blocks fetched and published here.
+    pub cluster_fetched_blocks: AtomicU64,
+    /// Located blocks that did not arrive (evicted at the holder since the locate, the holder
+    /// gone or its piece failed): a shorter hit.
+    pub cluster_shortfall_blocks: AtomicU64,
+    /// Peers that did not answer a locate in time (counted as holding nothing).
+    pub cluster_locate_unanswered: AtomicU64,
+    /// Locates this node answered for its peers.
+    pub locates_served: AtomicU64,
 }
 
 /// A snapshot of [`Counters`], for `/status` and `/metrics`.
@@ -77,6 +92,12 @@ pub struct TransferCounters {
     pub overloaded: u64,
     pub fenced: u64,
     pub suppressed: u64,
+    pub cluster_fetches: u64,
+    pub cluster_located_blocks: u64,
+    pub cluster_fetched_blocks: u64,
+    pub cluster_shortfall_blocks: u64,
+    pub cluster_locate_unanswered: u64,
+    pub locates_served: u64,
 }
 
 impl Default for Counters {
@@ -100,6 +121,13 @@ impl Default for Counters {
             overloaded: AtomicU64::default(),
             fenced: AtomicU64::default(),
             suppressed: AtomicU64::default(),
+            cluster_fetch_seconds: buckets(),
+            cluster_fetches: AtomicU64::default(),
+            cluster_located_blocks: AtomicU64::default(),
+            cluster_fetched_blocks: AtomicU64::default(),
+            cluster_shortfall_blocks: AtomicU64::default(),
+            cluster_locate_unanswered: AtomicU64::default(),
+            locates_served: AtomicU64::default(),
         }
     }
 }
@@ -145,6 +173,12 @@ impl Counters {
             overloaded: r(&self.overloaded),
             fenced: r(&self.fenced),
             suppressed: r(&self.suppressed),
+            cluster_fetches: r(&self.cluster_fetches),
+            cluster_located_blocks: r(&self.cluster_located_blocks),
+            cluster_fetched_blocks: r(&self.cluster_fetched_blocks),
+            cluster_shortfall_blocks: r(&self.cluster_shortfall_blocks),
+            cluster_locate_unanswered: r(&self.cluster_locate_unanswered),
+            locates_served: r(&self.locates_served),
         }
     }
 }

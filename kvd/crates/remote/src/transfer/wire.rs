@@ -185,6 +185,12 @@ pub enum PeerRequest {
         /// The fetch's binding.
         binding: Binding,
     },
+    /// Which of these keys are PUBLISHED here (a cluster lookup's locate: nothing is pinned,
+    /// so the answer may be stale by the fetch) → [`PeerReply::Have`].
+    Have {
+        /// The keys (at most the asked node's batch bound).
+        keys: Vec<BlockKey>,
+    },
 }
 
 /// A reply.
@@ -226,6 +232,9 @@ pub enum PeerReply {
     Released,
     /// The hold ended (`true`), or there was none of that epoch (`false`).
     HoldEnded(bool),
+    /// Per asked key, whether it is PUBLISHED here (bit i of byte i / 8, least significant
+    /// first).
+    Have(Vec<u8>),
     /// Refused; nothing changed (or everything was undone).
     Refused(WireError),
 }
