@@ -1193,6 +1193,19 @@ int32_t kvd_abort(KvdClient *client, const KvdHandle *handles, size_t n, int32_t
 int32_t kvd_remove_if(KvdClient *client, const KvdRemoveItem *items, size_t n, int32_t *statuses);
 
 /**
+ * Soft-pin PUBLISHED cache blocks `keys[0..n]` (a shared prefix: a system prompt's blocks)
+ * until `ttl_ms` from now (capped at a day; 0 ends it): eviction takes them only when nothing
+ * else can go. Bit i of `bitmap` (as `kvd_exists`) is set for a key that was soft-pinned.
+ * Thread-safe (serialized per client).
+ */
+int32_t kvd_soft_pin(KvdClient *client,
+                     const KvdKey *keys,
+                     size_t n,
+                     uint64_t ttl_ms,
+                     uint8_t *bitmap,
+                     size_t bitmap_len);
+
+/**
  * Mark blocks recently used (LRU). Thread-safe (serialized per client).
  */
 int32_t kvd_touch(KvdClient *client, const KvdKey *keys, size_t n);

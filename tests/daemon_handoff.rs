@@ -324,3 +324,60 @@ fn a_hand_off_read_cut_halfway_publishes_nothing_keeps_the_hold_and_the_retry_la
         support::cluster::status_in(&hosts.a, &a).holds.holds == 0
     });
 }
+
+#[test]
+fn a_cluster_fetch_keeps_the_verified_prefix_of_a_run_with_a_block_corrupted_at_rest() {
+    let net = Net::new();
+    let (a, b) = pair(&net);
+    let mut ca = a.client("holder", 30_000);
+    let keys = run_on(&mut ca, 41, 6);
+    // a bit flip at rest in the fourth block
+    let info = ca.acquire(&keys[3..4], None).unwrap().remove(0).unwrap();
+    support::scribble_on_the_pool(a.pid(), info.offset);
+    ca.release(&[info.handle]).unwrap();
+
+    let mut cb = b.client("asker", 30_000);
+    cb.register_namespace(&support::namespace()).unwrap();
+    let id = cb.fetch(kvd::protocol::ANY_NODE, &keys).unwrap();
+    let t = support::wait_transfer(&mut cb, id, Duration::from_secs(60));
+    assert_eq!(
+        (t.state.clone(), t.blocks, t.peer),
+        (TransferState::Done, 3, 1),
+        "{t:?}"
+    );
+    assert_eq!(
+        cb.exists(&keys).unwrap(),
+        [true, true, true, false, false, false],
+        "the verified prefix, nothing of or after the bad block"
+    );
+    // byte-exact
+    for (i, got) in cb
+        .acquire(&keys[..3], None)
+        .unwrap()
+        .into_iter()
+        .enumerate()
+    {
+        let info = got.unwrap();
+        let mut buf = vec![0u8; 64 << 10];
+        cb.read_verified(&info.handle, &mut buf).unwrap();
+        assert!(
+            buf == support::pattern(64 << 10, i as u8),
+            "block {i} byte-exact"
+        );
+        cb.release(&[info.handle]).unwrap();
+    }
+    assert_eq!(metric(&b, "kvd_cluster_located_blocks_total"), 6);
+    assert_eq!(metric(&b, "kvd_cluster_fetched_blocks_total"), 3);
+    assert_eq!(metric(&b, "kvd_cluster_shortfall_blocks_total"), 3);
+    assert!(
+        metric(&b, "kvd_transfer_checksum_failures_total") >= 1,
+        "the bad block was caught on arrival"
+    );
+    assert_eq!(metric(&a, "kvd_cluster_locates_served_total"), 1);
+    let sb = b.status();
+    assert_eq!(
+        sb.stats.accounting.writing + sb.stats.accounting.allocated,
+        0
+    );
+    assert_eq!((a.status().stats.pins, sb.stats.pins), (0, 0));
+}

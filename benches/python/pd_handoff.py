@@ -169,13 +169,14 @@ def nice_daemon(d: Daemon, niceness: int = -10) -> None:
         os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
 
 
-def cluster_daemons(secret: Path, etcd: Etcd, pool_mib: int = 64, page_kib: int = 64) -> dict[int, Daemon]:
-    """Daemons 1 (the prefill node's) and 2 (the decode node's) in cluster mode: registered in
-    etcd, each the other's peer through it, as ``kvd control``'s front needs them."""
+def cluster_daemons(secret: Path, etcd: Etcd, pool_mib: int = 64, page_kib: int = 64,
+                    ids: tuple[int, ...] = (1, 2)) -> dict[int, Daemon]:
+    """Daemons 1 (the prefill node's) and 2 (the decode node's), or ``ids``, in cluster mode:
+    registered in etcd, each the others' peer through it, as ``kvd control``'s front needs them."""
     nodes = {i: Daemon(["--cluster-secret-file", str(secret), "--data-listen", f"127.0.0.1:{free_port()}",
                         "--node-id", str(i), "--etcd", etcd.url, "--pool-mib", str(pool_mib),
                         "--page-kib", str(page_kib)])
-             for i in (1, 2)}
+             for i in ids}
     for d in nodes.values():
         nice_daemon(d)
     return nodes

@@ -409,6 +409,29 @@ pub extern "C" fn kvd_remove_if(
     })
 }
 
+/// Soft-pin PUBLISHED cache blocks `keys[0..n]` (a shared prefix: a system prompt's blocks)
+/// until `ttl_ms` from now (capped at a day; 0 ends it): eviction takes them only when nothing
+/// else can go. Bit i of `bitmap` (as `kvd_exists`) is set for a key that was soft-pinned.
+/// Thread-safe (serialized per client).
+#[unsafe(no_mangle)]
+pub extern "C" fn kvd_soft_pin(
+    client: *mut KvdClient,
+    keys: *const KvdKey,
+    n: usize,
+    ttl_ms: u64,
+    bitmap: *mut u8,
+    bitmap_len: usize,
+) -> i32 {
+    with_client("kvd_soft_pin", client, |c| {
+        let ks = self::keys(keys, n)?;
+        let need = n.div_ceil(8);
+        args::fits(bitmap_len, need, "bitmap")?;
+        let out = args::slice_mut(bitmap, need, "bitmap")?;
+        out.copy_from_slice(&kvd_core::protocol::pack_bits(c.soft_pin(&ks, ttl_ms)?));
+        Ok(())
+    })
+}
+
 /// Mark blocks recently used (LRU). Thread-safe (serialized per client).
 #[unsafe(no_mangle)]
 pub extern "C" fn kvd_touch(client: *mut KvdClient, keys: *const KvdKey, n: usize) -> i32 {

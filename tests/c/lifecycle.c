@@ -64,6 +64,14 @@ static void cache_blocks(KvdClient *c, KvdNamespaceId ns) {
     OK(kvd_exists(c, keys, N + 1, bits, sizeof bits));
     TRUE(bits[0] == 0x0f);
 
+    /* soft pins: the four (a shared prefix) until a deadline, not the missing fifth; ended. */
+    uint8_t soft[1] = {0xff};
+    OK(kvd_soft_pin(c, keys, N + 1, 60000, soft, sizeof soft));
+    TRUE(soft[0] == 0x0f);
+    OK(kvd_soft_pin(c, keys, N, 0, soft, sizeof soft));
+    TRUE(soft[0] == 0x0f);
+    EXPECT(kvd_soft_pin(c, keys, N + 1, 1, soft, 0), KVD_ERR_INVALID_ARGUMENT);
+
     /* The longest prefix, pinned. */
     KvdBlockInfo hit[N + 1];
     size_t nhit = 0;

@@ -341,3 +341,28 @@ def test_the_connectors_scheduler_time_per_step(world):
     p, ll = world["P"].steps["long"]["outputs"][0], world["L"].steps["long"]["outputs"][0]
     print(f"TTFT of a {p['prompt_len']}-token prompt in a fresh engine: recomputed {p['ttft_s']} s, "
           f"kvd hit {ll['ttft_s']} s ({ll['cached']} tokens loaded)")
+
+
+def test_a_soft_pinned_system_prompt_outlives_a_flood_that_evicts_everything_else(tmp_path):
+    """``soft_pin_blocks``: each request's first blocks (a system prompt the requests share) are
+    soft-pinned as they are saved; a flood of other prompts through a pool of 32 pages evicts
+    everything else, and the next request with the same system prompt loads its two blocks from
+    kvd. Without soft pins the flood evicts them too."""
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
+    system = words(1201, 70, 7)  # with the BOS token, its first two blocks are the system prompt's
+    flood = [words(1300 + 11 * k, 330, 3) for k in range(4)]  # 10 blocks each: 40 through 32 pages
+    runs = {}
+    for pin in (2, 0):
+        d = Daemon(["--pool-mib", "2", "--page-kib", "64"])
+        try:
+            runs[pin] = engine(tmp_path, f"soft{pin}", scenario(str(model), [
+                step("system", [system + " " + words(1250, 70, 5)], 4, False),
+                step("flood", flood, 4, False),
+                {**step("again", [system + " " + words(1260, 70, 5)], 4, False), "reset_prefix_cache": True},
+            ], connector(d.socket, soft_pin_blocks=pin)))
+        finally:
+            d.stop()
+    assert runs[2].stats("again")["loaded_blocks"] == 2, "the soft-pinned system prompt survived the flood"
+    assert runs[0].stats("again")["loaded_blocks"] == 0, "without soft pins the flood evicted it"
+    assert runs[2].tokens("again") == runs[0].tokens("again")

@@ -350,6 +350,7 @@ _PROTOTYPES: dict[str, tuple[object, list[object]]] = {
     "kvd_abort": (I32, [C, P(Handle), c_size_t, P(I32)]),
     "kvd_remove_if": (I32, [C, P(RemoveItem), c_size_t, P(I32)]),
     "kvd_touch": (I32, [C, P(Key), c_size_t]),
+    "kvd_soft_pin": (I32, [C, P(Key), c_size_t, c_uint64, P(c_uint8), c_size_t]),
     "kvd_read": (I32, [C, P(Handle), c_uint64, c_void_p, c_size_t]),
     "kvd_read_verified": (I32, [C, P(Handle), c_void_p, c_size_t, P(c_uint64)]),
     "kvd_handle_version": (I32, [P(Handle), P(BlockVersion)]),

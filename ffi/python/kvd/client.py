@@ -466,9 +466,18 @@ class Client:
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are PUBLISHED."""
+        return self._bitmap_call(L.kvd_exists, keys)
+
+    def soft_pin(self, keys: Sequence[bytes], ttl_ms: int) -> list[bool]:
+        """Soft-pin PUBLISHED cache blocks (a shared prefix: a system prompt's blocks) until
+        ``ttl_ms`` from now (capped at a day; 0 ends it): eviction takes them only when nothing
+        else can go. Which keys were soft-pinned."""
+        return self._bitmap_call(L.kvd_soft_pin, keys, ttl_ms)
+
+    def _bitmap_call(self, fn: Any, keys: Sequence[bytes], *args: int) -> list[bool]:
         n = len(keys)
         bits = (ctypes.c_uint8 * max((n + 7) // 8, 1))()
-        check(L.kvd_exists(self._c(), _keys(keys), n, bits, (n + 7) // 8))
+        check(fn(self._c(), _keys(keys), n, *args, bits, (n + 7) // 8))
         return [bool(bits[i // 8] >> (i % 8) & 1) for i in range(n)]
 
     def acquire(self, keys: Sequence[bytes], ttl_ms: int = 0) -> list[Union[Block, KvdError]]:

@@ -22,6 +22,10 @@ Settings (``kv_connector_extra_config``):
                      again" (0 to 10; default 1 for ``kv_producer``, a prefill-only engine with no
                      decode to hold up, where asking again costs a whole engine step; else 0)
 ``pin_ttl_ms``       how long a lookup's pins hold the hit blocks for the load (default 30000)
+``soft_pin_blocks``  soft-pin each request's first N blocks (a system prompt the requests share:
+                     eviction takes them only when nothing else can go), renewed whenever they
+                     are saved or loaded (default 0: none)
+``soft_pin_ms``      how long a soft pin lasts unless renewed (600000)
 ``model_identity``   replaces the weights stamp (see ``kvd.identity``) in the namespace
 ``cache_salt``       a free string in the namespace (tenants, experiments)
 ``reconnect_ms``     least time between reconnect attempts while the daemon is down (1000)
@@ -152,6 +156,7 @@ class BlockTransfer:
     tags: list[bytes]
     checkpoint: Optional[CheckpointStep] = None
     checkpoint_block_ids: list[int] = field(default_factory=list)
+    first: int = 0  # the request's block index of the first of them
 
 
 @dataclass
@@ -241,6 +246,8 @@ class KvdConnector(KVConnectorBase_V1):
         self.extra = extra
         self.block_size = int(vllm_config.cache_config.block_size)
         self.pin_ttl_ms = int(extra.get("pin_ttl_ms", 30_000))
+        self.soft_pin_blocks = max(0, int(extra.get("soft_pin_blocks", 0)))
+        self.soft_pin_ms = max(1, int(extra.get("soft_pin_ms", 600_000)))
         self.async_lookup = bool(extra.get("async_lookup", True))
         # a prefill-only engine (kv_producer) has no decode to keep going: its scheduler waits
         # for a lookup's answer up to this long, where "ask again" would cost a whole engine step
@@ -601,7 +608,7 @@ class KvdConnector(KVConnectorBase_V1):
         n = num_external_tokens // self.block_size
         block_ids = list(blocks.get_block_ids()[0])[first : first + n]
         tags = self._restore_tags.get(rid) or self._tags(request)
-        self._loads.append(BlockTransfer(rid, block_ids, tags[first : first + n]))
+        self._loads.append(BlockTransfer(rid, block_ids, tags[first : first + n], first=first))
         self._loading_pins.setdefault(rid, []).extend(lk.pins)
         self._loading_blocks[rid] = (first, block_ids)
         # The loaded blocks are in kvd: saving starts after them (a block whose load fails
@@ -662,7 +669,7 @@ class KvdConnector(KVConnectorBase_V1):
                 continue  # nothing completed this step (the common case: no block lookup)
             block_ids = self._kv_cache_manager.get_block_ids(rid)[0]
             full = min(full, len(block_ids))
-            save = BlockTransfer(rid, list(block_ids[start:full]), self._tags(request, full)[start:])
+            save = BlockTransfer(rid, list(block_ids[start:full]), self._tags(request, full)[start:], first=start)
             if binding is not None:
                 self._add_checkpoint(request, binding, save, block_ids, full)
             if save.tags or save.checkpoint is not None:
@@ -791,6 +798,7 @@ class KvdConnector(KVConnectorBase_V1):
                     self._count("loaded_bytes", b.len)
             if pinned:
                 self.client.release(pinned)
+            self._soft_pin(load)  # a shared prefix used again: its soft pin renewed
         except KvdError as e:  # what was not copied is recomputed; pins also end by TTL
             if isinstance(e, Disconnected):
                 self._lost(e)
@@ -845,12 +853,25 @@ class KvdConnector(KVConnectorBase_V1):
     def _save(self, save: BlockTransfer) -> None:
         if save.tags:
             self._store(save.block_ids, [key(self.namespace, t) for t in save.tags])
+            self._soft_pin(save)
         if save.checkpoint is not None:
             step = save.checkpoint
             self._store(save.checkpoint_block_ids, self.streamer.keys(step))
             assert self.layout is not None
             self.streamer.offer(step, len(step.tags) * self.layout.block_bytes)
             self._sync(self.streamer.figures)
+
+    def _soft_pin(self, t: BlockTransfer) -> None:
+        """Soft-pin the blocks of ``t`` among its request's first ``soft_pin_blocks`` (a system
+        prompt shared by requests) for ``soft_pin_ms``: eviction takes them only when nothing
+        else can go. Renewed on every save and load of them; a failure costs only the pin."""
+        n = min(len(t.tags), self.soft_pin_blocks - t.first)
+        if n <= 0:
+            return
+        try:
+            self.client.soft_pin([key(self.namespace, tag) for tag in t.tags[:n]], self.soft_pin_ms)
+        except KvdError as e:
+            log.debug("kvd: soft pin of %d blocks failed (%s)", n, e)
 
     def _store(self, block_ids: list[int], keys: list[bytes]) -> None:
         """Write, seal and publish (as one group) the blocks not stored yet."""
@@ -929,7 +950,7 @@ class KvdConnector(KVConnectorBase_V1):
             if t is not None:
                 self._count("handoff_fetched_blocks", t.blocks)
                 self._count("handoff_fetched_bytes", t.bytes)
-            self._each([BlockTransfer(w.req_id, w.block_ids, w.tags)], self._load,
+            self._each([BlockTransfer(w.req_id, w.block_ids, w.tags, first=w.end - len(w.block_ids))], self._load,
                        lambda load: self._failed(load.block_ids))
             out.finished_recving.add(w.req_id)
         for w in failed:

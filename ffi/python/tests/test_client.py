@@ -36,6 +36,10 @@ def test_a_page_put_from_bytes_comes_back_verified_into_a_bytearray(daemon):
         assert c.get(ks, dsts) == [65536] * 3
         assert [bytes(d) for d in dsts] == pages
         assert c.exists(ks + keys(ns, 2, 1)) == [True, True, True, False]
+        # a shared prefix soft-pinned (a miss is not), renewed, then ended
+        assert c.soft_pin(ks[:2] + keys(ns, 2, 1), 60_000) == [True, True, False]
+        assert c.soft_pin(ks[:1], 0) == [True]
+        assert c.stats()["soft_pins"] == 2
 
 
 def test_numpy_arrays_go_in_and_out_without_a_copy_of_their_own(daemon):

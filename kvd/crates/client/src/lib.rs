@@ -607,6 +607,20 @@ impl Client {
         each(r)
     }
 
+    /// Soft-pin PUBLISHED cache blocks (a shared prefix: a system prompt's blocks) until
+    /// `ttl_ms` from now (capped at a day; 0 ends it): eviction takes them only when nothing
+    /// else can go. Which keys were soft-pinned.
+    pub fn soft_pin(&mut self, keys: &[BlockKey], ttl_ms: u64) -> Result<Vec<bool>> {
+        self.check_batch(keys.len())?;
+        match self.call(Op::SoftPin {
+            keys: keys.to_vec(),
+            ttl_ms,
+        })? {
+            Reply::Exists(bits) => Ok((0..keys.len()).map(|i| bit(&bits, i)).collect()),
+            r => Err(unexpected(&r)),
+        }
+    }
+
     /// Mark blocks recently used.
     pub fn touch(&mut self, keys: &[BlockKey]) -> Result<()> {
         self.check_batch(keys.len())?;

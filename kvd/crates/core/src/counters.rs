@@ -109,6 +109,11 @@ declare_counters! {
         holds_taken => "kvd_handoff_holds_taken", "Hand-off holds ended by the decode that fetched them";
         /// Hand-off holds released because their TTL passed (the decode never came).
         holds_expired => "kvd_handoff_holds_expired", "Hand-off holds released by TTL, unread";
+        /// Soft pins set or renewed (a shared prefix kept from eviction until a deadline).
+        soft_pins => "kvd_soft_pins", "Soft pins set or renewed";
+        /// Soft-pinned blocks evicted before their deadline because nothing else could go.
+        soft_pins_given_way => "kvd_soft_pins_given_way",
+            "Soft-pinned blocks evicted before their deadline, nothing else being evictable";
     }
 }
 

@@ -823,11 +823,7 @@ async fn events(
     axum::extract::Query(q): axum::extract::Query<EventsQuery>,
 ) -> Response {
     let s = &a.d.store;
-    let max = q
-        .max
-        .unwrap_or(u32::MAX)
-        .min(s.config().max_batch)
-        .max(1);
+    let max = q.max.unwrap_or(u32::MAX).min(s.config().max_batch).max(1);
     match s.events(q.since, max) {
         Ok(b) => Json(EventsReport {
             node_generation: s.node_generation(),

@@ -588,6 +588,7 @@ fn execute(d: &Daemon, sid: SessionId, op: Op) -> Result<Reply> {
         }
         Op::Abort { handles } => each(s.abort(sid, &handles)?),
         Op::RemoveIf { items } => each(items.iter().map(|(k, v)| s.remove_if(k, *v)).collect()),
+        Op::SoftPin { keys, ttl_ms } => Reply::Exists(pack_bits(s.soft_pin(&keys, ttl_ms)?)),
         Op::Touch { keys } => {
             s.touch(&keys);
             Reply::Done

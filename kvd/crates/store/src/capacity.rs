@@ -85,11 +85,24 @@ impl Inner {
         if have + u64::from(self.lru.len()) < pages {
             return Err(self.no_space(pages));
         }
-        // Bounded: each step takes one block off the LRU, and the LRU has at least `pages - have`.
+        // Bounded: each step either takes one block off the LRU (which has at least `pages -
+        // have`), or passes over a soft-pinned block, moving it to the front, at most once per
+        // block on the list: once every block was passed over, soft pins give way.
+        let now = self.clock.now_ms();
+        let mut passed = 0u32;
         while self.unreserved_free() < pages {
             let Some(victim) = self.lru_oldest() else {
                 return Err(self.no_space(pages));
             };
+            let soft = self.slots[victim as usize].soft_until_ms > now;
+            if soft && passed < self.lru.len() {
+                passed += 1;
+                self.lru_touch(victim);
+                continue;
+            }
+            if soft {
+                self.counters.soft_pins_given_way += 1;
+            }
             self.counters.evictions += 1;
             self.retire_or_free(victim);
         }

@@ -42,6 +42,10 @@ use crate::lifecycle::SealStep;
 use crate::pool::{Backing, PoolConfig};
 use crate::state::Inner;
 use crate::sync::{Mutex, MutexGuard};
+
+/// The longest a soft pin holds (a day): past it a shared prefix is an ordinary cache block
+/// again unless renewed.
+pub const MAX_SOFT_PIN_MS: u64 = 24 * 3600 * 1000;
 use transport::local::{PageGenerations, SharedRegion};
 
 pub use crate::error::BlockState;
@@ -461,6 +465,37 @@ impl Store {
         let mut g = self.lock();
         check_batch(keys.len(), g.config.max_batch)?;
         Ok(g.lookup(keys))
+    }
+
+    /// Soft-pin PUBLISHED cache blocks until `ttl_ms` from now (at most [`MAX_SOFT_PIN_MS`]; 0
+    /// ends a soft pin): eviction passes them over while anything else on the LRU can go, and
+    /// takes them only when nothing else can (counted), as a shared prefix (a system prompt)
+    /// should be kept. Renewing sets the deadline again. Which keys were soft-pinned (a
+    /// miss, or a checkpoint block, which eviction never takes, is not).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a batch past the bound.
+    pub fn soft_pin(&self, keys: &[BlockKey], ttl_ms: u64) -> Result<Vec<bool>> {
+        let mut g = self.lock();
+        check_batch(keys.len(), g.config.max_batch)?;
+        let until = if ttl_ms == 0 {
+            0
+        } else {
+            g.clock.now_ms() + ttl_ms.min(MAX_SOFT_PIN_MS)
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            let slot = g.index.get(k).copied().filter(|&i| {
+                let s = &g.slots[i as usize];
+                s.state == Some(BlockState::Published) && s.class == crate::state::Class::Cache
+            });
+            if let Some(i) = slot {
+                g.slots[i as usize].soft_until_ms = until;
+                g.counters.soft_pins += u64::from(ttl_ms > 0);
+            }
+            out.push(slot.is_some());
+        }
+        Ok(out)
     }
 
     /// Mark blocks as recently used (LRU).

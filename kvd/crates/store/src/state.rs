@@ -58,6 +58,9 @@ pub(crate) struct Slot {
     pub in_lru: bool,
     /// When the block entered quarantine (store clock).
     pub quarantined_at_ms: u64,
+    /// A soft pin's deadline (store clock; 0: none): until then eviction passes the block over
+    /// while anything else on the LRU can go.
+    pub soft_until_ms: u64,
 }
 
 impl Slot {
@@ -81,6 +84,7 @@ impl Slot {
             lru_next: NIL,
             in_lru: false,
             quarantined_at_ms: 0,
+            soft_until_ms: 0,
         }
     }
 }

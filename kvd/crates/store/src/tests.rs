@@ -539,6 +539,51 @@ fn eviction_takes_the_least_recently_used_unpinned_cache_block() {
 }
 
 #[test]
+fn a_soft_pinned_prefix_outlives_eviction_until_nothing_else_can_go_or_its_deadline_passes() {
+    let f = fixture(3);
+    let s = f.session();
+    let evicted = |f: &Fixture| f.store.stats().counters.evictions;
+    let held = |f: &Fixture, ks: &[u8]| -> Vec<bool> {
+        let keys: Vec<BlockKey> = ks.iter().map(|&k| key(f.ns, k)).collect();
+        // (not `lookup`, which would count as a use and reorder the LRU)
+        let g = f.store.lock();
+        keys.iter().map(|k| g.index.contains_key(k)).collect()
+    };
+    f.put(s, key(f.ns, 1), b"system prompt, block 1");
+    f.put(s, key(f.ns, 2), b"system prompt, block 2");
+    // 1 and 2 are the oldest; soft-pinned for 10 s (a miss is not pinned)
+    assert_eq!(
+        f.store
+            .soft_pin(&[key(f.ns, 1), key(f.ns, 2), key(f.ns, 9)], 10_000)
+            .unwrap(),
+        [true, true, false]
+    );
+    f.put(s, key(f.ns, 3), b"3");
+    f.put(s, key(f.ns, 4), b"4"); // room for one more: 3 goes, the older 1 and 2 stay
+    assert_eq!(held(&f, &[1, 2, 3, 4]), [true, true, false, true]);
+    f.put(s, key(f.ns, 5), b"5");
+    assert_eq!(held(&f, &[1, 2, 4, 5]), [true, true, false, true]);
+    assert_eq!((evicted(&f), f.store.stats().counters.soft_pins), (2, 2));
+    // when nothing else can go, the soft pins give way (the oldest first), counted
+    f.store.soft_pin(&[key(f.ns, 5)], 10_000).unwrap();
+    f.put(s, key(f.ns, 6), b"6");
+    assert_eq!(held(&f, &[6]), [true]);
+    assert_eq!(f.store.stats().counters.soft_pins_given_way, 1);
+    // past the deadline a soft-pinned block is an ordinary cache block again
+    f.clock.advance(10_001);
+    let s = f.session(); // (the first one's lease ran out meanwhile)
+    f.put(s, key(f.ns, 7), b"7");
+    assert_eq!(f.store.stats().counters.soft_pins_given_way, 1);
+    // a checkpoint block is never soft-pinned (eviction never takes it anyway), nor a batch
+    // past the bound
+    let too_many: Vec<BlockKey> = (0..=f.store.config().max_batch)
+        .map(|i| key(f.ns, i as u8))
+        .collect();
+    assert!(f.store.soft_pin(&too_many, 1).is_err());
+    f.invariants();
+}
+
+#[test]
 fn checkpoint_blocks_are_never_evicted() {
     let f = fixture(2);
     let s = f.session();

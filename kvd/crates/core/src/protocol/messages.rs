@@ -133,6 +133,14 @@ pub enum Op {
         /// The keys.
         keys: Vec<BlockKey>,
     },
+    /// Soft-pin PUBLISHED cache blocks until `ttl_ms` from now (0 ends it): eviction takes them
+    /// only when nothing else can go → [`Reply::Exists`] (bit i: key i was soft-pinned).
+    SoftPin {
+        /// The keys (a shared prefix: a system prompt's blocks).
+        keys: Vec<BlockKey>,
+        /// How long, ms (capped at a day).
+        ttl_ms: u64,
+    },
     /// Pin PUBLISHED blocks → [`Reply::Acquired`], one result per key.
     Acquire {
         /// The keys.
@@ -434,7 +442,10 @@ impl Op {
     pub fn batch_len(&self) -> usize {
         match self {
             Op::LookupPrefix { tags, .. } => tags.len(),
-            Op::Exists { keys } | Op::Acquire { keys, .. } | Op::Touch { keys } => keys.len(),
+            Op::Exists { keys }
+            | Op::Acquire { keys, .. }
+            | Op::Touch { keys }
+            | Op::SoftPin { keys, .. } => keys.len(),
             Op::Alloc { keys, .. } => keys.len(),
             Op::Release { handles }
             | Op::Publish { handles }
@@ -753,6 +764,7 @@ mod tests {
             "abort",
             "remove_if",
             "touch",
+            "soft_pin",
             "heartbeat",
             "stats",
             "goodbye",

@@ -679,17 +679,33 @@ impl Outgoing {
                     source.get_or_insert(node);
                 }
                 Err(e) => {
+                    // a block that failed its checksum fails its piece's whole group; a gone
+                    // holder fails it too. Keep the verified prefix: the piece again, one block
+                    // at a time, up to the first that fails (bounded by the piece's length; a
+                    // gone holder fails the first at once)
                     tracing::warn!(transfer = id, peer = node, error = %e,
-                        "a cluster fetch's piece failed: the hit ends before it");
-                    let e = WireError::from(e);
-                    self.counters.failed(&e);
-                    if matches!(
-                        e,
-                        WireError::Disconnected(_) | WireError::Unavailable(_) | WireError::Io(_)
-                    ) {
-                        self.table()
-                            .suppressed
-                            .insert(node, Instant::now() + SUPPRESS_FOR);
+                        "a cluster fetch's piece failed: its verified prefix only");
+                    self.counters.failed(&WireError::from(e));
+                    for k in &keys[range.clone()] {
+                        let one = std::slice::from_ref(k);
+                        match self.fetch(backends, node, one, Wanted::Keys(None)) {
+                            Ok((b, n, _)) => {
+                                blocks += b;
+                                bytes += n;
+                                source.get_or_insert(node);
+                            }
+                            Err(e) => {
+                                if matches!(
+                                    e,
+                                    Error::Disconnected(_) | Error::Unavailable(_) | Error::Io(_)
+                                ) {
+                                    self.table()
+                                        .suppressed
+                                        .insert(node, Instant::now() + SUPPRESS_FOR);
+                                }
+                                break;
+                            }
+                        }
                     }
                 }
             }
