@@ -5,10 +5,13 @@ load, and the cluster cache routed by cached prefix, in one sitting.
     scripts/bench-multiturn.sh [CONVERSATIONS] [TURNS] [LAYERS]     (defaults 32, 8, 8)
 
 Three nodes (a kvd daemon in cluster mode on a real etcd and a vLLM server with the tiny model
-made ``LAYERS`` deep, ``--prefix-caching-hash-algo sha256_cbor``), the front over the three
+made ``LAYERS`` deep, ``--prefix-caching-hash-algo sha256_cbor``, an own KV cache of
+``ENGINE_BLOCKS`` blocks, fewer than the conversations in flight need), the front over the three
 engines. Each conversation's turn t sends its whole history (every earlier prompt and answer)
 plus a fresh user message of ``USER_TOKENS`` token ids, greedy, ``ANSWER_TOKENS`` tokens; the
-conversations run ``CONCURRENCY`` at a time, each turn after the last one's answer. The three
+conversations take turns: every conversation's turn t (``CONCURRENCY`` at a time), then every
+one's turn t + 1, so that all of them stay open at once, as users with think time between their
+turns keep them. The three
 set-ups, each on freshly started engines and daemons (nothing cached), with the same
 conversations:
 
@@ -48,7 +51,8 @@ from vllm_server import SERVED_NAME  # noqa: E402
 
 USER_TOKENS = 96
 ANSWER_TOKENS = 24
-CONCURRENCY = 3
+CONCURRENCY = 6  # twice the workers: turns queue
+ENGINE_BLOCKS = 160  # each engine's own KV cache (5,120 tokens): far less than the open conversations
 BLOCK = 32
 SETUPS = {"local": (False, False), "cluster+load": (True, False), "cluster+cache": (True, True)}
 
@@ -85,7 +89,8 @@ def run_setup(tmp: Path, model: Path, secret: Path, page_kib: int, cluster: bool
     nodes = cluster_daemons(secret, etcd, pool_mib=2048, page_kib=page_kib, ids=(1, 2, 3))
     engines = {i: Engine(i % 2, model, free_port(), setup / f"vllm{i}.log",
                          connector(nodes[i].socket, cluster_lookup=cluster),
-                         extra_args=["--prefix-caching-hash-algo", "sha256_cbor"]) for i in nodes}
+                         extra_args=["--prefix-caching-hash-algo", "sha256_cbor",
+                                     "--num-gpu-blocks-override", str(ENGINE_BLOCKS)]) for i in nodes}
     front = None
     try:
         for e in engines.values():
@@ -124,23 +129,26 @@ def sources(e: Engine) -> dict[str, float]:
 
 
 def converse(url: str, conversations: int, turns: int) -> list[float]:
-    """Every conversation's turns, ``CONCURRENCY`` conversations at a time: each turn's TTFT."""
+    """Turn by turn: every conversation's turn t (``CONCURRENCY`` at a time), then every one's
+    turn t + 1, as many users with think time between their turns would send them: all the
+    conversations stay open at once. Each turn's TTFT."""
     ttfts: list[float] = []
+    histories: list[list[int]] = [[] for _ in range(conversations)]
     lock = threading.Lock()
 
-    def one(c: int) -> None:
-        history: list[int] = []
-        for t in range(turns):
-            history += prompt_of(USER_TOKENS, 10_000 * c + t)
-            ttft, tokens, _ = stream(url, {"model": SERVED_NAME, "prompt": history, "max_tokens": ANSWER_TOKENS,
-                                           "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-                                           "kvd": {"checkpoint": False}})
-            history += tokens
-            with lock:
-                ttfts.append(ttft)
+    def one(c: int, t: int) -> None:
+        history = histories[c]
+        history += prompt_of(USER_TOKENS, 10_000 * c + t)
+        ttft, tokens, _ = stream(url, {"model": SERVED_NAME, "prompt": history, "max_tokens": ANSWER_TOKENS,
+                                       "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                                       "kvd": {"checkpoint": False}})
+        history += tokens
+        with lock:
+            ttfts.append(ttft)
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:
-        list(pool.map(one, range(conversations)))
+        for t in range(turns):
+            list(pool.map(lambda c: one(c, t), range(conversations)))
     return ttfts
 
 

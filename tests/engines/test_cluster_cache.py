@@ -17,7 +17,9 @@ The cases share one cluster and run in order (module fixture; the engines start 
    would send it to node 1; while node 2 serves a long request, the next one goes to node 1,
    whose engine fetches the prefix from node 2 through the cluster lookup; the outputs are
    the cold runs';
-5. node 1 killed (vLLM and daemon, kill -9): the next lookup recomputes, same output, and
+5. ``kvd control`` restarted: the new one's index is rebuilt from the daemons' event logs and it
+   routes by cached prefix again;
+6. node 1 killed (vLLM and daemon, kill -9): the next lookup recomputes, same output, and
    nothing is left pinned, granted or in flight on the live nodes.
 
 The engines hash blocks with ``--prefix-caching-hash-algo sha256_cbor``, which the front's
@@ -76,7 +78,7 @@ def cluster():
         front = Front(tmp, etcd, {1: nodes[1], 2: nodes[2]},  # type: ignore[dict-item]
                       extra=["--route-load-weight", "100", "--route-events-ms", "50"])
         wait_until("workers 1 and 2 in service", lambda: {1, 2} <= front.in_service(), timeout_s=60)
-        yield tmp, nodes, front
+        yield tmp, nodes, front, etcd
     finally:
         print("\ncluster cache figures:", json.dumps(FIGURES, indent=1))
         stop_cluster(tmp, front, nodes, etcd)  # type: ignore[arg-type]
@@ -120,7 +122,7 @@ PREFIX = words(71, 600, 7)  # about 19 blocks of 32 tokens
 
 
 def test_a_prefix_served_on_one_node_is_a_hit_on_another_with_the_cold_runs_output(cluster):
-    tmp, nodes, front = cluster
+    tmp, nodes, front, _ = cluster
     a, b, cold = nodes[1], nodes[2], nodes[3]
     prompt, longer = PREFIX, PREFIX + words(72, 150, 7)
     complete(a, prompt)
@@ -138,7 +140,7 @@ def test_a_prefix_served_on_one_node_is_a_hit_on_another_with_the_cold_runs_outp
 
 
 def test_blocks_removed_at_the_holder_give_a_shorter_hit_and_the_same_output(cluster):
-    tmp, nodes, front = cluster
+    tmp, nodes, front, _ = cluster
     a, b, cold = nodes[1], nodes[2], nodes[3]
     prompt, longer = words(81, 600, 7), None
     longer = prompt + words(82, 150, 7)
@@ -162,7 +164,7 @@ def test_blocks_removed_at_the_holder_give_a_shorter_hit_and_the_same_output(clu
 
 
 def test_a_hung_holder_is_not_waited_for_and_the_request_is_recomputed(cluster):
-    tmp, nodes, front = cluster
+    tmp, nodes, front, _ = cluster
     a, b, cold = nodes[1], nodes[2], nodes[3]
     prompt, longer, reference = served_on(a, cold, 91)
     assert a.daemon is not None
@@ -205,7 +207,7 @@ def routing(front: Front) -> tuple[dict, dict]:
 
 
 def test_the_front_routes_a_prompt_to_the_node_that_holds_its_prefix_unless_its_queue_outweighs_it(cluster):
-    tmp, nodes, front = cluster
+    tmp, nodes, front, _ = cluster
     a, b, cold = nodes[1], nodes[2], nodes[3]
     prompt = words(111, 600, 7)
     _, index = routing(front)
@@ -249,8 +251,33 @@ def test_the_front_routes_a_prompt_to_the_node_that_holds_its_prefix_unless_its_
         busy.close()
 
 
+def test_a_restarted_front_rebuilds_its_routing_index_from_the_daemons_logs(cluster):
+    """The router's view is rebuilt, not remembered: a new ``kvd control`` reads every daemon's
+    event log from its oldest event, and routes by cached prefix again, with the cold run's
+    output."""
+    tmp, nodes, front, etcd = cluster
+    a, b, cold = nodes[1], nodes[2], nodes[3]
+    prompt = words(121, 600, 7)
+    complete(b, prompt)  # node 2 holds the prefix
+    front.stop()
+    fresh = Front(tmp, etcd, {1: a, 2: b}, extra=["--route-load-weight", "100", "--route-events-ms", "50"])
+    try:
+        wait_until("workers 1 and 2 in service", lambda: {1, 2} <= fresh.in_service(), timeout_s=60)
+        wait_until("the new front's index rebuilt", lambda: routing(fresh)[1]["blocks"] >= 15, timeout_s=20)
+        longer = prompt + words(122, 150, 7)
+        reference, _ = complete(cold, longer)
+        s = through_front(fresh, longer)
+        s.read_all()
+        check_sequence(s.events, s.request)
+        assert record(fresh, s.request)["serving"] == 2, "routed where the prefix lives"
+        assert s.tokens() == reference
+        assert routing(fresh)[0]["routed_by_cache"] == 1
+    finally:
+        fresh.stop()
+
+
 def test_a_killed_holder_costs_a_recompute_and_leaves_nothing_behind(cluster):
-    tmp, nodes, front = cluster
+    tmp, nodes, front, _ = cluster
     a, b, cold = nodes[1], nodes[2], nodes[3]
     _, longer, reference = served_on(a, cold, 101)
     a.kill_node()

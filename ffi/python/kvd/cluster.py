@@ -118,9 +118,16 @@ class ClusterLookups:
                 log.info("kvd: cluster fetch for %s %s: a local hit only", rid,
                          "lost" if t is None else "past cluster_timeout_ms")
 
-    def start(self, rid: str, tags: list[bytes], found: int, want: int) -> bool:
+    def start(self, rid: str, tags: list[bytes], found: int, want: int, hint: Optional[int] = None) -> bool:
         """Ask the cluster for blocks ``found``..``want`` of ``rid`` (``tags`` are its chain)
-        when that is worth it and not asked before; ``True``: the lookup waits for it."""
+        when that is worth it and not asked before; ``True``: the lookup waits for it. ``hint``:
+        the most of the request's leading blocks any node holds, as ``kvd control``'s router
+        saw it (``kv_transfer_params.kvd.cluster_blocks``): nothing past it is asked for, so a
+        prompt's new tail costs no locate."""
+        if hint is not None and hint < want and self.enabled and rid not in self._asked:
+            if want - found >= self.min_blocks and hint - found < self.min_blocks:
+                self.figures["cluster_skipped_by_hint"] += 1
+            want = hint
         if not self.enabled or rid in self._asked or want - found < self.min_blocks:
             return False
         self._remember(rid, found)

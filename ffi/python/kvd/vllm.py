@@ -184,7 +184,7 @@ _COUNTERS = ("loaded_blocks", "loaded_bytes", "load_errors", "saved_blocks", "sa
              "handoff_held_blocks", "handoff_fetches", "handoff_fetched_blocks", "handoff_fetched_bytes",
              "handoff_failed", "handoff_over_bound", "cluster_fetches", "cluster_fetched_blocks",
              "cluster_fetched_bytes", "cluster_misses", "cluster_timeouts", "cluster_errors",
-             "cluster_over_bound", "lookup_local_blocks", "lookup_remote_blocks", "lookup_missed_blocks")
+             "cluster_over_bound", "cluster_skipped_by_hint", "lookup_local_blocks", "lookup_remote_blocks", "lookup_missed_blocks")
 
 
 @dataclass
@@ -226,6 +226,15 @@ class _Lookup:
         if self.tickets or len(self.found) < shards:
             return None
         return min(self.found.values(), default=0)
+
+
+def _cluster_hint(request: Any) -> Optional[int]:
+    """``kv_transfer_params.kvd.cluster_blocks`` (the router's view of the most of the prompt's
+    leading blocks any node holds), if the request carries it."""
+    kv = getattr(request, "kv_transfer_params", None)
+    k = kv.get("kvd") if isinstance(kv, dict) else None
+    n = k.get("cluster_blocks") if isinstance(k, dict) else None
+    return n if isinstance(n, int) and n >= 0 else None
 
 
 def _extra(vllm_config: Any) -> dict[str, Any]:
@@ -507,7 +516,7 @@ class KvdConnector(KVConnectorBase_V1):
             return None, False
         if rid not in self._restore_tags:
             want = min(len(tags), (request.num_tokens - 1) // self.block_size)
-            started = self.cluster.start(rid, tags, found, want)
+            started = self.cluster.start(rid, tags, found, want, _cluster_hint(request))
             self._sync(self.cluster.figures)
             if started:  # looked up again, locally, once the fetch ends (kvd.cluster)
                 self._drop_lookup(rid)

@@ -157,11 +157,12 @@ impl Front {
 
     /// Where a new request of `prompt` goes: the least loaded worker (`first`) unless
     /// cache-aware routing finds a worker whose node holds enough of the prompt's prefix to
-    /// outweigh its queue (`kvd_front::cache`).
-    fn route(&self, first: WorkerId, prompt: &[u32]) -> WorkerId {
+    /// outweigh its queue (`kvd_front::cache`); and, with routing on, the most of the prompt's
+    /// leading blocks any node holds (the connector's cluster lookup asks for no more).
+    fn route(&self, first: WorkerId, prompt: &[u32]) -> (WorkerId, Option<usize>) {
         let r = &self.args.route;
         if !r.cache_routing {
-            return first;
+            return (first, None);
         }
         let block = usize::try_from(self.args.kv_tokens_per_block).unwrap_or(usize::MAX);
         let tags = vllm_block_tags(prompt, block, &r.route_hash_seed);
@@ -178,8 +179,9 @@ impl Front {
             overlap: r.route_overlap_weight,
             load: r.route_load_weight,
         };
+        let anywhere = candidates.iter().map(|c| c.2).max();
         let Some((to, reason)) = choose(&candidates, weights) else {
-            return first;
+            return (first, None);
         };
         let cached = candidates.iter().find(|c| c.0 == to).map_or(0, |c| c.2) as u64;
         self.count(|s| {
@@ -197,7 +199,7 @@ impl Front {
             blocks = tags.len(),
             "front: routed"
         );
-        to
+        (to, anywhere)
     }
 
     /// Start the routing index's feed (until the process ends): every `--route-events-ms`,
@@ -328,7 +330,15 @@ impl Front {
             )
         })?;
         let prompt = self.prompt_ids(&mut asked, first).await?;
-        let serving = self.route(first, &prompt);
+        let (serving, cluster_blocks) = self.route(first, &prompt);
+        if let Some(n) = cluster_blocks {
+            // the connector asks the cluster for no more of the prompt than some node holds:
+            // a prompt's new tail (every request has one) then costs no locate
+            asked.body.insert(
+                "kv_transfer_params".into(),
+                json!({"kvd": {"cluster_blocks": n}}),
+            );
+        }
         let running = self.retire_finished();
         if running >= self.args.max_streams {
             return Err(Error::Overloaded {

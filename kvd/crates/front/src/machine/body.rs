@@ -154,7 +154,14 @@ pub fn attempt_body(a: &AttemptSpec<'_>) -> Value {
     }
     b.insert("stream".into(), json!(true));
     b.insert("return_token_ids".into(), json!(true));
-    let mut kvd = Map::new();
+    // the front's own entries for every attempt (the routing's cluster hint)
+    let mut kvd = match b.remove("kv_transfer_params") {
+        Some(Value::Object(mut p)) => match p.remove("kvd") {
+            Some(Value::Object(k)) => k,
+            _ => Map::new(),
+        },
+        _ => Map::new(),
+    };
     if let Some(h) = a.holder {
         kvd.insert(
             "checkpoint".into(),
@@ -377,6 +384,31 @@ mod tests {
             v["kv_transfer_params"]["kvd"],
             json!({"checkpoint": {"holder": 3, "request": 7, "epoch": 2},
                    "restore": {"holder": 2, "request": 7, "epoch": 1, "local": true}})
+        );
+    }
+
+    #[test]
+    fn the_routings_cluster_hint_rides_with_every_attempts_own_entries() {
+        let body = json!({"kv_transfer_params": {"kvd": {"cluster_blocks": 5}}});
+        let spec = |holder| AttemptSpec {
+            id: 7,
+            body: body.as_object().unwrap(),
+            prompt: &[1, 2],
+            generated: &[],
+            max_tokens: 4,
+            min_tokens: 0,
+            epoch: 1,
+            holder,
+            restore: None,
+            handoff: None,
+        };
+        assert_eq!(
+            attempt_body(&spec(Some(3)))["kv_transfer_params"]["kvd"],
+            json!({"cluster_blocks": 5, "checkpoint": {"holder": 3, "request": 7, "epoch": 1}})
+        );
+        assert_eq!(
+            attempt_body(&spec(None))["kv_transfer_params"],
+            json!({"kvd": {"cluster_blocks": 5}})
         );
     }
 
