@@ -209,6 +209,13 @@ fn run_on(c: &mut kvd::client::Client, seed: u64, n: usize) -> Vec<kvd::keys::Bl
     keys
 }
 
+/// Flip bits at rest in `key`'s page on `d` (found through a pin, released again).
+fn corrupt_at_rest(c: &mut kvd::client::Client, d: &Daemon, key: kvd::keys::BlockKey) {
+    let info = c.acquire(&[key], None).unwrap().remove(0).unwrap();
+    support::scribble_on_the_pool(d.pid(), info.offset);
+    c.release(&[info.handle]).unwrap();
+}
+
 #[test]
 fn a_run_corrupted_at_rest_at_the_source_fails_its_checksum_and_is_never_served() {
     let net = Net::new();
@@ -217,9 +224,7 @@ fn a_run_corrupted_at_rest_at_the_source_fails_its_checksum_and_is_never_served(
     let keys = run_on(&mut ca, 21, 6);
     ca.hold_begin(31, 1, &keys, 30_000).unwrap();
     // a bit flip at rest in the fourth block of the held run
-    let info = ca.acquire(&keys[3..4], None).unwrap().remove(0).unwrap();
-    support::scribble_on_the_pool(a.pid(), info.offset);
-    ca.release(&[info.handle]).unwrap();
+    corrupt_at_rest(&mut ca, &a, keys[3]);
 
     let mut cb = b.client("decode", 30_000);
     cb.register_namespace(&support::namespace()).unwrap();
@@ -332,9 +337,7 @@ fn a_cluster_fetch_keeps_the_verified_prefix_of_a_run_with_a_block_corrupted_at_
     let mut ca = a.client("holder", 30_000);
     let keys = run_on(&mut ca, 41, 6);
     // a bit flip at rest in the fourth block
-    let info = ca.acquire(&keys[3..4], None).unwrap().remove(0).unwrap();
-    support::scribble_on_the_pool(a.pid(), info.offset);
-    ca.release(&[info.handle]).unwrap();
+    corrupt_at_rest(&mut ca, &a, keys[3]);
 
     let mut cb = b.client("asker", 30_000);
     cb.register_namespace(&support::namespace()).unwrap();

@@ -45,8 +45,6 @@ _COUNTED = -1  # a request whose lookup is counted (local, remote, missed) alrea
 class _Fetch:
     transfer: int
     deadline: float  # monotonic
-    first: int  # the request's first block the fetch asked for
-    asked: int  # blocks asked for
 
 
 def no_cluster(e: KvdError) -> bool:
@@ -149,7 +147,7 @@ class ClusterLookups:
                 self.figures["cluster_errors"] += 1
             return False
         self.figures["cluster_fetches"] += 1
-        self.pending[rid] = _Fetch(transfer, time.monotonic() + self.timeout_s, found, want - found)
+        self.pending[rid] = _Fetch(transfer, time.monotonic() + self.timeout_s)
         return True
 
     def _remember(self, rid: str, state: int) -> None:
