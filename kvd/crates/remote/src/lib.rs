@@ -13,7 +13,8 @@
 //!                control handler, the reaper; starts transfers, reports, follows membership
 //!  peers.rs      the peer table: `--peer` entries, the peers file, membership; each peer's
 //!                address and the key its handshakes must prove
-//!  transfer/     outgoing.rs (pushes and fetches started here), incoming.rs (peers'
+//!  transfer/     outgoing.rs (pushes and fetches started here; outgoing/cluster.rs, the
+//!                cluster fetch: locate, plan, fetch by piece), incoming.rs (peers'
 //!                transfers into and out of here), wire.rs (their messages), mod.rs (counters)
 //! ```
 
