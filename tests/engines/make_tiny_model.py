@@ -34,6 +34,13 @@ def make(out: Path, seed: int, layers: int, dtype: str, max_len: int) -> None:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     )
     fast.model_max_length = max_len
+    # a chat template in the vocabulary's words (w1 system, w2 user, w3 assistant, w4 the
+    # generation prompt), so that vLLM's chat endpoints and /tokenize render messages
+    fast.chat_template = (
+        "{% for m in messages %}"
+        "{{ 'w1' if m['role'] == 'system' else ('w2' if m['role'] == 'user' else 'w3') }} "
+        "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w4{% endif %}"
+    )
     fast.save_pretrained(out)
 
     config = LlamaConfig(

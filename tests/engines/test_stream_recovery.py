@@ -220,11 +220,13 @@ class Stream:
     def __init__(self, addr: str, body: Optional[dict] = None, resume: Optional[tuple[int, str]] = None) -> None:
         host, port = addr.rsplit(":", 1)
         self.conn = http.client.HTTPConnection(host, int(port), timeout=180)
+        # an SSE client: it says so, and gets `id:` lines (R-S-T) to resume with
+        sse = {"Accept": "text/event-stream"}
         if resume is None:
             self.conn.request("POST", "/v1/completions", body=json.dumps(body),
-                              headers={"Content-Type": "application/json"})
+                              headers={"Content-Type": "application/json", **sse})
         else:
-            self.conn.request("GET", f"/v1/streams/{resume[0]}", headers={"Last-Event-ID": resume[1]})
+            self.conn.request("GET", f"/v1/streams/{resume[0]}", headers={"Last-Event-ID": resume[1], **sse})
         self.resp = self.conn.getresponse()
         if self.resp.status != 200:
             pytest.fail(f"the front answered {self.resp.status}: {self.resp.read()!r}")

@@ -45,6 +45,9 @@ Settings (``kv_connector_extra_config``):
 ``cluster_timeout_ms``  how long a request waits for its cluster fetch before it takes the local
                      hit (2000)
 ``max_cluster_fetches``  cluster fetches in flight per scheduler; past it a lookup stays local (16)
+``exact_sampling``   default true: a request resumed after a break (``{"kvd": {"continues": ...}}``)
+                     continues its seeded sampling and frequency/presence penalties exactly
+                     (``kvd.vllm_sampling`` patches the worker's vLLM; vLLM 0.32.0 only)
 ==================== ========================================================================
 
 What can be a hit (the namespace): the model's weights (a stamp of the weight files, not the
@@ -105,6 +108,7 @@ from .vllm_checkpoint import CheckpointStep, Restorer, Streamer, params
 from .cluster import ClusterLookups
 from .vllm_handoff import HandoffLoad, Handoffs, Receiver
 from .vllm_layout import BlockLayout, LayoutError
+from .vllm_sampling import counters as sampling_counters, install as install_exact_sampling
 
 try:  # Subclass vLLM's own classes: without vLLM this module cannot be a connector.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -184,7 +188,8 @@ _COUNTERS = ("loaded_blocks", "loaded_bytes", "load_errors", "saved_blocks", "sa
              "handoff_held_blocks", "handoff_fetches", "handoff_fetched_blocks", "handoff_fetched_bytes",
              "handoff_failed", "handoff_over_bound", "cluster_fetches", "cluster_fetched_blocks",
              "cluster_fetched_bytes", "cluster_misses", "cluster_timeouts", "cluster_errors",
-             "cluster_over_bound", "cluster_skipped_by_hint", "lookup_local_blocks", "lookup_remote_blocks", "lookup_missed_blocks")
+             "cluster_over_bound", "cluster_skipped_by_hint", "lookup_local_blocks", "lookup_remote_blocks", "lookup_missed_blocks",
+             *sampling_counters())
 
 
 @dataclass
@@ -253,6 +258,8 @@ class KvdConnector(KVConnectorBase_V1):
         self.is_scheduler = getattr(role, "name", str(role)) == "SCHEDULER"
         extra = _extra(vllm_config)
         self.extra = extra
+        if not self.is_scheduler and bool(extra.get("exact_sampling", True)):
+            install_exact_sampling(vllm_config)  # the worker's sampler: kvd.vllm_sampling
         self.block_size = int(vllm_config.cache_config.block_size)
         self.pin_ttl_ms = int(extra.get("pin_ttl_ms", 30_000))
         self.soft_pin_blocks = max(0, int(extra.get("soft_pin_blocks", 0)))
@@ -980,6 +987,8 @@ class KvdConnector(KVConnectorBase_V1):
         return errors
 
     def get_kv_connector_stats(self) -> Optional[KvdConnectorStats]:
+        if not self.is_scheduler:
+            self._sync(sampling_counters())  # requests resumed after a break (kvd.vllm_sampling)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KvdConnectorStats()

@@ -42,6 +42,65 @@ struct Revocation {
     revoked_at_s: u64,
 }
 
+/// A lease this process holds (see [`Etcd::lease`]).
+pub struct Lease {
+    id: i64,
+    keeper: etcd_client::LeaseKeeper,
+    answers: etcd_client::LeaseKeepAliveStream,
+    ttl: Duration,
+    answered: std::time::Instant,
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Lease {
+    /// Its id, for [`Etcd::put_leased`] and [`Etcd::create_leased`].
+    pub fn id(&self) -> i64 {
+        self.id
+    }
+
+    /// Keep it alive once (call every third of its TTL): a keep-alive and its answer, waited
+    /// for at most a third of the TTL.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] once etcd says it is gone, or nothing answered for a whole TTL
+    /// (it may be gone: whatever it fenced is no longer this process's).
+    pub async fn beat(&mut self) -> Result<()> {
+        let wait = self.ttl / 3;
+        let answer = tokio::time::timeout(wait, async {
+            self.keeper
+                .keep_alive()
+                .await
+                .map_err(|e| etcd_err("keep-alive", e))?;
+            self.answers
+                .message()
+                .await
+                .map_err(|e| etcd_err("keep-alive", e))
+        })
+        .await;
+        match answer {
+            Ok(Ok(Some(a))) if a.ttl() > 0 => {
+                self.answered = std::time::Instant::now();
+                Ok(())
+            }
+            Ok(Ok(Some(_))) => Err(Error::Unavailable("etcd says the lease is gone".into())),
+            Ok(Ok(None)) => Err(Error::Unavailable("the keep-alive stream ended".into())),
+            Ok(Err(e)) => Err(e),
+            Err(_) if self.answered.elapsed() < self.ttl => Ok(()),
+            Err(_) => Err(Error::Unavailable(format!(
+                "no keep-alive answer from etcd for {} ms (the lease's TTL)",
+                self.answered.elapsed().as_millis()
+            ))),
+        }
+    }
+}
+
 /// A connection to the cluster's etcd.
 #[derive(Clone)]
 pub struct Etcd {
@@ -94,6 +153,147 @@ impl Etcd {
             .await
             .map_err(|e| etcd_err(&format!("write {key}"), e))?;
         Ok(())
+    }
+
+    /// A lease of `ttl_ms` (rounded up to whole seconds), kept alive by [`Lease::beat`].
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when etcd does not answer.
+    pub async fn lease(&mut self, ttl_ms: u64) -> Result<Lease> {
+        let ttl_s = ttl_ms.div_ceil(1000).max(1) as i64;
+        let id = self
+            .client
+            .lease_grant(ttl_s, None)
+            .await
+            .map_err(|e| etcd_err("lease grant", e))?
+            .id();
+        let (keeper, answers) = self
+            .client
+            .lease_keep_alive(id)
+            .await
+            .map_err(|e| etcd_err("keep-alive", e))?;
+        Ok(Lease {
+            id,
+            keeper,
+            answers,
+            ttl: Duration::from_millis(ttl_ms),
+            answered: std::time::Instant::now(),
+        })
+    }
+
+    /// Write `value` at `key` under lease `lease` ([`Lease::id`]; it goes when the lease ends).
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when etcd does not answer.
+    pub async fn put_leased(&mut self, key: &str, value: Vec<u8>, lease: i64) -> Result<()> {
+        self.client
+            .put(
+                key,
+                value,
+                Some(etcd_client::PutOptions::new().with_lease(lease)),
+            )
+            .await
+            .map_err(|e| etcd_err(&format!("write {key}"), e))?;
+        Ok(())
+    }
+
+    /// Write `value` at `key` under `lease` only if nothing is there; whether it was written.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when etcd does not answer.
+    pub async fn create_leased(&mut self, key: &str, value: Vec<u8>, lease: i64) -> Result<bool> {
+        use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+        let txn = Txn::new()
+            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key,
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        let r = self
+            .client
+            .txn(txn)
+            .await
+            .map_err(|e| etcd_err(&format!("create {key}"), e))?;
+        Ok(r.succeeded())
+    }
+
+    /// The value at `key` and the revision it was last written at, if there is one.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when etcd does not answer.
+    pub async fn get_revised(&mut self, key: &str) -> Result<Option<(Vec<u8>, i64)>> {
+        let r = self
+            .client
+            .get(key, None)
+            .await
+            .map_err(|e| etcd_err(&format!("read {key}"), e))?;
+        Ok(r.kvs()
+            .first()
+            .map(|kv| (kv.value().to_vec(), kv.mod_revision())))
+    }
+
+    /// Write `value` at `key` (no lease) if it is still as written at `revision`; whether it
+    /// was written. With `value` `None`, delete it under the same condition.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when etcd does not answer.
+    pub async fn swap(&mut self, key: &str, revision: i64, value: Option<Vec<u8>>) -> Result<bool> {
+        use etcd_client::{Compare, CompareOp, Txn, TxnOp};
+        let op = match value {
+            Some(v) => TxnOp::put(key, v, None),
+            None => TxnOp::delete(key, None),
+        };
+        let txn = Txn::new()
+            .when([Compare::mod_revision(key, CompareOp::Equal, revision)])
+            .and_then([op]);
+        let r = self
+            .client
+            .txn(txn)
+            .await
+            .map_err(|e| etcd_err(&format!("swap {key}"), e))?;
+        Ok(r.succeeded())
+    }
+
+    /// Delete `key` (nothing there is no error).
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when etcd does not answer.
+    pub async fn delete(&mut self, key: &str) -> Result<()> {
+        self.client
+            .delete(key, None)
+            .await
+            .map_err(|e| etcd_err(&format!("delete {key}"), e))?;
+        Ok(())
+    }
+
+    /// The keys under `prefix` with their values and revisions, at most `limit` of them.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when etcd does not answer.
+    pub async fn list(&mut self, prefix: &str, limit: i64) -> Result<Vec<(String, Vec<u8>, i64)>> {
+        let r = self
+            .client
+            .get(
+                prefix,
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_limit(limit),
+                ),
+            )
+            .await
+            .map_err(|e| etcd_err(&format!("list {prefix}"), e))?;
+        Ok(r.kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    kv.value().to_vec(),
+                    kv.mod_revision(),
+                )
+            })
+            .collect())
     }
 
     /// Node `node`'s registration under `prefix`, if it is registered.

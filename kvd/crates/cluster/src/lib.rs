@@ -31,7 +31,7 @@ mod registry;
 mod settings;
 mod view;
 
-pub use etcd::{Etcd, KeyChange, KeyWatch, NodeChange, NodeWatch};
+pub use etcd::{Etcd, KeyChange, KeyWatch, Lease, NodeChange, NodeWatch};
 pub use kvd_core::{Error, Result};
 pub use registry::EtcdRegistry;
 pub use settings::{ClusterConfig, EtcdArgs, EtcdSecurity, EtcdTls};

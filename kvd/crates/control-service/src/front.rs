@@ -1,7 +1,17 @@
-//! The streaming front's HTTP surface ([`kvd_front`] holds the front itself): `POST
-//! /v1/completions` (OpenAI-compatible, streaming; with `Last-Event-ID` it resumes),
-//! `GET /v1/streams/{id}` (resume) and `GET /status`. Each answer is an SSE body that reads the
-//! request's log from a sequence number on, with a keep-alive comment while nothing comes.
+//! The streaming front's HTTP surface ([`kvd_front`] holds the front itself), OpenAI's:
+//! `POST /v1/completions` and `POST /v1/chat/completions` (streaming or not; with
+//! `Last-Event-ID` a stream resumes), `GET /v1/models`; and kvd's: `GET /v1/streams/{id}`
+//! (resume) and `GET /status`.
+//!
+//! - A stream is an SSE body that reads the request's log from a sequence number on, with a
+//!   keep-alive comment while nothing comes. Its head waits for the log's first event, so a
+//!   request the engine refuses gets the engine's status and error, as from the engine itself.
+//! - Without a stream, the handler reads the log to its end and answers once
+//!   ([`kvd_front::openai::Collector`]); the request recovers as a stream does meanwhile.
+//! - A request the front cannot recover exactly goes to one engine as it is: the answer is
+//!   the engine's, with `x-kvd-recovery: off` and `x-kvd-recovery-reason`.
+//! - Refusals are OpenAI's error body; overload and no worker in service are 503 with
+//!   `Retry-After`; a body over `--max-body-bytes` is 413. None of them admits anything.
 
 use std::sync::Arc;
 
@@ -13,8 +23,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use kvd_front::Front;
 use kvd_front::config::KEEPALIVE;
+use kvd_front::engine::ByteStream;
+use kvd_front::front::{Admission, Resumed};
 use kvd_front::log::{ClientGuard, Read, StreamLog, changed};
-use kvd_front::sse::parse_event_id;
+use kvd_front::openai::{Api, Collector, Kind, error_body, status_of};
+use kvd_front::sse::{frame_data, parse_event_id};
 use serde_json::{Value, json};
 
 use crate::Error;
@@ -24,28 +37,28 @@ use crate::control::RequestId;
 pub fn routes(front: Arc<Front>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
         .route("/v1/streams/{id}", get(resume))
         .route("/status", get(status))
-        .layer(DefaultBodyLimit::max(crate::MAX_BODY_BYTES))
+        // the handlers read the body themselves, up to --max-body-bytes
+        .layer(DefaultBodyLimit::disable())
         .with_state(front)
 }
 
-fn error_json(status: StatusCode, kind: &str, message: &str) -> Response {
-    (
-        status,
-        axum::Json(json!({"error": {"message": message, "type": kind, "code": status.as_u16()}})),
-    )
-        .into_response()
+fn error_json(status: StatusCode, message: &str) -> Response {
+    (status, axum::Json(error_body(status.as_u16(), message))).into_response()
 }
 
 fn refusal(e: &Error) -> Response {
-    let status = match e {
-        Error::InvalidArgument(_) | Error::Protocol(_) => StatusCode::BAD_REQUEST,
-        Error::NotFound(_) => StatusCode::NOT_FOUND,
-        Error::NoSpace { .. } | Error::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-        _ => StatusCode::SERVICE_UNAVAILABLE,
-    };
-    error_json(status, "kvd_front", &e.to_string())
+    let (code, retry) = status_of(e);
+    let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut r = error_json(status, &e.to_string());
+    if let Some(s) = retry {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from(s));
+    }
+    r
 }
 
 /// A client reading a log.
@@ -55,6 +68,9 @@ struct Sub {
     rx: tokio::sync::watch::Receiver<u64>,
     _guard: ClientGuard,
     ended: bool,
+    /// The client reads SSE `id:` lines (otherwise they are left out, as OpenAI's stream has
+    /// none: the `kvd` field of each event says the same).
+    ids: bool,
 }
 
 /// The next bytes for the client: frames, an error for frames no longer kept, a keep-alive;
@@ -75,7 +91,12 @@ async fn next_chunk(mut s: Sub) -> Option<(Result<Bytes, std::convert::Infallibl
                 s.next += frames.len() as u64;
                 let mut out = String::with_capacity(frames.iter().map(|f| f.len()).sum());
                 for f in &frames {
-                    out.push_str(f);
+                    match f.split_once('\n') {
+                        Some((first, rest)) if !s.ids && first.starts_with("id: ") => {
+                            out.push_str(rest);
+                        }
+                        _ => out.push_str(f),
+                    }
                 }
                 return Some((Ok(Bytes::from(out)), s));
             }
@@ -93,7 +114,7 @@ async fn next_chunk(mut s: Sub) -> Option<(Result<Bytes, std::convert::Infallibl
 }
 
 /// An SSE answer that reads `log` from `from` on, holding `guard` while the client reads.
-fn sse(id: RequestId, log: Arc<StreamLog>, from: u64, guard: ClientGuard) -> Response {
+fn sse(id: RequestId, log: Arc<StreamLog>, from: u64, guard: ClientGuard, ids: bool) -> Response {
     let rx = log.subscribe();
     let sub = Sub {
         log,
@@ -101,6 +122,7 @@ fn sse(id: RequestId, log: Arc<StreamLog>, from: u64, guard: ClientGuard) -> Res
         rx,
         _guard: guard,
         ended: false,
+        ids,
     };
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
@@ -112,48 +134,272 @@ fn sse(id: RequestId, log: Arc<StreamLog>, from: u64, guard: ClientGuard) -> Res
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
-fn resume_from(f: &Front, id: RequestId, from: u64) -> Response {
-    match f.open(id) {
-        Some((log, guard)) => sse(id, log, from, guard),
-        None => error_json(
-            StatusCode::NOT_FOUND,
-            "kvd_front",
-            &format!("no stream {id} (finished streams are kept for --retain-ms)"),
-        ),
+/// Whether the client reads SSE `id:` lines: it accepts `text/event-stream` (as EventSource
+/// and SSE libraries say), or asks with `x-kvd-event-ids: on`. OpenAI's streams have no `id:`
+/// lines, and clients that read one `data:` line per event (vLLM's benchmark) would choke on
+/// them; such clients resume from the `kvd` field every event carries.
+fn wants_ids(headers: &HeaderMap) -> bool {
+    let has = |h: &str, v: &str| {
+        headers
+            .get(h)
+            .and_then(|x| x.to_str().ok())
+            .is_some_and(|x| x.to_ascii_lowercase().contains(v))
+    };
+    has("accept", "text/event-stream") || has("x-kvd-event-ids", "on")
+}
+
+/// A client resumes stream `id` from event `from` (`tokens`: what it has, from its
+/// `Last-Event-ID`): here if this front serves it, taken over if its front died, relayed from
+/// its front if that one lives.
+async fn resume_from(
+    f: &Arc<Front>,
+    id: RequestId,
+    from: u64,
+    tokens: Option<usize>,
+    ids: bool,
+) -> Response {
+    if let Some((log, guard)) = f.open(id) {
+        return sse(id, log, from, guard, ids);
     }
+    match f.take_over(id, from, tokens).await {
+        Ok(Resumed::Here((id, log, guard))) => first_event(id, log, guard, ids, from).await,
+        Ok(Resumed::At(addr)) => relay_from(&addr, id, from, tokens, ids).await,
+        Err(e) => refusal(&e),
+    }
+}
+
+/// The stream as the front that serves it answers a resume (the client came here instead).
+async fn relay_from(
+    addr: &str,
+    id: RequestId,
+    from: u64,
+    tokens: Option<usize>,
+    ids: bool,
+) -> Response {
+    let ep: kvd_front::http::Endpoint = match format!("http://{addr}").parse() {
+        Ok(ep) => ep,
+        Err(e) => return refusal(&e),
+    };
+    let mut headers = vec![(
+        "x-kvd-event-ids",
+        if ids { "on" } else { "off" }.to_string(),
+    )];
+    if from > 0 {
+        let last = match tokens {
+            Some(t) => format!("{id}-{}-{t}", from - 1),
+            None => format!("{id}-{}", from - 1),
+        };
+        headers.push(("last-event-id", last));
+    }
+    let path = format!("/v1/streams/{id}");
+    let (status, body) =
+        match kvd_front::http::get_stream(&ep, &path, &headers, std::time::Duration::from_secs(10))
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => return refusal(&e),
+        };
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let stream = bytes_stream(body);
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header("x-kvd-request-id", id.to_string())
+        .header("x-kvd-relayed-from", addr)
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
 fn last_event_id(headers: &HeaderMap) -> Option<&str> {
     headers.get("last-event-id").and_then(|v| v.to_str().ok())
 }
 
-async fn completions(State(f): State<Arc<Front>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn completions(State(f): State<Arc<Front>>, headers: HeaderMap, body: Body) -> Response {
+    serve(f, headers, body, Kind::Completion).await
+}
+
+async fn chat_completions(State(f): State<Arc<Front>>, headers: HeaderMap, body: Body) -> Response {
+    serve(f, headers, body, Kind::Chat).await
+}
+
+/// A client's request: resumed (`Last-Event-ID`), run by the front (a stream, or one answer
+/// at the end), or served by one engine as it is.
+async fn serve(f: Arc<Front>, headers: HeaderMap, body: Body, kind: Kind) -> Response {
+    let ids = wants_ids(&headers);
     if let Some(v) = last_event_id(&headers) {
         return match parse_event_id(v) {
-            Some((id, seq)) => resume_from(&f, id, seq + 1),
+            Some(ev) => resume_from(&f, ev.request, ev.seq + 1, ev.tokens, ids).await,
             None => error_json(
                 StatusCode::BAD_REQUEST,
-                "kvd_front",
-                &format!("Last-Event-ID {v:?}: expected REQUEST-SEQ as this front sends"),
+                &format!("Last-Event-ID {v:?}: expected REQUEST-SEQ-TOKENS as this front sends"),
             ),
         };
     }
+    let refused = |f: &Front, r: Response| {
+        f.hub().count_front(|s| s.streams_refused += 1);
+        r
+    };
+    let limit = f.args().max_body_bytes;
+    let body = match axum::body::to_bytes(body, limit).await {
+        Ok(b) => b,
+        Err(e) => {
+            let msg = format!("the body is over --max-body-bytes ({limit}) or broke: {e}");
+            return refused(&f, error_json(StatusCode::PAYLOAD_TOO_LARGE, &msg));
+        }
+    };
     let body: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => {
-            return error_json(
-                StatusCode::BAD_REQUEST,
-                "kvd_front",
-                &format!("the body is not JSON: {e}"),
-            );
+            let msg = format!("the body is not JSON: {e}");
+            return refused(&f, error_json(StatusCode::BAD_REQUEST, &msg));
         }
     };
-    match f.admit(body).await {
-        Ok((id, log, guard)) => sse(id, log, 0, guard),
-        Err(e) => {
-            f.hub().count_front(|s| s.streams_refused += 1);
-            refusal(&e)
+    let stream = body.get("stream").and_then(Value::as_bool) == Some(true);
+    match f.admit(body, Api { kind, stream }).await {
+        Ok(Admission::Front((id, log, guard))) if stream => {
+            first_event(id, log, guard, ids, 0).await
         }
+        Ok(Admission::Front((id, log, guard))) => whole(&f, kind, id, log, guard).await,
+        Ok(Admission::Direct {
+            worker,
+            body,
+            reason,
+        }) => direct(&f, worker, kind, body, &reason).await,
+        Err(e) => refused(&f, refusal(&e)),
+    }
+}
+
+/// The frames of `log` from `from` on, waiting for more while the stream runs (`None`: it
+/// ended; `Err`: frames were dropped before `from`).
+async fn frames_from(
+    log: &StreamLog,
+    from: u64,
+    rx: &mut tokio::sync::watch::Receiver<u64>,
+) -> Result<Option<Vec<Arc<str>>>, u64> {
+    loop {
+        rx.borrow_and_update();
+        match log.read(from) {
+            Read::Gone(first) => return Err(first),
+            Read::Frames(frames, _) if !frames.is_empty() => return Ok(Some(frames)),
+            Read::Frames(_, true) => return Ok(None),
+            Read::Frames(_, false) => {
+                let _ = tokio::time::timeout(KEEPALIVE, changed(rx)).await;
+            }
+        }
+    }
+}
+
+/// A stream's answer once its log has a first event: an engine's refusal (an error event
+/// with a 4xx code first) is answered with its status, as the engine itself would.
+async fn first_event(
+    id: RequestId,
+    log: Arc<StreamLog>,
+    guard: ClientGuard,
+    ids: bool,
+    from: u64,
+) -> Response {
+    let mut rx = log.subscribe();
+    if let Ok(Some(frames)) = frames_from(&log, from, &mut rx).await
+        && let Some(data) = frames.first().and_then(|fr| frame_data(fr))
+        && let Ok(v) = serde_json::from_str::<Value>(data)
+        && let Some(code) = v["error"]["code"].as_u64()
+        && (400..500).contains(&code)
+    {
+        let status = StatusCode::from_u16(code as u16).unwrap_or(StatusCode::BAD_REQUEST);
+        return (status, axum::Json(json!({"error": v["error"]}))).into_response();
+    }
+    sse(id, log, from, guard, ids)
+}
+
+/// One answer at the end: the log read to its end and collected.
+async fn whole(
+    f: &Front,
+    kind: Kind,
+    id: RequestId,
+    log: Arc<StreamLog>,
+    _guard: ClientGuard,
+) -> Response {
+    let mut rx = log.subscribe();
+    let mut c = Collector::new(kind, id);
+    let mut next = 0;
+    loop {
+        match frames_from(&log, next, &mut rx).await {
+            Ok(Some(frames)) => {
+                next += frames.len() as u64;
+                for fr in &frames {
+                    if let Some(d) = frame_data(fr) {
+                        c.add(d);
+                    }
+                }
+            }
+            Ok(None) => break,
+            Err(first) => {
+                let msg =
+                    format!("the answer's events before {first} were dropped (--max-stream-bytes)");
+                return error_json(StatusCode::INTERNAL_SERVER_ERROR, &msg);
+            }
+        }
+    }
+    f.hub().count_front(|s| s.answered_whole += 1);
+    let mut r = match c.answer() {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => {
+            let code = e["code"]
+                .as_u64()
+                .and_then(|c| u16::try_from(c).ok())
+                .unwrap_or(500);
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            (status, axum::Json(json!({ "error": e }))).into_response()
+        }
+    };
+    if let Ok(v) = header::HeaderValue::from_str(&id.to_string()) {
+        r.headers_mut().insert("x-kvd-request-id", v);
+    }
+    r
+}
+
+/// A body one engine serves as it is: its answer, relayed as it comes.
+async fn direct(f: &Front, worker: u32, kind: Kind, body: Vec<u8>, reason: &str) -> Response {
+    let forwarded = match f.engines_forward(worker, kind.path(), body).await {
+        Ok(fw) => fw,
+        Err(e) => return refusal(&e),
+    };
+    let status = StatusCode::from_u16(forwarded.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut b = Response::builder()
+        .status(status)
+        .header("x-kvd-recovery", "off")
+        .header(
+            "x-kvd-recovery-reason",
+            header::HeaderValue::from_str(reason)
+                .unwrap_or(header::HeaderValue::from_static("see the front's log")),
+        );
+    if let Some(ct) = &forwarded.content_type {
+        b = b.header(header::CONTENT_TYPE, ct.as_str());
+    }
+    b.body(Body::from_stream(bytes_stream(forwarded.body)))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// A body read as it comes, as a stream for axum.
+fn bytes_stream(
+    body: Box<dyn ByteStream>,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send {
+    futures_util::stream::unfold(body, |mut body| async move {
+        match body.next().await {
+            Ok(Some(bytes)) => Some((Ok(Bytes::from(bytes)), body)),
+            Ok(None) => None,
+            Err(e) => Some((Err(std::io::Error::other(e.to_string())), body)),
+        }
+    })
+}
+
+/// `GET /v1/models`: what the engines serve, as one of them says.
+async fn models(State(f): State<Arc<Front>>) -> Response {
+    match f.any_models().await {
+        Some(m) => axum::Json(m.list).into_response(),
+        None => refusal(&Error::Unavailable(
+            "no engine in service says what it serves (GET /v1/models)".into(),
+        )),
     }
 }
 
@@ -162,20 +408,19 @@ async fn resume(
     Path(id): Path<RequestId>,
     headers: HeaderMap,
 ) -> Response {
-    let from = match last_event_id(&headers) {
-        None => 0,
+    let (from, tokens) = match last_event_id(&headers) {
+        None => (0, Some(0)),
         Some(v) => match parse_event_id(v) {
-            Some((rid, seq)) if rid == id => seq + 1,
+            Some(ev) if ev.request == id => (ev.seq + 1, ev.tokens),
             _ => {
                 return error_json(
                     StatusCode::BAD_REQUEST,
-                    "kvd_front",
                     &format!("Last-Event-ID {v:?} is not an event of stream {id}"),
                 );
             }
         },
     };
-    resume_from(&f, id, from)
+    resume_from(&f, id, from, tokens, wants_ids(&headers)).await
 }
 
 /// `GET /status`: the controller's counters, the front's, its running streams and its last

@@ -18,9 +18,10 @@
 //! | GET    | `/snapshot`          | → the whole state ([`crate::control::ControllerSnapshot`])          |
 //!
 //! With `--engine ID=URL` it also serves the streaming front ([`kvd_front`], its routes in
-//! [`crate::front`]):
-//! `POST /v1/completions` (OpenAI-compatible, streaming), `GET /v1/streams/{id}` (resume with
-//! `Last-Event-ID`) and `GET /status`.
+//! [`crate::front`]): OpenAI's `POST /v1/completions`, `POST /v1/chat/completions` (streaming or
+//! not) and `GET /v1/models`; `GET /v1/streams/{id}` (resume with `Last-Event-ID`) and
+//! `GET /status`. With `--etcd`, several such services are replicas of one another
+//! ([`crate::replicas`]).
 //!
 //! Errors answer with an HTTP status and `{"code": <kvd status code>, "error": "<message>"}`;
 //! inside a batch each event has its own `{"ok": …}` entry. Request bodies are capped at
@@ -35,11 +36,13 @@
 //! ```text
 //!  lib.rs         the controller's HTTP/JSON API, start-up (run), the snapshot
 //!  membership.rs  the nodes' registrations in etcd as worker events; the snapshot kept there
+//!  replicas.rs    several `kvd control`s: registration, the elected leader, the streams' records
 //!  front.rs       the streaming front's routes and SSE bodies over kvd-front
 //! ```
 
 pub mod front;
 pub mod membership;
+pub mod replicas;
 
 pub(crate) use kvd_control as control;
 pub(crate) use kvd_core::clock;
@@ -99,6 +102,10 @@ pub struct ControlArgs {
     /// How to reach etcd (cluster mode), as for `kvd serve`.
     #[command(flatten)]
     pub etcd: kvd_cluster::EtcdArgs,
+    /// With --etcd: the lease of this replica's registration and of its lead, ms. Another
+    /// replica takes over this one's streams (and the lead) once it has been gone this long.
+    #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1000..=60_000))]
+    pub replica_lease_ttl_ms: u64,
     /// The streaming front (`--engine` turns it on; `--prefill-engine` adds P/D).
     #[command(flatten)]
     pub front: kvd_front::FrontArgs,
@@ -467,6 +474,78 @@ pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u6
     }
 }
 
+/// The controller to start with, and etcd's credentials in cluster mode: without a front, the
+/// last snapshot in etcd, if any, wins over a fresh controller; a front's requests live in
+/// their streams' records instead (taken over one by one when a client resumes), so a
+/// `kvd control` with a front starts fresh.
+async fn starting_state(
+    args: &ControlArgs,
+    controller: Controller,
+    offset: u64,
+) -> Result<(Controller, u64, Option<crate::membership::Security>)> {
+    if !args.etcd.is_on() {
+        return Ok((controller, offset, None));
+    }
+    let security = Arc::new(args.etcd.security()?);
+    if !args.front.engines.is_empty() {
+        return Ok((controller, offset, Some(security)));
+    }
+    let snap =
+        crate::membership::load_snapshot(&args.etcd.etcd, &args.etcd.prefix(), &security).await?;
+    let Some(snap) = snap else {
+        return Ok((controller, offset, Some(security)));
+    };
+    let snap_offset = snapshot_offset(&snap);
+    match Controller::from_snapshot(snap) {
+        Ok(c) => {
+            println!("kvd control resumed from the snapshot in etcd");
+            Ok((c, snap_offset, Some(security)))
+        }
+        Err(e) => {
+            eprintln!("kvd control: the snapshot in etcd is unusable ({e}); starting fresh");
+            Ok((controller, snap_offset, Some(security)))
+        }
+    }
+}
+
+/// The streaming front over `--engine`'s engines, its tasks started, its streams' records
+/// kept with the replicas.
+fn start_front(
+    args: &ControlArgs,
+    shared: &Arc<Hub>,
+    replicas: Option<&Arc<crate::replicas::Replicas>>,
+) -> Result<Arc<kvd_front::Front>> {
+    use kvd_front::engine::Engines as _;
+    let engines = Arc::new(kvd_front::http::HttpEngines::with_prefill(
+        &args.front.engines,
+        &args.front.prefill_engines,
+        args.front.engine_timeout(),
+    )?);
+    // P/D's prefill nodes stay out of the controller's pool: no decode is placed or
+    // recovered on them, and they hold no checkpoint
+    shared.keep_outside_the_pool(engines.prefill_workers().into_iter().map(u64::from));
+    let holders = Arc::new(kvd_front::http::HttpHolders::new(Arc::clone(shared)));
+    let front = kvd_front::Front::new(Arc::clone(shared), args.front.clone(), engines, holders);
+    front.spawn_health_watch();
+    front.spawn_cache_feed();
+    if let Some(r) = replicas {
+        front.set_records(Arc::clone(r) as Arc<dyn kvd_front::engine::Records>);
+        r.set_front(Arc::clone(&front));
+    }
+    println!(
+        "kvd control: the front serves /v1/completions, /v1/chat/completions and /v1/models for {} engines",
+        args.front.engines.len()
+    );
+    if args.front.pd() {
+        println!(
+            "kvd control: P/D: {} prefill engines prefill, the {} engines decode",
+            args.front.prefill_engines.len(),
+            args.front.engines.len()
+        );
+    }
+    Ok(front)
+}
+
 /// Run `kvd control` until Ctrl-C. Prints `kvd control listening on ADDR` once bound.
 pub fn run(args: ControlArgs) -> std::process::ExitCode {
     let (controller, offset) = match controller_from_args(&args) {
@@ -488,64 +567,37 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
         }
     };
     let result: std::io::Result<()> = rt.block_on(async move {
-        // in cluster mode the last snapshot in etcd, if any, wins over a fresh controller
-        let mut etcd_security = None;
-        let (controller, offset) = if !args.etcd.is_on() {
-            (controller, offset)
-        } else {
-            let security = args.etcd.security();
-            let security = match security {
-                Ok(s) => Arc::new(s),
+        let (controller, offset, etcd_security) =
+            match starting_state(&args, controller, offset).await {
+                Ok(s) => s,
                 Err(e) => {
                     eprintln!("kvd control: {e}");
                     return Err(std::io::Error::other(e.to_string()));
                 }
             };
-            etcd_security = Some(Arc::clone(&security));
-            match crate::membership::load_snapshot(&args.etcd.etcd, &args.etcd.prefix(), &security).await {
-                Ok(Some(snap)) => {
-                    let offset = snapshot_offset(&snap);
-                    match Controller::from_snapshot(snap) {
-                        Ok(c) => {
-                            println!("kvd control resumed from the snapshot in etcd");
-                            (c, offset)
-                        }
-                        Err(e) => {
-                            eprintln!("kvd control: the snapshot in etcd is unusable ({e}); starting fresh");
-                            (controller, offset)
-                        }
-                    }
-                }
-                Ok(None) => (controller, offset),
-                Err(e) => {
-                    eprintln!("kvd control: {e}");
-                    return Err(std::io::Error::other(e.to_string()));
-                }
-            }
-        };
         let shared = hub(controller, offset);
+        let listener = tokio::net::TcpListener::bind(args.listen).await?;
+        let addr = listener.local_addr()?;
+        let replicas = args.etcd.is_on().then(|| {
+            crate::replicas::Replicas::start(
+                args.etcd.etcd.clone(),
+                args.etcd.prefix(),
+                etcd_security.clone().unwrap_or_default(),
+                addr.to_string(),
+                args.replica_lease_ttl_ms,
+                args.front.reconnect_grace_ms + args.replica_lease_ttl_ms,
+            )
+        });
         let mut app = routes(Arc::clone(&shared));
         if !args.front.engines.is_empty() {
-            let engines = match kvd_front::http::HttpEngines::with_prefill(&args.front.engines, &args.front.prefill_engines, args.front.engine_timeout()) {
-                Ok(e) => Arc::new(e),
+            let front = match start_front(&args, &shared, replicas.as_ref()) {
+                Ok(f) => f,
                 Err(e) => {
                     eprintln!("kvd control: {e}");
                     return Err(std::io::Error::other(e.to_string()));
                 }
             };
-            // P/D's prefill nodes stay out of the controller's pool: no decode is placed or
-            // recovered on them, and they hold no checkpoint
-            use kvd_front::engine::Engines as _;
-            shared.keep_outside_the_pool(engines.prefill_workers().into_iter().map(u64::from));
-            let holders = Arc::new(kvd_front::http::HttpHolders::new(Arc::clone(&shared)));
-            let front = kvd_front::Front::new(Arc::clone(&shared), args.front.clone(), engines, holders);
-            front.spawn_health_watch();
-            front.spawn_cache_feed();
             app = app.merge(crate::front::routes(front));
-            println!("kvd control: the streaming front serves POST /v1/completions for {} engines", args.front.engines.len());
-            if args.front.pd() {
-                println!("kvd control: P/D: {} prefill engines prefill, the {} engines decode", args.front.prefill_engines.len(), args.front.engines.len());
-            }
         }
         if args.etcd.is_on() {
             tokio::spawn(crate::membership::run(
@@ -553,10 +605,10 @@ pub fn run(args: ControlArgs) -> std::process::ExitCode {
                 args.etcd.prefix(),
                 etcd_security.unwrap_or_default(),
                 Arc::clone(&shared),
+                replicas,
             ));
         }
-        let listener = tokio::net::TcpListener::bind(args.listen).await?;
-        println!("kvd control listening on {}", listener.local_addr()?);
+        println!("kvd control listening on {addr}");
         use std::io::Write;
         std::io::stdout().flush()?;
         axum::serve(listener, app)

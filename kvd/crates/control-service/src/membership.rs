@@ -10,8 +10,10 @@
 //! not registered fail; registered ones it lacks join), never from missed deltas.
 //!
 //! The controller's snapshot is written to `<prefix>/control/snapshot` after every change
-//! (at most once a second), so a restarted `kvd control` resumes from it; the requests it
-//! restores keep their epochs, so none is planned twice.
+//! (at most once a second) by the elected leader among the replicas (replicas.rs), so a
+//! restarted `kvd control` resumes from it; the requests it restores keep their epochs, so
+//! none is planned twice. (A `kvd control` with a front starts fresh instead: its requests are
+//! taken over from their streams' records.)
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -21,6 +23,8 @@ use crate::control::{ControllerSnapshot, Event, WorkerId};
 use crate::{Error, Result};
 use kvd_cluster::{Etcd, NodeChange, Registration};
 use kvd_front::Hub;
+
+use crate::replicas::Replicas;
 
 /// etcd authentication and TLS, as [`kvd_cluster::EtcdArgs::security`] reads them.
 pub type Security = Arc<kvd_cluster::EtcdSecurity>;
@@ -62,11 +66,18 @@ struct Seen {
 
 /// Feed `shared` from the membership in etcd and keep its snapshot there, until the process
 /// ends (reconnecting with a bounded backoff).
-pub async fn run(endpoints: Vec<String>, prefix: String, security: Security, shared: Arc<Hub>) {
+pub async fn run(
+    endpoints: Vec<String>,
+    prefix: String,
+    security: Security,
+    shared: Arc<Hub>,
+    replicas: Option<Arc<Replicas>>,
+) {
     let mut seen = Seen::default();
     let mut backoff = Duration::from_millis(100);
+    let leads = move || replicas.as_ref().is_none_or(|r| r.is_leader());
     loop {
-        if let Err(e) = session(&endpoints, &prefix, &security, &shared, &mut seen).await {
+        if let Err(e) = session(&endpoints, &prefix, &security, &shared, &mut seen, &leads).await {
             tracing::warn!(error = %e, "control: etcd session ended; reconnecting");
         }
         tokio::time::sleep(backoff).await;
@@ -152,6 +163,7 @@ async fn session(
     security: &Security,
     shared: &Arc<Hub>,
     seen: &mut Seen,
+    leads: &(dyn Fn() -> bool + Send + Sync),
 ) -> Result<()> {
     let mut etcd = Etcd::connect(endpoints, security, ETCD_TIMEOUT).await?;
     let (registered_now, mut watch) = etcd.watch_nodes(prefix).await?;
@@ -185,8 +197,9 @@ async fn session(
                     }
                 }
             }
-            _ = tick.tick() => {
-                // the snapshot, when it changed (one write a second at most)
+            _ = tick.tick(), if leads() => {
+                // the snapshot, when it changed (one write a second at most), by the leader
+                // alone: one writer however many replicas run
                 let snap = serde_json::to_string(&shared.snapshot())
                     .map_err(|e| Error::Protocol(e.to_string()))?;
                 if snap != last_written {

@@ -44,7 +44,7 @@ pub struct FrontArgs {
     /// A request's deadline from its arrival, ms; recovery never runs past it.
     #[arg(long, default_value_t = 600_000)]
     pub request_deadline_ms: u64,
-    /// Requests streaming at once; past it new requests get 429. As many finished streams
+    /// Requests streaming at once; past it new requests get 503 with Retry-After. As many finished streams
     /// are kept for clients that reconnect late (each at most --retain-ms; past that bound the
     /// oldest goes first).
     #[arg(long, default_value_t = 256)]
@@ -52,6 +52,9 @@ pub struct FrontArgs {
     /// Bytes of events kept per stream for clients that reconnect; past it the oldest go.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_stream_bytes: usize,
+    /// Largest request body, bytes; a larger one gets 413 and admits nothing.
+    #[arg(long, default_value_t = 16 << 20)]
+    pub max_body_bytes: usize,
     /// Cache-aware routing.
     #[command(flatten)]
     pub route: RouteArgs,

@@ -44,6 +44,8 @@ pub struct Driver {
     /// P/D: the prefill in flight, with its epoch.
     prefill: Option<(Epoch, PrefillCall)>,
     clients: u32,
+    /// With replicas: the request's record, kept again whenever its epoch moves.
+    record: Option<serde_json::Value>,
 }
 
 impl Driver {
@@ -55,7 +57,14 @@ impl Driver {
             stream: None,
             prefill: None,
             clients: 1,
+            record: None,
         }
+    }
+
+    /// Keep the request's record for the other replicas, now and whenever its epoch moves.
+    pub fn keep_record(&mut self, record: serde_json::Value) {
+        self.front.keep_record(self.m.id(), &record);
+        self.record = Some(record);
     }
 
     /// Run the request to its end.
@@ -109,6 +118,7 @@ impl Driver {
         while let Some(input) = queue.pop_front() {
             let actions = self.m.on(input, self.front.hub().now_ms());
             self.front.set_active(&self.m);
+            self.record_epoch();
             for a in actions {
                 if let Some(next) = self.act(a).await {
                     queue.push_back(next);
@@ -116,6 +126,21 @@ impl Driver {
             }
             assert!(queue.len() <= FOLLOW_UPS_MAX, "a bounded chain of answers");
         }
+    }
+
+    /// The epoch moved (a recovery's new attempt): the record names it and its holder, whose
+    /// checkpoint another front would load.
+    fn record_epoch(&mut self) {
+        let (epoch, holder) = (self.m.epoch(), self.m.active().holder);
+        let Some(r) = self.record.as_mut() else {
+            return;
+        };
+        if r["epoch"].as_u64() == Some(epoch) || self.m.state().is_terminal() {
+            return;
+        }
+        r["epoch"] = serde_json::json!(epoch);
+        r["holder"] = serde_json::json!(holder);
+        self.front.keep_record(self.m.id(), r);
     }
 
     async fn act(&mut self, a: Action) -> Option<Input> {
@@ -154,6 +179,10 @@ impl Driver {
             Action::PickPrefill { epoch, tried } => {
                 let worker = f.pick_prefill(&tried);
                 return Some(Input::PrefillWorker { epoch, worker });
+            }
+            Action::CatchUp(at) => {
+                let epoch = at.epoch;
+                self.prefill = Some((epoch, PrefillCall(Box::pin(catch_up(f, at)))));
             }
             Action::Prefill(at) => {
                 // counted in its worker's load from now, so the next pick sees it
@@ -233,11 +262,14 @@ impl Driver {
             }
             Ok(Ok(Opened::Refused { status, text })) => Some(Input::EngineFailed {
                 epoch,
-                reason: format!("the engine refused the request ({status}): {text}"),
+                reason: refusal_message(status, &text),
+                status: Some(status),
             }),
-            Ok(Err(kvd_core::Error::NotFound(reason))) => {
-                Some(Input::EngineFailed { epoch, reason })
-            }
+            Ok(Err(kvd_core::Error::NotFound(reason))) => Some(Input::EngineFailed {
+                epoch,
+                reason,
+                status: None,
+            }),
             Ok(Err(e)) => Some(Input::EngineBroken {
                 epoch,
                 reason: e.to_string(),
@@ -323,6 +355,56 @@ async fn prefill(front: Arc<Front>, at: Attempt, _running: PrefillSlot) -> Input
 }
 
 /// The prefill's answer (never, without one); the prefill is done with then.
+/// A taken-over stream's catch-up: a completion without a stream, as the machine's input.
+async fn catch_up(front: Arc<Front>, at: Attempt) -> Input {
+    let epoch = at.epoch;
+    let name = front.engines().name(at.worker);
+    let t = front.args().engine_timeout();
+    let body = at.body.to_string().into_bytes();
+    let call = async {
+        let mut fw = front
+            .engines()
+            .forward(at.worker, "/v1/completions", body)
+            .await?;
+        let mut bytes = Vec::new();
+        while let Some(b) = fw.body.next().await? {
+            if bytes.len() + b.len() > crate::http::MAX_JSON_BYTES {
+                return Err(kvd_core::Error::Protocol(
+                    "a catch-up answer past its bound".into(),
+                ));
+            }
+            bytes.extend_from_slice(&b);
+        }
+        Ok((fw.status, bytes))
+    };
+    match timeout(t, call).await {
+        Ok(Ok((status, b))) if (200..300).contains(&status) => match serde_json::from_slice(&b) {
+            Ok(answer) => Input::CaughtUp { epoch, answer },
+            Err(e) => Input::EngineBroken {
+                epoch,
+                reason: format!("{name}: the catch-up's answer is not JSON: {e}"),
+            },
+        },
+        Ok(Ok((status, b))) if status < 500 => Input::EngineFailed {
+            epoch,
+            reason: refusal_message(status, &String::from_utf8_lossy(&b)),
+            status: Some(status),
+        },
+        Ok(Ok((status, _))) => Input::EngineBroken {
+            epoch,
+            reason: format!("{name} answered the catch-up {status}"),
+        },
+        Ok(Err(e)) => Input::EngineBroken {
+            epoch,
+            reason: e.to_string(),
+        },
+        Err(_) => Input::EngineBroken {
+            epoch,
+            reason: format!("{name}: no catch-up answer within {} ms", t.as_millis()),
+        },
+    }
+}
+
 async fn prefill_answer(p: &mut Option<(Epoch, PrefillCall)>) -> Input {
     let Some((_, call)) = p.as_mut() else {
         return std::future::pending().await;
@@ -337,4 +419,13 @@ async fn sleep_opt(d: Option<Duration>) {
         Some(d) => sleep(d).await,
         None => std::future::pending::<()>().await,
     }
+}
+
+/// What an engine said when it refused a request: its error's message (vLLM answers in
+/// OpenAI's error shape), else its text.
+fn refusal_message(status: u16, text: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(text)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+        .unwrap_or_else(|| format!("the engine refused the request ({status}): {text}"))
 }

@@ -49,6 +49,26 @@ pub enum PrefillAnswer {
     },
 }
 
+/// An engine's answer to a forwarded body: its head, and its body as it comes.
+#[derive(Debug)]
+pub struct Forwarded {
+    /// The HTTP status.
+    pub status: u16,
+    /// Its `Content-Type`.
+    pub content_type: Option<String>,
+    /// The body.
+    pub body: Box<dyn ByteStream>,
+}
+
+/// A body read as it comes.
+pub trait ByteStream: Send + Debug {
+    /// The next bytes; `Ok(None)` at the end.
+    ///
+    /// # Errors
+    /// The connection broke.
+    fn next(&mut self) -> BoxFuture<'_, Result<Option<Vec<u8>>>>;
+}
+
 /// One completion's event stream (OpenAI's `data:` events, `[DONE]` last).
 pub trait EventStream: Send + Debug {
     /// The next event's data; `Ok(None)` when the engine closed the stream cleanly.
@@ -66,16 +86,39 @@ pub trait Engines: Send + Sync + Debug {
     /// How to name `worker`'s engine in messages (its address).
     fn name(&self, worker: WorkerId) -> String;
 
-    /// The prompt's token ids, as `worker`'s engine tokenizes `text` for `model`.
+    /// The prompt's token ids, as `worker`'s engine tokenizes `body` (vLLM's `/tokenize` body:
+    /// `model` with a `prompt`, or a chat's `messages` and the fields that shape their
+    /// rendering, which the engine's chat template renders).
     ///
     /// # Errors
-    /// The engine is unreachable, or refuses (a bad model name: [`kvd_core::Error::InvalidArgument`]).
-    fn tokenize(
+    /// The engine is unreachable, or refuses (a bad model name or messages:
+    /// [`kvd_core::Error::InvalidArgument`]).
+    fn tokenize(&self, worker: WorkerId, body: Value) -> BoxFuture<'_, Result<Vec<u32>>>;
+
+    /// What `worker`'s engine serves: its `GET /v1/models` answer.
+    ///
+    /// # Errors
+    /// The engine is unreachable or does not say.
+    fn models(&self, worker: WorkerId) -> BoxFuture<'_, Result<Value>> {
+        let _ = worker;
+        Box::pin(async { Err(kvd_core::Error::Unavailable("no model list".into())) })
+    }
+
+    /// Send a client's body to `worker`'s engine as it is (`path`: `/v1/completions` or
+    /// `/v1/chat/completions`), for a request the front serves without recovery: the answer's
+    /// head and its body as it comes.
+    ///
+    /// # Errors
+    /// The engine is unreachable.
+    fn forward(
         &self,
         worker: WorkerId,
-        model: Value,
-        text: String,
-    ) -> BoxFuture<'_, Result<Vec<u32>>>;
+        path: &'static str,
+        body: Vec<u8>,
+    ) -> BoxFuture<'_, Result<Forwarded>> {
+        let _ = (worker, path, body);
+        Box::pin(async { Err(kvd_core::Error::Unavailable("no forwarding".into())) })
+    }
 
     /// Start a streaming completion of `body` (an OpenAI `/v1/completions` body with token-id
     /// prompt, `stream` and `return_token_ids` set, and kvd's `kv_transfer_params`).
@@ -157,5 +200,38 @@ pub trait Holders: Send + Sync + Debug {
     ) -> BoxFuture<'_, Result<crate::cache::EventsPage>> {
         let _ = (node, since, max);
         Box::pin(async { Err(kvd_core::Error::Unsupported("no event feed".into())) })
+    }
+}
+
+/// What another front answers about a stream it does not serve itself.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claim {
+    /// Its front is gone and this one owns it now: the record that front kept.
+    Taken(Value),
+    /// Its front lives, at this address: the client's resume goes there.
+    Owner(String),
+    /// No front keeps such a stream.
+    Unknown,
+}
+
+/// Where a front keeps, for each request it serves, what another front needs to take the stream
+/// over if this one dies: one record per request, written at admission and when its attempt's
+/// epoch moves, removed at its end (etcd, in `kvd control`). Nothing per token.
+pub trait Records: Send + Sync + Debug {
+    /// Keep `record` for `request`, owned by this front. Nothing waits for the write.
+    fn keep(&self, request: RequestId, record: Value);
+
+    /// `request` ended here: its record goes. Nothing waits for it.
+    fn forget(&self, request: RequestId);
+
+    /// Take `request` over, if the front that owns it is gone.
+    ///
+    /// # Errors
+    /// The store does not answer.
+    fn claim(&self, request: RequestId) -> BoxFuture<'_, Result<Claim>>;
+
+    /// What `/status` shows of the store and this front's place in it.
+    fn status(&self) -> Value {
+        Value::Null
     }
 }

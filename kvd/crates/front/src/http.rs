@@ -15,11 +15,13 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use kvd_control::{Epoch, RequestId, WorkerId};
 use kvd_core::{Error, Result};
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::net::TcpStream;
 
 use crate::config::PROBE_TIMEOUT;
-use crate::engine::{BoxFuture, Engines, EventStream, Held, Holders, Opened, PrefillAnswer};
+use crate::engine::{
+    BoxFuture, ByteStream, Engines, EventStream, Forwarded, Held, Holders, Opened, PrefillAnswer,
+};
 use crate::hub::Hub;
 use crate::sse::{EventBuffer, token_ids};
 
@@ -122,6 +124,36 @@ pub async fn send(
     body: Option<Vec<u8>>,
     timeout: Duration,
 ) -> Result<(StatusCode, Incoming)> {
+    let resp = send_for_response(ep, method, path, body, timeout).await?;
+    Ok((resp.status(), resp.into_body()))
+}
+
+/// As [`send`], the whole answer's head kept.
+///
+/// # Errors
+/// As [`send`].
+pub async fn send_for_response(
+    ep: &Endpoint,
+    method: Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+    timeout: Duration,
+) -> Result<hyper::Response<Incoming>> {
+    send_with_headers(ep, method, path, &[], body, timeout).await
+}
+
+/// As [`send_for_response`], with these headers too.
+///
+/// # Errors
+/// As [`send`].
+pub async fn send_with_headers(
+    ep: &Endpoint,
+    method: Method,
+    path: &str,
+    headers: &[(&str, String)],
+    body: Option<Vec<u8>>,
+    timeout: Duration,
+) -> Result<hyper::Response<Incoming>> {
     let go = async {
         let tcp = TcpStream::connect(&ep.authority)
             .await
@@ -141,14 +173,16 @@ pub async fn send(
         if body.is_some() {
             req = req.header(hyper::header::CONTENT_TYPE, "application/json");
         }
+        for (k, v) in headers {
+            req = req.header(*k, v.as_str());
+        }
         let req = req
             .body(Full::new(Bytes::from(body.unwrap_or_default())))
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        let resp = sender
+        sender
             .send_request(req)
             .await
-            .map_err(|e| unavailable(ep, "request", e))?;
-        Ok((resp.status(), resp.into_body()))
+            .map_err(|e| unavailable(ep, "request", e))
     };
     tokio::time::timeout(timeout, go).await.map_err(|_| {
         unavailable(
@@ -197,6 +231,58 @@ pub async fn call(
 ) -> Result<(StatusCode, Vec<u8>)> {
     let (status, b) = send(ep, method, path, body, timeout).await?;
     Ok((status, read_all(ep, b, timeout).await?))
+}
+
+/// A `GET` of `path` with `headers`: the answer's status, and its body as it comes (a stream
+/// another front serves, relayed).
+///
+/// # Errors
+/// As [`send`].
+pub async fn get_stream(
+    ep: &Endpoint,
+    path: &str,
+    headers: &[(&str, String)],
+    timeout: Duration,
+) -> Result<(u16, Box<dyn ByteStream>)> {
+    let resp = send_with_headers(ep, Method::GET, path, headers, None, timeout).await?;
+    let status = resp.status().as_u16();
+    Ok((
+        status,
+        Box::new(HttpBytes {
+            body: resp.into_body(),
+        }),
+    ))
+}
+
+/// The longest wait for a forwarded body's answer head (one without a stream comes whole).
+const FORWARD_HEAD_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// A forwarded answer's body, read as it comes.
+#[derive(Debug)]
+struct HttpBytes {
+    body: Incoming,
+}
+
+impl HttpBytes {
+    async fn next_bytes(&mut self) -> Result<Option<Vec<u8>>> {
+        loop {
+            match self.body.frame().await {
+                None => return Ok(None),
+                Some(Err(e)) => return Err(Error::Unavailable(format!("the answer broke: {e}"))),
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        return Ok(Some(data.to_vec()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl ByteStream for HttpBytes {
+    fn next(&mut self) -> BoxFuture<'_, Result<Option<Vec<u8>>>> {
+        Box::pin(self.next_bytes())
+    }
 }
 
 /// Reads `data:` events off a `text/event-stream` body.
@@ -308,9 +394,8 @@ impl HttpEngines {
             .map_err(|e| unavailable(ep, "prefill: the answer is not JSON", e))
     }
 
-    async fn tokenize_at(&self, worker: WorkerId, model: Value, text: String) -> Result<Vec<u32>> {
+    async fn tokenize_at(&self, worker: WorkerId, body: Value) -> Result<Vec<u32>> {
         let ep = self.endpoint(worker)?;
-        let body = json!({"model": model, "prompt": text});
         let (status, b) = call(
             ep,
             Method::POST,
@@ -328,6 +413,39 @@ impl HttpEngines {
         }
         token_ids(&v["tokens"])
             .ok_or_else(|| Error::Protocol(format!("{ep}/tokenize: no tokens in {v}")))
+    }
+
+    async fn models_at(&self, worker: WorkerId) -> Result<Value> {
+        let ep = self.endpoint(worker)?;
+        let (status, b) = call(ep, Method::GET, "/v1/models", None, self.timeout).await?;
+        if !status.is_success() {
+            return Err(Error::Unavailable(format!("{ep}/v1/models: {status}")));
+        }
+        serde_json::from_slice(&b).map_err(|e| Error::Protocol(format!("{ep}/v1/models: {e}")))
+    }
+
+    async fn forward_at(
+        &self,
+        worker: WorkerId,
+        path: &'static str,
+        body: Vec<u8>,
+    ) -> Result<Forwarded> {
+        let ep = self.endpoint(worker)?;
+        // the caller bounds the wait for a whole answer (the request's deadline)
+        let resp =
+            send_for_response(ep, Method::POST, path, Some(body), FORWARD_HEAD_TIMEOUT).await?;
+        let content_type = resp
+            .headers()
+            .get(hyper::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        Ok(Forwarded {
+            status: resp.status().as_u16(),
+            content_type,
+            body: Box::new(HttpBytes {
+                body: resp.into_body(),
+            }),
+        })
     }
 
     async fn complete_at(&self, worker: WorkerId, body: Value) -> Result<Opened> {
@@ -376,13 +494,21 @@ impl Engines for HttpEngines {
             .map_or_else(|| format!("worker {worker}"), ToString::to_string)
     }
 
-    fn tokenize(
+    fn tokenize(&self, worker: WorkerId, body: Value) -> BoxFuture<'_, Result<Vec<u32>>> {
+        Box::pin(self.tokenize_at(worker, body))
+    }
+
+    fn models(&self, worker: WorkerId) -> BoxFuture<'_, Result<Value>> {
+        Box::pin(self.models_at(worker))
+    }
+
+    fn forward(
         &self,
         worker: WorkerId,
-        model: Value,
-        text: String,
-    ) -> BoxFuture<'_, Result<Vec<u32>>> {
-        Box::pin(self.tokenize_at(worker, model, text))
+        path: &'static str,
+        body: Vec<u8>,
+    ) -> BoxFuture<'_, Result<Forwarded>> {
+        Box::pin(self.forward_at(worker, path, body))
     }
 
     fn complete(&self, worker: WorkerId, body: Value) -> BoxFuture<'_, Result<Opened>> {

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvd_control::{
-    Admission, AdmitRequest, Controller, ControllerSnapshot, Decision, Event, LoadTable,
+    Admission, AdmitRequest, Controller, ControllerSnapshot, Decision, Epoch, Event, LoadTable,
     RecoveryPlan, RequestId, RequestRecord, Stats, WorkerId,
 };
 use kvd_core::Result;
@@ -120,6 +120,16 @@ impl Hub {
     pub fn admit(&self, req: AdmitRequest) -> Result<Admission> {
         let now = self.now_ms();
         lock(&self.controller).admit(req, now)
+    }
+
+    /// Admit a request another front lost at `lost_epoch` (see
+    /// [`Controller::admit_taken_over`]).
+    ///
+    /// # Errors
+    /// Those of [`Controller::admit_taken_over`].
+    pub fn admit_taken_over(&self, req: AdmitRequest, lost_epoch: Epoch) -> Result<Admission> {
+        let now = self.now_ms();
+        lock(&self.controller).admit_taken_over(req, lost_epoch, now)
     }
 
     /// Fail `workers` now; the plan (its decisions also reach the front's requests).

@@ -1,12 +1,13 @@
-//! `kvd control`'s streaming front as a library: an OpenAI-compatible `/v1/completions`
-//! (streaming) that an application or gateway points at instead of one engine, and that keeps
-//! a request's stream going when the worker serving it dies (docs/CONTROL.md, "The streaming
+//! `kvd control`'s streaming front as a library: OpenAI's `/v1/completions` and
+//! `/v1/chat/completions` (streaming or not) that an application or gateway points at instead
+//! of one engine, and that keep a request going when the worker serving it dies, or when the
+//! front serving it dies and another replica takes it over (docs/CONTROL.md, "The streaming
 //! front").
 //!
 //! ```text
 //! client ──POST /v1/completions──▶ front ── admit (placement: worker, holder, epoch 1)
 //!    ▲                               │
-//!    │ id: R-0, R-1, …               ├─▶ worker's engine: Engines::complete (prompt ids,
+//!    │ id: R-0-1, R-1-2, …           ├─▶ worker's engine: Engines::complete (prompt ids,
 //!    │ (Last-Event-ID resumes)       │     kv_transfer_params.kvd.checkpoint {holder, R, epoch})
 //!    │                               │      └─ its connector streams each block to the holder
 //!    └──── numbered event log ◀──────┤
@@ -23,10 +24,11 @@
 //!
 //! | Module       | What lives there                                                          |
 //! |--------------|---------------------------------------------------------------------------|
-//! | [`machine`]  | one request's state machine ([`machine::Request`]): [`machine::Input`] in, [`machine::Action`] out; the client's body ([`machine::body`]), an engine event rewritten for the client ([`machine::relay`]), the P/D hand-off's state and failure table ([`machine::pd`]) |
+//! | [`machine`]  | one request's state machine ([`machine::Request`]): [`machine::Input`] in, [`machine::Action`] out; the client's body ([`machine::body`]), an engine event rewritten for the client ([`machine::relay`]), the front's stop strings ([`machine::stops`]), the P/D hand-off's state and failure table ([`machine::pd`]) |
+//! | [`openai`]   | the OpenAI surface: chat or completion, with or without a stream ([`openai::Api`]); what cannot be recovered exactly and goes to one engine as it is; chat chunks; the whole answer ([`openai::Collector`]); the error shape; the model list |
 //! | [`driver`]   | one request's task: feeds the machine, carries out its actions            |
 //! | [`front`]    | the [`Front`]: admission, the streams, recovery of a failed worker's requests, the health watch |
-//! | [`engine`]   | the seams: [`Engines`] (tokenize, stream a completion, P/D prefill, health) and [`Holders`] (what a holder holds, end a checkpoint, end a hand-off's hold) |
+//! | [`engine`]   | the seams: [`Engines`] (tokenize, stream a completion, P/D prefill, health, the model list, a body forwarded as it is), [`Holders`] (what a holder holds, end a checkpoint, end a hand-off's hold) and [`engine::Records`] (the streams' records other replicas take over from) |
 //! | [`http`]     | the seams over HTTP: vLLM's OpenAI server, the daemons' admin port         |
 //! | [`hub`]      | the [`Hub`]: the controller under its lock, its clock, the plans for the front's requests, the nodes' admin addresses |
 //! | [`log`]      | one request's numbered, bounded event log and the clients reading it     |
@@ -60,11 +62,11 @@
 //!   whole, there is no draft model to load); an in-service worker whose engine stops
 //!   answering twice in a row is failed (its requests are planned at once).
 //!
-//! What continues exactly after a recovery (docs/CONTROL.md): greedy decoding, token for
-//! token. Not exactly: seeded sampling (vLLM seeds a fresh generator for the resubmitted
-//! request, so the continuation is a valid sample with the same seed, not the uninterrupted
-//! run's tokens), frequency and presence penalties (the committed tokens become prompt, which
-//! those penalties do not count), stop strings that span the break.
+//! What continues exactly after a recovery or a takeover (docs/CONTROL.md has the table):
+//! greedy decoding; seeded sampling and frequency/presence penalties, through
+//! `kvd.continues` and the connector's `kvd.vllm_sampling`; stop strings, which the front
+//! applies itself. What cannot (`n` > 1, logprobs, structured output, tools, …) is served by
+//! one engine as it is, and the answer says recovery is off, and why.
 //!
 //! Time: the [`Hub`] reads an injected [`kvd_core::clock::Clock`]; the tasks wait with tokio's
 //! timers. [`TokioClock`] reads tokio's time, so a test on a paused runtime runs every timeout
@@ -79,6 +81,7 @@ pub mod http;
 pub mod hub;
 pub mod log;
 pub mod machine;
+pub mod openai;
 pub mod sse;
 pub mod stats;
 

@@ -49,6 +49,14 @@ impl StreamLog {
         })
     }
 
+    /// An empty log whose first frame gets sequence number `first_seq` (a stream another
+    /// front began: the client has the frames before it).
+    pub fn starting_at(max_bytes: usize, first_seq: u64) -> Arc<Self> {
+        let log = Self::new(max_bytes);
+        log.lock().first_seq = first_seq;
+        log
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -8,15 +8,48 @@ use serde_json::Value;
 /// Largest single event of an engine's stream, bytes.
 pub const MAX_EVENT_BYTES: usize = 1 << 20;
 
-/// One event to the client: `id: R-S` (so `Last-Event-ID` names both) and its data.
-pub fn frame(id: RequestId, seq: u64, data: &str) -> String {
-    format!("id: {id}-{seq}\ndata: {data}\n\n")
+/// One event to the client: `id: R-S-T` and its data. `Last-Event-ID` then names the request,
+/// the last event the client has, and the tokens it has with it: another front that takes the
+/// stream over continues from there (docs/CONTROL.md, "Front replicas").
+pub fn frame(id: RequestId, seq: u64, tokens: usize, data: &str) -> String {
+    format!("id: {id}-{seq}-{tokens}\ndata: {data}\n\n")
 }
 
-/// `Last-Event-ID: R-S` → (R, S).
-pub fn parse_event_id(v: &str) -> Option<(RequestId, u64)> {
-    let (r, s) = v.trim().split_once('-')?;
-    Some((r.parse().ok()?, s.parse().ok()?))
+/// The data of a frame [`frame`] wrote.
+pub fn frame_data(frame: &str) -> Option<&str> {
+    frame
+        .lines()
+        .find_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+}
+
+/// What a client's `Last-Event-ID` says it has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventId {
+    /// The request.
+    pub request: RequestId,
+    /// The last event's sequence number.
+    pub seq: u64,
+    /// The tokens generated up to and with it (`None`: an id without them, `R-S`).
+    pub tokens: Option<usize>,
+}
+
+/// `Last-Event-ID: R-S-T` (or `R-S`) → what it names.
+pub fn parse_event_id(v: &str) -> Option<EventId> {
+    let mut parts = v.trim().split('-');
+    let request = parts.next()?.parse().ok()?;
+    let seq = parts.next()?.parse().ok()?;
+    let tokens = match parts.next() {
+        None => None,
+        Some(t) => Some(t.parse().ok()?),
+    };
+    if parts.next().is_some() {
+        return None;
+    }
+    Some(EventId {
+        request,
+        seq,
+        tokens,
+    })
 }
 
 /// Token ids in a JSON value: a list of integers (or a list holding one such list).
@@ -142,11 +175,21 @@ mod tests {
 
     #[test]
     fn event_ids_name_the_request_and_the_sequence_number() {
-        assert_eq!(parse_event_id("77-12"), Some((77, 12)));
-        assert_eq!(parse_event_id(" 77-0 "), Some((77, 0)));
+        let id = |request, seq, tokens| {
+            Some(EventId {
+                request,
+                seq,
+                tokens,
+            })
+        };
+        assert_eq!(parse_event_id("77-12"), id(77, 12, None));
+        assert_eq!(parse_event_id(" 77-0 "), id(77, 0, None));
+        assert_eq!(parse_event_id("77-5-31"), id(77, 5, Some(31)));
         assert_eq!(parse_event_id("77"), None);
         assert_eq!(parse_event_id("a-1"), None);
-        assert_eq!(frame(5, 3, "x"), "id: 5-3\ndata: x\n\n");
+        assert_eq!(parse_event_id("7-1-x"), None);
+        assert_eq!(parse_event_id("7-1-2-3"), None);
+        assert_eq!(frame(5, 3, 9, "x"), "id: 5-3-9\ndata: x\n\n");
     }
 
     #[test]

@@ -90,6 +90,16 @@ pub struct FrontStats {
     pub routed_cached_blocks: u64,
     /// Routing: event feed reads that failed (the index keeps what it had).
     pub route_feed_errors: u64,
+    /// Requests one engine served as they were, without recovery (`n` > 1, logprobs,
+    /// structured output, tools: the answer says why).
+    pub served_without_recovery: u64,
+    /// Answers given whole at the end (the client asked for no stream).
+    pub answered_whole: u64,
+    /// Streams taken over from a front that died (its client resumed here).
+    pub streams_taken_over: u64,
+    /// Records of streams too large to keep for the other replicas (those streams cannot be
+    /// taken over).
+    pub records_too_large: u64,
 }
 
 impl FrontStats {

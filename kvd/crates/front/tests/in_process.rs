@@ -484,11 +484,10 @@ async fn requests_past_max_streams_are_refused_and_finished_streams_stay_readabl
     a.retain_ms = 1_000;
     let c = Cluster::with(3, ControlConfig::default(), a);
     let (id, mut client) = c.start(&prompt(PROMPT), 50).await;
-    let refused = c
-        .front
-        .admit(serde_json::json!({"prompt": [1], "stream": true}))
-        .await
-        .unwrap_err();
+    let refused =
+        scripted::admit_stream(&c.front, serde_json::json!({"prompt": [1], "stream": true}))
+            .await
+            .unwrap_err();
     assert!(
         matches!(refused, kvd_core::Error::Overloaded { .. }),
         "{refused}"
@@ -500,4 +499,74 @@ async fn requests_past_max_streams_are_refused_and_finished_streams_stay_readabl
     tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
     assert!(c.front.open(id).is_none(), "past --retain-ms it is gone");
     assert_eq!(c.front.retire_finished(), 0);
+}
+
+/// The client's text: each event's choice text, in order.
+fn text_of(client: &scripted::Client) -> String {
+    client
+        .got
+        .iter()
+        .filter_map(|g| g.data["choices"][0]["text"].as_str())
+        .collect()
+}
+
+/// The last choice's finish and stop reasons.
+fn ending_of(client: &scripted::Client) -> (serde_json::Value, serde_json::Value) {
+    let last = client
+        .got
+        .iter()
+        .filter(|g| g.data["choices"][0].is_object())
+        .next_back()
+        .expect("a choice");
+    let c = &last.data["choices"][0];
+    (c["finish_reason"].clone(), c["stop_reason"].clone())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stop_string_that_spans_the_break_stops_the_request_where_the_uninterrupted_run_stops() {
+    // the greedy run's text from token 5 to 9 (" tA tB tC tD"): the kill at token 7 falls inside
+    let g = greedy(&prompt(PROMPT), 20);
+    let stop: String = g[5..9]
+        .iter()
+        .map(|t| format!(" t{t}"))
+        .collect::<String>()
+        .trim()
+        .to_string();
+    let body = serde_json::json!({"model": "m", "prompt": prompt(PROMPT), "max_tokens": 20,
+        "stream": true, "temperature": 0, "return_token_ids": true, "stop": [stop]});
+    let run = |c: &Cluster| {
+        let body = body.clone();
+        let front = std::sync::Arc::clone(&c.front);
+        async move {
+            let (_, log, guard) = scripted::admit_stream(&front, body).await.unwrap();
+            let mut client = scripted::Client::new(log, guard, 0);
+            client.read_to_end().await;
+            client
+        }
+    };
+    let whole = Cluster::new(3);
+    let reference = run(&whole).await;
+    let c = Cluster::new(3);
+    c.engines.script_any(&[Fault::KillAt(7)]);
+    let broken = run(&c).await;
+    let want: String = g[..5].iter().map(|t| format!(" t{t}")).collect::<String>() + " ";
+    assert_eq!(text_of(&reference), want, "cut before the stop string");
+    assert_eq!(
+        ending_of(&reference),
+        (serde_json::json!("stop"), serde_json::json!(stop))
+    );
+    assert_eq!(text_of(&broken), text_of(&reference));
+    assert_eq!(ending_of(&broken), ending_of(&reference));
+    assert!(broken.error().is_none());
+    let calls = c.engines.calls();
+    assert_eq!(calls.len(), 2, "one recovery");
+    assert!(
+        calls.iter().all(|a| a.body.get("stop").is_none()),
+        "the front applies the stop strings, the engine never sees them"
+    );
+    assert_eq!(
+        calls[1].body["kv_transfer_params"]["kvd"]["continues"],
+        serde_json::json!({"generated": 7}),
+        "the resubmission says which prompt tokens were generated"
+    );
 }

@@ -525,14 +525,13 @@ fn the_first_token_ends_the_hold_and_no_later_state_ends_it_again() {
 #[tokio::test(start_paused = true)]
 async fn a_seeded_sampler_gets_its_first_token_from_the_decode_which_draws_every_token() {
     let c = Cluster::pd(3, 2, args());
-    let (id, log, guard) = c
-        .front
-        .admit(
-            json!({"model": "m", "prompt": prompt(40), "max_tokens": 6, "stream": true,
+    let (id, log, guard) = scripted::admit_stream(
+        &c.front,
+        json!({"model": "m", "prompt": prompt(40), "max_tokens": 6, "stream": true,
             "temperature": 0.8, "seed": 7, "return_token_ids": true}),
-        )
-        .await
-        .unwrap();
+    )
+    .await
+    .unwrap();
     let mut client = scripted::Client::new(log, guard, 0);
     client.read_to_end().await;
     assert_eq!(client.tokens(), scripted::greedy(&prompt(40), 6));

@@ -111,6 +111,29 @@ impl Controller {
         Ok(adm)
     }
 
+    /// Admit a request that another front began and lost (its process died) at `lost_epoch`,
+    /// taken over here: as [`Controller::admit`], at the epoch after it, so that nothing the
+    /// lost front's attempts wrote (checkpoints under their epochs) passes for this one's.
+    ///
+    /// # Errors
+    /// Those of [`Controller::admit`]; [`Error::AlreadyExists`] when the id is known here.
+    pub fn admit_taken_over(
+        &mut self,
+        req: AdmitRequest,
+        lost_epoch: Epoch,
+        now_ms: u64,
+    ) -> Result<Admission> {
+        if self.request(req.request_id).is_some() {
+            return Err(Error::AlreadyExists(format!("request {}", req.request_id)));
+        }
+        let mut adm = self.admit(req, now_ms)?;
+        adm.epoch = lost_epoch.saturating_add(1).max(1);
+        if let Some(r) = self.requests.get_mut(&adm.request_id) {
+            r.epoch = adm.epoch;
+        }
+        Ok(adm)
+    }
+
     /// The answer to an admission of an id already known: the same answer for a replay of the
     /// same admission, [`Error::AlreadyExists`] for another request under that id.
     fn replayed_admission(&mut self, req: &AdmitRequest) -> Option<Result<Admission>> {

@@ -7,6 +7,8 @@ use kvd_control::{Epoch, RequestId, WorkerId};
 use kvd_core::{Error, Result};
 use serde_json::{Map, Value, json};
 
+use super::stops::Stops;
+use crate::openai::{Api, CHAT_PROMPT_FIELDS, Kind, direct_reason};
 use crate::sse::token_ids;
 
 /// The prompt as the client gave it.
@@ -16,48 +18,77 @@ pub enum Prompt {
     Text(String),
     /// Token ids.
     Ids(Vec<u32>),
+    /// A chat: the messages and the fields that shape their rendering (the engine's
+    /// `/tokenize` body, less the model).
+    Chat(Map<String, Value>),
 }
 
 /// A client's body, checked.
 #[derive(Debug, Clone)]
 pub struct Asked {
+    /// The API it came in by.
+    pub api: Api,
     /// The body, less what the front sets per attempt.
     pub body: Map<String, Value>,
     /// The prompt.
     pub prompt: Prompt,
-    /// Tokens to generate at most (16 when not given, as OpenAI's default).
-    pub max_tokens: u32,
+    /// Tokens to generate at most, as given (`None`: OpenAI's default, 16 for a completion;
+    /// the rest of the context for a chat).
+    pub max_tokens: Option<u32>,
     /// Tokens to generate at least.
     pub min_tokens: u32,
     /// Whether the client wants `token_ids` in its events.
     pub want_token_ids: bool,
     /// Whether the request is checkpointed (`"kvd": {"checkpoint": false}` turns it off).
     pub checkpoint: bool,
+    /// Its stop strings, which the front applies itself.
+    pub stops: Option<Stops>,
+}
+
+/// What the front does with a body.
+#[derive(Debug, Clone)]
+pub enum Parsed {
+    /// It runs the request, recoverably.
+    Front(Box<Asked>),
+    /// One engine serves the body as it is, without recovery, for this reason.
+    Direct {
+        /// The client's body.
+        body: Value,
+        /// Why recovery is off.
+        reason: String,
+    },
+}
+
+fn positive(k: &str, v: Option<Value>) -> Result<Option<u32>> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .and_then(|v| u32::try_from(v).ok())
+            .filter(|v| *v > 0)
+            .map(Some)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("{k} must be a positive integer, not {v}"))
+            }),
+    }
 }
 
 /// Check a client's body.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for what this front does not serve (no stream, `n` > 1, `echo`,
-/// a bad prompt or `max_tokens`).
-pub fn parse_body(body: Value) -> Result<Asked> {
+/// [`Error::InvalidArgument`] for a body that is not an object, or a bad prompt, messages,
+/// `max_tokens` or `stop`.
+pub fn parse_body(body: Value, api: Api) -> Result<Parsed> {
     let Value::Object(mut body) = body else {
         return Err(Error::InvalidArgument(
             "the body is not a JSON object".into(),
         ));
     };
-    if body.get("stream").and_then(Value::as_bool) != Some(true) {
-        return Err(Error::InvalidArgument(
-            "this front serves streams only: set \"stream\": true".into(),
-        ));
-    }
-    for (k, ok) in [("n", 1), ("best_of", 1)] {
-        if body.get(k).and_then(Value::as_u64).is_some_and(|v| v != ok) {
-            return Err(Error::InvalidArgument(format!("{k} must be 1 here")));
-        }
-    }
-    if body.get("echo").and_then(Value::as_bool) == Some(true) {
-        return Err(Error::InvalidArgument("echo is not supported here".into()));
+    if let Some(reason) = direct_reason(&body, api.kind) {
+        return Ok(Parsed::Direct {
+            body: Value::Object(body),
+            reason,
+        });
     }
     let checkpoint = body
         .remove("kvd")
@@ -69,33 +100,56 @@ pub fn parse_body(body: Value) -> Result<Asked> {
         .remove("return_token_ids")
         .and_then(|v| v.as_bool())
         .unwrap_or(false);
-    let max_tokens = match body.remove("max_tokens") {
-        None | Some(Value::Null) => 16,
-        Some(v) => v
-            .as_u64()
-            .and_then(|v| u32::try_from(v).ok())
-            .filter(|v| *v > 0)
-            .ok_or_else(|| Error::InvalidArgument(format!("max_tokens {v}")))?,
-    };
+    let completion_max = positive(
+        "max_completion_tokens",
+        body.remove("max_completion_tokens"),
+    )?;
+    let max_tokens = positive("max_tokens", body.remove("max_tokens"))?.or(completion_max);
     let min_tokens = body
         .remove("min_tokens")
         .and_then(|v| v.as_u64())
-        .map_or(0, |v| v.min(u64::from(max_tokens)) as u32);
-    let prompt = match body.remove("prompt") {
-        Some(Value::String(s)) => Prompt::Text(s),
-        Some(v) => Prompt::Ids(token_ids(&v).ok_or_else(|| {
-            Error::InvalidArgument("prompt: a string or a list of token ids (one prompt)".into())
-        })?),
-        None => return Err(Error::InvalidArgument("no prompt".into())),
+        .map_or(0, |v| {
+            v.min(u64::from(max_tokens.unwrap_or(u32::MAX))) as u32
+        });
+    let stops = Stops::take(&mut body, min_tokens).map_err(Error::InvalidArgument)?;
+    let prompt = match api.kind {
+        Kind::Completion => match body.remove("prompt") {
+            Some(Value::String(s)) => Prompt::Text(s),
+            Some(v) => Prompt::Ids(token_ids(&v).ok_or_else(|| {
+                Error::InvalidArgument(
+                    "prompt: a string or a list of token ids (one prompt)".into(),
+                )
+            })?),
+            None => return Err(Error::InvalidArgument("no prompt".into())),
+        },
+        Kind::Chat => {
+            let mut chat = Map::new();
+            for k in CHAT_PROMPT_FIELDS {
+                if let Some(v) = body.remove(k) {
+                    chat.insert(k.into(), v);
+                }
+            }
+            let messages = chat.get("messages").and_then(Value::as_array);
+            if messages.is_none_or(Vec::is_empty) {
+                return Err(Error::InvalidArgument("messages: a non-empty list".into()));
+            }
+            // chat-only fields a completion does not take (vLLM's defaults for them hold)
+            for k in ["tool_choice", "parallel_tool_calls", "response_format"] {
+                body.remove(k);
+            }
+            Prompt::Chat(chat)
+        }
     };
-    Ok(Asked {
+    Ok(Parsed::Front(Box::new(Asked {
+        api,
         body,
         prompt,
         max_tokens,
         min_tokens,
         want_token_ids,
         checkpoint,
-    })
+        stops,
+    })))
 }
 
 /// Where an attempt loads its prefix from.
@@ -167,6 +221,11 @@ pub fn attempt_body(a: &AttemptSpec<'_>) -> Value {
             "checkpoint".into(),
             json!({"holder": h, "request": a.id, "epoch": a.epoch}),
         );
+    }
+    if done > 0 {
+        // the last `done` prompt tokens were generated: the engine draws and penalises as if
+        // they still were (kvd.vllm_sampling)
+        kvd.insert("continues".into(), json!({ "generated": done }));
     }
     if let Some(r) = a.restore {
         kvd.insert(
@@ -341,19 +400,66 @@ mod tests {
 
     #[test]
     fn a_body_is_checked_and_stripped_of_what_the_front_sets() {
-        let a = parse_body(json!({"stream": true, "prompt": [[1, 2]], "max_tokens": 5,
+        let api = Api {
+            kind: Kind::Completion,
+            stream: true,
+        };
+        let front = |v| match parse_body(v, api).unwrap() {
+            Parsed::Front(a) => a,
+            Parsed::Direct { reason, .. } => panic!("direct: {reason}"),
+        };
+        let a = front(json!({"stream": true, "prompt": [[1, 2]], "max_tokens": 5,
             "min_tokens": 9, "kvd": {"checkpoint": false}, "return_token_ids": true,
-            "kv_transfer_params": {"x": 1}, "temperature": 0}))
-        .unwrap();
+            "kv_transfer_params": {"x": 1}, "temperature": 0, "stop": "w1"}));
         assert_eq!(a.prompt, Prompt::Ids(vec![1, 2]));
-        assert_eq!((a.max_tokens, a.min_tokens), (5, 5));
-        assert!(a.want_token_ids && !a.checkpoint);
+        assert_eq!((a.max_tokens, a.min_tokens), (Some(5), 5));
+        assert!(a.want_token_ids && !a.checkpoint && a.stops.is_some());
         assert_eq!(a.body.keys().collect::<Vec<_>>(), ["temperature"]);
-        assert!(parse_body(json!({"prompt": "x"})).is_err(), "streams only");
-        assert!(parse_body(json!({"stream": true, "prompt": "x", "n": 2})).is_err());
-        assert!(parse_body(json!({"stream": true, "prompt": "x", "echo": true})).is_err());
-        assert!(parse_body(json!({"stream": true, "prompt": "x", "max_tokens": 0})).is_err());
-        assert!(parse_body(json!({"stream": true})).is_err());
+        assert_eq!(
+            front(json!({"prompt": "x"})).max_tokens,
+            None,
+            "no stream is served"
+        );
+        assert!(matches!(
+            parse_body(json!({"prompt": "x", "n": 2}), api),
+            Ok(Parsed::Direct { .. })
+        ));
+        assert!(matches!(
+            parse_body(json!({"prompt": "x", "echo": true}), api),
+            Ok(Parsed::Direct { .. })
+        ));
+        assert!(parse_body(json!({"prompt": "x", "max_tokens": 0}), api).is_err());
+        assert!(parse_body(json!({"prompt": "x", "stop": 5}), api).is_err());
+        assert!(parse_body(json!({"stream": true}), api).is_err());
+        assert!(parse_body(json!([1]), api).is_err());
+    }
+
+    #[test]
+    fn a_chat_keeps_its_messages_for_the_engines_template_and_runs_as_a_completion() {
+        let api = Api {
+            kind: Kind::Chat,
+            stream: false,
+        };
+        let Parsed::Front(a) = parse_body(
+            json!({"model": "m", "messages": [{"role": "user", "content": "w1"}],
+            "add_generation_prompt": true, "max_completion_tokens": 7, "tool_choice": "none",
+            "chat_template_kwargs": {"x": 1}}),
+            api,
+        )
+        .unwrap() else {
+            panic!()
+        };
+        let Prompt::Chat(chat) = &a.prompt else {
+            panic!("{:?}", a.prompt)
+        };
+        assert_eq!(
+            chat.keys().collect::<Vec<_>>(),
+            ["add_generation_prompt", "chat_template_kwargs", "messages"]
+        );
+        assert_eq!(a.max_tokens, Some(7));
+        assert_eq!(a.body.keys().collect::<Vec<_>>(), ["model"]);
+        assert!(parse_body(json!({"messages": []}), api).is_err());
+        assert!(parse_body(json!({"prompt": "x"}), api).is_err());
     }
 
     #[test]
@@ -383,7 +489,8 @@ mod tests {
         assert_eq!(
             v["kv_transfer_params"]["kvd"],
             json!({"checkpoint": {"holder": 3, "request": 7, "epoch": 2},
-                   "restore": {"holder": 2, "request": 7, "epoch": 1, "local": true}})
+                   "restore": {"holder": 2, "request": 7, "epoch": 1, "local": true},
+                   "continues": {"generated": 1}})
         );
     }
 

@@ -37,16 +37,19 @@
 pub mod body;
 pub mod pd;
 pub mod relay;
+pub mod stops;
 
 use kvd_control::{Decision, Epoch, Event, RequestId, RestorePlan, WorkerId};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
+use crate::openai::{Api, Kind, chat_chunk, error_body};
 use crate::sse::frame;
 use crate::stats::RecoveryRecord;
 use body::{AttemptSpec, RestoreFrom, attempt_body};
 use pd::{HandoffNote, Pd, Prefill};
-use relay::{RelayContext, rewrite, stamp};
+use relay::{At, RelayContext, rewrite, stamp};
+use stops::Stops;
 
 /// A request's state: the controller's own ([`kvd_control::RequestState`], DESIGN §7b).
 pub use kvd_control::RequestState as State;
@@ -93,6 +96,8 @@ pub enum Input {
         epoch: Epoch,
         /// Why.
         reason: String,
+        /// The engine's HTTP status, when it refused the request with one (a 4xx).
+        status: Option<u16>,
     },
     /// The answer to [`Action::CheckHealth`].
     Health {
@@ -119,6 +124,14 @@ pub enum Input {
     Tick,
     /// Time to read the checkpoint's progress from the holder.
     ProgressDue,
+    /// A taken-over stream's catch-up answered (the engine's JSON response: the tokens the
+    /// client already has).
+    CaughtUp {
+        /// The attempt.
+        epoch: Epoch,
+        /// The answer.
+        answer: Value,
+    },
     /// P/D: the answer to [`Action::PickPrefill`] (`None`: no prefill worker is left).
     PrefillWorker {
         /// The attempt.
@@ -190,6 +203,10 @@ pub enum Action {
         /// The prefill workers whose prefill of this request broke.
         tried: Vec<WorkerId>,
     },
+    /// A taken-over stream: generate the tokens the client already has, without a stream
+    /// (answer with [`Input::CaughtUp`], [`Input::EngineBroken`] or [`Input::EngineFailed`]);
+    /// [`Action::Cancel`] of its epoch drops it.
+    CatchUp(Attempt),
     /// P/D: send the prefill (answer with [`Input::PrefillDone`], [`Input::PrefillBroken`] or
     /// [`Input::PrefillRefused`]); [`Action::Cancel`] of its epoch drops it.
     Prefill(Attempt),
@@ -299,6 +316,10 @@ pub struct Admitted {
     pub min_tokens: u32,
     /// The client wants token ids.
     pub want_token_ids: bool,
+    /// The API the client called.
+    pub api: Api,
+    /// Its stop strings (the front applies them).
+    pub stops: Option<Stops>,
     /// The admission's epoch.
     pub epoch: Epoch,
     /// The worker placement chose.
@@ -309,6 +330,17 @@ pub struct Admitted {
     pub deadline_ms: u64,
     /// How long it waits without a client before it is cancelled, ms.
     pub grace_ms: u64,
+}
+
+/// A stream another front began (and died serving), taken over by this one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Takeover {
+    /// The sequence number of the next event (the client has those before it).
+    pub next_seq: u64,
+    /// Tokens the client has.
+    pub tokens: usize,
+    /// The checkpoint the other front's attempt wrote, to load the prefix from.
+    pub restore: Option<RestoreFrom>,
 }
 
 /// A recovery waiting for the survivor's first token.
@@ -340,6 +372,10 @@ pub struct Request {
     stale_dropped: u64,
     /// P/D mode: the hand-off (`None`: colocated).
     pd: Option<Pd>,
+    /// A stop string of the front's ended the request (the engine still runs: cancel it).
+    stopped: bool,
+    /// Taken over: the tokens the client has, generated again before the stream continues.
+    catch_up: usize,
 }
 
 impl Request {
@@ -361,6 +397,8 @@ impl Request {
             alone_since_ms: None,
             stale_dropped: 0,
             pd: None,
+            stopped: false,
+            catch_up: 0,
             a,
         }
     }
@@ -370,6 +408,17 @@ impl Request {
     pub fn disaggregated(a: Admitted) -> Request {
         let mut r = Request::new(a);
         r.pd = Some(Pd::default());
+        r
+    }
+
+    /// A stream another front began, taken over: the tokens its client has are generated
+    /// again (the same sampling gives the same tokens), then it continues as a recovery does,
+    /// its events numbered on from the client's last.
+    pub fn taken_over(a: Admitted, t: Takeover) -> Request {
+        let mut r = Request::new(a);
+        r.next_seq = t.next_seq;
+        r.catch_up = t.tokens;
+        r.restore = t.restore;
         r
     }
 
@@ -452,8 +501,12 @@ impl Request {
                 let why = format!("no event from worker {} for {waited_ms} ms", self.serving);
                 self.broken(why, now_ms, &mut out);
             }
-            Input::EngineFailed { epoch, reason } if runs(epoch, self) => {
-                self.engine_failed(reason, &mut out);
+            Input::EngineFailed {
+                epoch,
+                reason,
+                status,
+            } if runs(epoch, self) => {
+                self.engine_failed(reason, status, &mut out);
             }
             Input::Health { epoch, alive } if self.migrating(epoch) => {
                 self.on_health(alive, epoch, &mut out);
@@ -476,6 +529,9 @@ impl Request {
             Input::PrefillWorker { epoch, worker } if self.picking(epoch) => {
                 self.on_prefill_worker(worker, now_ms, &mut out);
             }
+            Input::CaughtUp { epoch, answer } if runs(epoch, self) => {
+                self.caught_up(&answer, &mut out);
+            }
             Input::PrefillDone { epoch, answer } if self.prefilling(epoch) => {
                 self.on_prefill_done(&answer, now_ms, &mut out);
             }
@@ -491,7 +547,7 @@ impl Request {
                 self.take_prefill();
                 out.push(Action::Handoff(HandoffNote::PrefillRefused { status }));
                 let why = format!("the prefill worker refused the request ({status}): {text}");
-                self.engine_failed(why, &mut out);
+                self.engine_failed(why, None, &mut out);
             }
             _ => self.stale_dropped += 1,
         }
@@ -508,12 +564,23 @@ impl Request {
         self.finish_reason.is_some() || self.generated.len() as u32 >= self.a.max_tokens
     }
 
+    /// Where the next event stands, generated on `worker`.
+    fn at(&self, worker: WorkerId) -> At {
+        At {
+            id: self.a.id,
+            seq: self.next_seq,
+            tokens: self.generated.len(),
+            epoch: self.epoch,
+            worker,
+        }
+    }
+
     fn push(&mut self, data: &str, tokens: u32, out: &mut Vec<Action>) {
         let seq = self.next_seq;
         self.next_seq += 1;
         out.push(Action::Relay {
             seq,
-            frame: frame(self.a.id, seq, data),
+            frame: frame(self.a.id, seq, self.generated.len(), data),
             tokens,
         });
     }
@@ -530,6 +597,15 @@ impl Request {
         self.state = State::Prefilling;
         self.decoding = false;
         let n = self.generated.len();
+        if n < self.catch_up {
+            let body = self.catch_up_body();
+            out.push(Action::CatchUp(Attempt {
+                epoch: self.epoch,
+                worker: self.serving,
+                body,
+            }));
+            return;
+        }
         if self.pd.as_ref().is_some_and(|pd| pd.wants_prefill(n)) {
             let tried = self
                 .pd
@@ -563,6 +639,50 @@ impl Request {
             self.control(Event::PrefillStarted { request_id, epoch }, out);
         }
         self.decode_attempt(handoff, out);
+    }
+
+    /// The catch-up's body: the prompt, `catch_up` tokens, no stream, the prefix loaded from
+    /// the other front's checkpoint.
+    fn catch_up_body(&self) -> Value {
+        let mut b = attempt_body(&AttemptSpec {
+            id: self.a.id,
+            body: &self.a.body,
+            prompt: &self.a.prompt,
+            generated: &[],
+            max_tokens: self.catch_up as u32,
+            min_tokens: self.a.min_tokens.min(self.catch_up as u32),
+            epoch: self.epoch,
+            holder: None,
+            restore: self.restore,
+            handoff: None,
+        });
+        b["stream"] = json!(false);
+        if let Some(o) = b.as_object_mut() {
+            o.remove("stream_options");
+        }
+        b
+    }
+
+    /// The catch-up answered: its tokens are the ones the client has; the stream continues
+    /// after them.
+    fn caught_up(&mut self, answer: &Value, out: &mut Vec<Action>) {
+        let choice = &answer["choices"][0];
+        let ids = crate::sse::token_ids(&choice["token_ids"]).unwrap_or_default();
+        if ids.len() != self.catch_up {
+            let msg = format!(
+                "the catch-up generated {} tokens where the client has {}",
+                ids.len(),
+                self.catch_up
+            );
+            return self.engine_failed(msg, None, out);
+        }
+        self.generated = ids;
+        if let Some(stops) = self.a.stops.as_mut() {
+            // the client has this text, less what the other front held back
+            let text = choice["text"].as_str().unwrap_or("");
+            stops.feed(text, self.catch_up, false);
+        }
+        self.start_attempt(out);
     }
 
     /// Send the attempt that streams the tokens (with the hand-off's params, in P/D).
@@ -612,13 +732,43 @@ impl Request {
         }
         let (value, n) = match self.take_tokens(data) {
             Ok(r) => r,
-            Err(msg) => return self.engine_failed(msg, out),
+            Err(msg) => return self.engine_failed(msg, None, out),
         };
         if n > 0 {
             self.committed(now_ms, out);
         }
-        let data = stamp(value, self.a.id, self.next_seq, self.epoch, self.serving);
+        let usage = self.stopped.then(|| self.usage_event(&value));
+        let data = stamp(value, self.at(self.serving));
         self.push(&data, n, out);
+        if self.stopped {
+            // the front's stop string ended it: the engine, still generating, is dropped
+            out.push(Action::Cancel { epoch: self.epoch });
+            if let Some(Some(u)) = usage {
+                let u = stamp(u, self.at(self.serving));
+                self.push(&u, 0, out);
+            }
+            self.finish(out);
+        }
+    }
+
+    /// The usage event the engine would have sent last, when the client asked for it
+    /// (`stream_options.include_usage`): the request ended at a stop string of the front's.
+    fn usage_event(&self, last: &Value) -> Option<Value> {
+        let wanted = self
+            .a
+            .body
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            == Some(true);
+        let (p, c) = (self.a.prompt.len(), self.generated.len());
+        wanted.then(|| {
+            json!({
+                "id": last.get("id"), "object": last.get("object"), "created": last.get("created"),
+                "model": last.get("model"), "choices": [],
+                "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+            })
+        })
     }
 
     /// An engine event's tokens become the request's (committed): the event as the client
@@ -631,12 +781,41 @@ impl Request {
             prompt: &self.a.prompt,
             generated_before: self.generated.len(),
         };
-        let r = rewrite(data, &cx)?;
+        let mut r = rewrite(data, &cx)?;
         self.generated.extend_from_slice(&r.tokens);
         if r.finish_reason.is_some() {
             self.finish_reason = r.finish_reason;
         }
+        let first_event = cx.first_event;
+        self.stop_strings(&mut r.value, !r.tokens.is_empty());
+        if self.a.api.kind == Kind::Chat {
+            chat_chunk(&mut r.value, self.a.id, first_event);
+        }
         Ok((r.value, r.tokens.len() as u32))
+    }
+
+    /// The front's stop strings over the event's text (`tokens`: it carries some): the text
+    /// held back or cut, and a stop string found ends the request.
+    fn stop_strings(&mut self, v: &mut Value, tokens: bool) {
+        let Some(stops) = self.a.stops.as_mut() else {
+            return;
+        };
+        let Some(choice) = v.get_mut("choices").and_then(|c| c.get_mut(0)) else {
+            return;
+        };
+        let text = choice.get("text").and_then(Value::as_str).unwrap_or("");
+        if !tokens && text.is_empty() && self.finish_reason.is_none() {
+            return;
+        }
+        let last = self.finish_reason.is_some() || self.generated.len() as u32 >= self.a.max_tokens;
+        let f = stops.feed(text, self.generated.len(), last);
+        choice["text"] = json!(f.text);
+        if let Some(s) = f.stop {
+            choice["finish_reason"] = json!("stop");
+            choice["stop_reason"] = json!(s);
+            self.finish_reason = Some("stop".into());
+            self.stopped = true;
+        }
     }
 
     /// Tokens of this attempt were committed: decoding (the first time: the recovery is done).
@@ -840,7 +1019,7 @@ impl Request {
     }
 
     /// The engine refused or failed the request: it fails, no recovery.
-    fn engine_failed(&mut self, reason: String, out: &mut Vec<Action>) {
+    fn engine_failed(&mut self, reason: String, status: Option<u16>, out: &mut Vec<Action>) {
         out.push(Action::Cancel { epoch: self.epoch });
         if self.state == State::Transferring {
             // the source holds the prompt's blocks for a decode that will not come
@@ -855,12 +1034,23 @@ impl Request {
             },
             out,
         );
-        self.fail(&reason, out);
+        self.fail_with(&reason, status, out);
     }
 
     /// End the stream with an error event.
     fn fail(&mut self, msg: &str, out: &mut Vec<Action>) {
-        let data = json!({"error": {"message": msg, "type": "kvd_recovery_failed"}, "kvd": {"request": self.a.id, "epoch": self.epoch}});
+        self.fail_with(msg, None, out);
+    }
+
+    /// End the stream with an error event; `status`: the engine refused the request with it
+    /// (the event then carries it as OpenAI's `code`, and a client that has no answer yet
+    /// gets it as the HTTP status).
+    fn fail_with(&mut self, msg: &str, status: Option<u16>, out: &mut Vec<Action>) {
+        let error = match status {
+            Some(code) => error_body(code, msg)["error"].clone(),
+            None => json!({"message": msg, "type": "kvd_recovery_failed"}),
+        };
+        let data = json!({"error": error, "kvd": {"request": self.a.id, "epoch": self.epoch}});
         self.push(&data.to_string(), 0, out);
         self.push("[DONE]", 0, out);
         self.state = State::Failed;

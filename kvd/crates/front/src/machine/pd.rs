@@ -244,13 +244,15 @@ impl Request {
         worker: WorkerId,
         out: &mut Vec<Action>,
     ) -> Result<(), String> {
-        if let Some(why) = first_token_barred(&self.a.body) {
+        // the front applies stop strings itself: they are off the body, still barring
+        let stops = self.a.stops.as_ref().map(|_| "stop strings");
+        if let Some(why) = first_token_barred(&self.a.body).or(stops) {
             return Err(format!("the request asks for {why}"));
         }
         let event = first_token_event(answer, self.a.max_tokens > 1)
             .ok_or("the prefill answer carries no single token id")?;
         let (value, n) = self.take_tokens(&event)?;
-        let data = stamp(value, self.a.id, self.next_seq, self.epoch, worker);
+        let data = stamp(value, self.at(worker));
         self.push(&data, n, out);
         Ok(())
     }

@@ -86,12 +86,29 @@ pub fn rewrite(data: &str, cx: &RelayContext<'_>) -> Result<Relayed, String> {
     })
 }
 
-/// Add the `kvd` field: which request, sequence number, epoch and worker the event is.
-pub fn stamp(mut v: Value, id: RequestId, seq: u64, epoch: Epoch, worker: WorkerId) -> String {
+/// Where an event stands in its request.
+#[derive(Debug, Clone, Copy)]
+pub struct At {
+    /// The request.
+    pub id: RequestId,
+    /// The event's sequence number.
+    pub seq: u64,
+    /// Tokens generated up to and with it.
+    pub tokens: usize,
+    /// The attempt's epoch.
+    pub epoch: Epoch,
+    /// The worker that generated it.
+    pub worker: WorkerId,
+}
+
+/// Add the `kvd` field: which request, sequence number, token count, epoch and worker the
+/// event is. A client that reads no SSE `id:` lines resumes with `Last-Event-ID:
+/// {request}-{seq}-{tokens}` from it.
+pub fn stamp(mut v: Value, at: At) -> String {
     if let Some(o) = v.as_object_mut() {
         o.insert(
             "kvd".into(),
-            json!({"request": id, "seq": seq, "epoch": epoch, "worker": worker}),
+            json!({"request": at.id, "seq": at.seq, "tokens": at.tokens, "epoch": at.epoch, "worker": at.worker}),
         );
     }
     v.to_string()
@@ -123,9 +140,16 @@ mod tests {
         let r = rewrite(data, &cx(true, true)).unwrap();
         assert_eq!(r.value["prompt_token_ids"], json!([1, 2]));
         assert_eq!(r.value["choices"][0]["token_ids"], json!([5]));
-        let s = stamp(r.value, 9, 4, 2, 1);
+        let at = At {
+            id: 9,
+            seq: 4,
+            tokens: 7,
+            epoch: 2,
+            worker: 1,
+        };
+        let s = stamp(r.value, at);
         assert!(
-            s.contains(r#""kvd":{"epoch":2,"request":9,"seq":4,"worker":1}"#),
+            s.contains(r#""kvd":{"epoch":2,"request":9,"seq":4,"tokens":7,"worker":1}"#),
             "{s}"
         );
     }

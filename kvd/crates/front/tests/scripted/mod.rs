@@ -23,8 +23,10 @@ use std::time::Duration;
 use kvd_control::{ControlConfig, Controller, Epoch, Event, RequestId, WorkerId};
 use kvd_core::{Error, Result};
 use kvd_front::engine::{BoxFuture, Engines, EventStream, Held, Holders, Opened, PrefillAnswer};
+use kvd_front::front::{Admission, Opened as FrontStream};
 use kvd_front::log::{ClientGuard, Read, StreamLog, changed};
 use kvd_front::machine::Admitted;
+use kvd_front::openai::{Api, Kind};
 use kvd_front::{Front, FrontArgs, Hub, TokioClock};
 use serde_json::{Value, json};
 
@@ -501,7 +503,8 @@ impl Engines for Scripted {
         format!("scripted engine {worker}")
     }
 
-    fn tokenize(&self, _: WorkerId, _: Value, text: String) -> BoxFuture<'_, Result<Vec<u32>>> {
+    fn tokenize(&self, _: WorkerId, body: Value) -> BoxFuture<'_, Result<Vec<u32>>> {
+        let text = body["prompt"].as_str().unwrap_or_default();
         let ids = text.bytes().map(u32::from).collect();
         Box::pin(async move { Ok(ids) })
     }
@@ -575,6 +578,7 @@ pub fn args() -> FrontArgs {
         request_deadline_ms: 60_000,
         max_streams: 8,
         max_stream_bytes: 1 << 20,
+        max_body_bytes: 1 << 20,
         route: kvd_front::config::RouteArgs::default(),
     }
 }
@@ -632,14 +636,13 @@ impl Cluster {
 
     /// Start a greedy request for `max_tokens` after `prompt`.
     pub async fn start(&self, prompt: &[u32], max_tokens: u32) -> (RequestId, Client) {
-        let (id, log, guard) = self
-            .front
-            .admit(
-                json!({"model": "m", "prompt": prompt, "max_tokens": max_tokens,
-                "stream": true, "temperature": 0, "return_token_ids": true}),
-            )
-            .await
-            .unwrap();
+        let (id, log, guard) = admit_stream(
+            &self.front,
+            json!({"model": "m", "prompt": prompt, "max_tokens": max_tokens,
+            "stream": true, "temperature": 0, "return_token_ids": true}),
+        )
+        .await
+        .unwrap();
         (id, Client::new(log, guard, 0))
     }
 
@@ -787,8 +790,8 @@ fn parse(frame: &str) -> Got {
     let (id, data) = frame
         .strip_prefix("id: ")
         .and_then(|f| f.split_once("\ndata: "))
-        .expect("id: R-S then data:");
-    let seq = id.split_once('-').unwrap().1.parse().unwrap();
+        .expect("id: R-S-T then data:");
+    let seq = id.split('-').nth(1).unwrap().parse().unwrap();
     let data = data.trim_end();
     let data = serde_json::from_str(data).unwrap_or_else(|_| json!(data));
     Got { seq, data }
@@ -832,10 +835,27 @@ pub fn admitted(max_tokens: u32) -> Admitted {
         max_tokens,
         min_tokens: 0,
         want_token_ids: true,
+        api: Api {
+            kind: Kind::Completion,
+            stream: true,
+        },
+        stops: None,
         epoch: 1,
         serving: 1,
         holder: Some(2),
         deadline_ms: 10_000,
         grace_ms: 1_000,
+    }
+}
+
+/// Admit a streaming completion (the front runs it).
+pub async fn admit_stream(front: &Arc<Front>, body: Value) -> Result<FrontStream> {
+    let api = Api {
+        kind: Kind::Completion,
+        stream: true,
+    };
+    match front.admit(body, api).await? {
+        Admission::Front(o) => Ok(o),
+        Admission::Direct { reason, .. } => panic!("served without recovery: {reason}"),
     }
 }
