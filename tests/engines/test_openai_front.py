@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -47,6 +48,7 @@ PROMPT = words(5, 300, 23)  # 300 prompt tokens (9 full blocks)
 
 
 FRONT_FLAGS = ["--max-body-bytes", str(MAX_BODY), "--replica-lease-ttl-ms", "1000"]
+FIGURES: dict[str, Any] = {}  # printed at the end; with KVD_OPENAI_FIGURES=path, written there
 SECOND: dict[str, Any] = {}  # the second replica, and the first after a restart
 
 
@@ -71,6 +73,9 @@ def cluster():
         SECOND.update(tmp=tmp, etcd=etcd, fronts=fronts)
         yield tmp, model, nodes, fronts[0]
     finally:
+        print("\nOpenAI front figures:", json.dumps(FIGURES, indent=1))
+        if os.environ.get("KVD_OPENAI_FIGURES"):
+            Path(os.environ["KVD_OPENAI_FIGURES"]).write_text(json.dumps(FIGURES, indent=1))
         for f in fronts + SECOND.get("fronts", []):
             if f.proc.poll() is None:
                 f.stop()
@@ -176,6 +181,14 @@ def test_bad_input_gets_the_engines_answer_in_openais_shape_and_admits_nothing(c
     assert status == 413 and "max-body-bytes" in err["error"]["message"]
     assert started(front) == before, "nothing was admitted"
 
+    # what only the engine checks: its refusal is the answer's status, streaming or not
+    for stream in (False, True):
+        body = {"model": SERVED_NAME, "prompt": "w1 w2", "max_tokens": 2, "temperature": -1, "stream": stream}
+        status, _, err = post(base, "/v1/completions", json.dumps(body).encode())
+        want, _, ref = post(engine, "/v1/completions", json.dumps(body).encode())
+        assert status == want == 400, (stream, err, ref)
+        assert err["error"]["message"] == ref["error"]["message"], (err, ref)
+
     # an unknown field: ignored, as the engine ignores it
     body = {"model": SERVED_NAME, "prompt": "w3 w4 w5", "frobnicate": 1, **GREEDY}
     status, _, got = post(base, "/v1/completions", json.dumps(body).encode())
@@ -200,14 +213,17 @@ def test_a_chat_whose_worker_is_killed_streaming_and_not_gets_the_uninterrupted_
     stream = front_client(front).chat.completions.create(
         model=SERVED_NAME, messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True,
         extra_body={"ignore_eos": True})
-    text, killed = "", None
+    text, killed, gap, last = "", None, 0.0, time.monotonic()
     for i, c in enumerate(stream):
+        now = time.monotonic()
+        gap, last = (max(gap, now - last) if killed is not None else gap), now
         if c.choices:
             text += c.choices[0].delta.content or ""
         if i == KILL_AT:
             killed = (c.model_extra or {})["kvd"]["worker"]
             nodes[killed].kill_vllm()
     assert killed is not None and text == ref
+    FIGURES["chat_stream_longest_gap_after_kill_ms"] = round(gap * 1000)
     assert front.get("/status")["front"]["recoveries"] >= 1
     all_in_service(front, nodes)
 
@@ -301,6 +317,10 @@ def test_vllms_serving_benchmark_completes_every_request_through_the_front(clust
         capture_output=True, text=True, timeout=900)
     report = out.stdout + out.stderr
     assert out.returncode == 0, report[-4000:]
+    for line in report.splitlines():
+        for name in ("Mean TTFT (ms):", "Median TPOT (ms):", "Request throughput (req/s):"):
+            if line.startswith(name):
+                FIGURES["bench_" + name.rstrip(":").split(" (")[0].lower().replace(" ", "_")] = float(line.split()[-1])
     ok = [l for l in report.splitlines() if l.startswith("Successful requests:")]
     assert ok and int(ok[0].split()[-1]) == 16, report[-4000:]
     failed = [l for l in report.splitlines() if l.startswith("Failed requests:")]
@@ -345,11 +365,15 @@ def front_killed_at(a: Front, b: Front, kill_worker: bool, nodes: dict[int, Node
     s = Stream(a.addr, greedy())
     s.read_until(KILL_AT)
     last, data, _ = [e for e in s.events if isinstance(e[1], dict)][-1]
+    t_kill = time.monotonic()
     a.stop()  # SIGKILL
     if kill_worker:
         nodes[data["kvd"]["worker"]].kill_vllm()
     r = resume_on(b, s.request, last)
     r.read_all()
+    first = next(t for _, d, t in r.events if isinstance(d, dict) and d.get("choices"))
+    FIGURES["takeover" + ("_worker_killed" if kill_worker else "")] = {
+        "tokens_at_kill": data["kvd"]["tokens"], "kill_to_next_token_ms": round((first - t_kill) * 1000)}
     seqs = [int(e.split("-")[1]) for e, _, _ in s.events + r.events]
     assert seqs == list(range(len(seqs))), f"one sequence, no gap, no duplicate: {seqs}"
     assert r.events[-1][1] == "[DONE]"

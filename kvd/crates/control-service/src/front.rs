@@ -289,8 +289,11 @@ async fn frames_from(
     }
 }
 
-/// A stream's answer once its log has a first event: an engine's refusal (an error event
-/// with a 4xx code first) is answered with its status, as the engine itself would.
+/// A stream's answer once an engine took the request or the log has a first event: an
+/// engine's refusal (an error event with a 4xx code first) is answered with its status, as the
+/// engine itself would. (vLLM's server sends a stream's head once it accepted the request, not
+/// at the first token; so does the front. In P/D the prefill going out counts as taken: a
+/// decode's refusal after it comes as an error event.)
 async fn first_event(
     id: RequestId,
     log: Arc<StreamLog>,
@@ -299,7 +302,16 @@ async fn first_event(
     from: u64,
 ) -> Response {
     let mut rx = log.subscribe();
-    if let Ok(Some(frames)) = frames_from(&log, from, &mut rx).await
+    loop {
+        rx.borrow_and_update();
+        let waiting = matches!(log.read(from), Read::Frames(ref f, false) if f.is_empty());
+        if !waiting || log.is_open() {
+            break;
+        }
+        let _ = tokio::time::timeout(KEEPALIVE, changed(&mut rx)).await;
+    }
+    if !log.is_open()
+        && let Read::Frames(frames, _) = log.read(from)
         && let Some(data) = frames.first().and_then(|fr| frame_data(fr))
         && let Ok(v) = serde_json::from_str::<Value>(data)
         && let Some(code) = v["error"]["code"].as_u64()

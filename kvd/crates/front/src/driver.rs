@@ -181,10 +181,12 @@ impl Driver {
                 return Some(Input::PrefillWorker { epoch, worker });
             }
             Action::CatchUp(at) => {
+                self.log.mark_open();
                 let epoch = at.epoch;
                 self.prefill = Some((epoch, PrefillCall(Box::pin(catch_up(f, at)))));
             }
             Action::Prefill(at) => {
+                self.log.mark_open();
                 // counted in its worker's load from now, so the next pick sees it
                 let slot = f.prefill_slot(at.worker);
                 self.prefill = Some((at.epoch, PrefillCall(Box::pin(prefill(f, at, slot)))));
@@ -252,6 +254,7 @@ impl Driver {
         match timeout(t, f.engines().complete(at.worker, at.body)).await {
             Ok(Ok(Opened::Stream(s))) => {
                 self.stream = Some((epoch, s));
+                self.log.mark_open();
                 None
             }
             Ok(Ok(Opened::Refused { status, text })) if status >= 500 => {

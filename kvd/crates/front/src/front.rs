@@ -154,13 +154,21 @@ fn non_empty(ids: Vec<u32>) -> Result<Vec<u32>> {
 
 /// The request's token budget, as vLLM's server sets it: what the client gave (OpenAI's
 /// default of 16 for a completion, none for a chat), no more than the context leaves after
-/// the prompt.
+/// the prompt (a prompt that fills it is refused, or, with `refuse_past_context` off, left to
+/// the engines).
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for a prompt that fills the context;
 /// [`Error::Unavailable`] for a chat without `max_tokens` when the context length is unknown.
-fn budget(api: Api, given: Option<u32>, context: Option<u32>, prompt: usize) -> Result<u32> {
+fn budget(
+    api: Api,
+    given: Option<u32>,
+    context: Option<u32>,
+    prompt: usize,
+    refuse_past_context: bool,
+) -> Result<u32> {
     let room = match context {
+        Some(ctx) if prompt >= ctx as usize && !refuse_past_context => None,
         Some(ctx) if prompt >= ctx as usize => {
             return Err(Error::InvalidArgument(format!(
                 "This model's maximum context length is {ctx} tokens. However, your request has {prompt} input tokens. Please reduce the length of the input."
@@ -499,7 +507,16 @@ impl Front {
             None => None,
         };
         let prompt = self.prompt_ids(&mut asked, first).await?;
-        let max_tokens = budget(api, asked.max_tokens, context, prompt.len())?;
+        // in P/D the prefill pool takes the prompt first, and may be sized for another
+        // context: the engines judge it (a decode's refusal is a window the front handles)
+        let refuse_past_context = !self.disaggregated();
+        let max_tokens = budget(
+            api,
+            asked.max_tokens,
+            context,
+            prompt.len(),
+            refuse_past_context,
+        )?;
         if !api.stream {
             // the one answer at the end counts the tokens as a stream's last event does
             asked
@@ -1191,6 +1208,29 @@ impl Front {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_budget_is_vllms_within_the_context_and_a_prompt_past_it_is_refused() {
+        let api = |kind| Api { kind, stream: true };
+        let (c, chat) = (api(Kind::Completion), api(Kind::Chat));
+        assert_eq!(budget(c, None, Some(100), 10, true).unwrap(), 16);
+        assert_eq!(budget(chat, None, Some(100), 10, true).unwrap(), 90);
+        assert_eq!(budget(c, Some(500), Some(100), 10, true).unwrap(), 90);
+        assert_eq!(budget(c, Some(5), None, 10, true).unwrap(), 5);
+        let past = budget(c, Some(5), Some(100), 100, true).unwrap_err();
+        assert!(
+            matches!(past, Error::InvalidArgument(ref m) if m.contains("maximum context length is 100"))
+        );
+        assert_eq!(
+            budget(c, Some(5), Some(100), 150, false).unwrap(),
+            5,
+            "left to the engines"
+        );
+        assert!(matches!(
+            budget(chat, None, None, 10, true),
+            Err(Error::Unavailable(_))
+        ));
+    }
 
     #[test]
     fn request_ids_stay_exact_in_json_numbers() {

@@ -28,6 +28,8 @@ struct Inner {
     bytes: usize,
     done: bool,
     clients: u32,
+    /// An engine took the request (its stream opened, or a prefill or catch-up went out).
+    open: bool,
 }
 
 /// What a read of the log gave.
@@ -94,6 +96,24 @@ impl StreamLog {
     pub fn close(&self) {
         self.lock().done = true;
         self.bump();
+    }
+
+    /// An engine took the request: a client's answer head need not wait for the first event
+    /// any longer (see [`StreamLog::is_open`]).
+    pub fn mark_open(&self) {
+        let changed = {
+            let mut g = self.lock();
+            !std::mem::replace(&mut g.open, true)
+        };
+        if changed {
+            self.bump();
+        }
+    }
+
+    /// Whether an engine took the request. Until then a refusal may still come, which the
+    /// client gets as its answer's status rather than as an event.
+    pub fn is_open(&self) -> bool {
+        self.lock().open
     }
 
     /// Whether the log ended.

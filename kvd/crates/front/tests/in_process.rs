@@ -515,8 +515,7 @@ fn ending_of(client: &scripted::Client) -> (serde_json::Value, serde_json::Value
     let last = client
         .got
         .iter()
-        .filter(|g| g.data["choices"][0].is_object())
-        .next_back()
+        .rfind(|g| g.data["choices"][0].is_object())
         .expect("a choice");
     let c = &last.data["choices"][0];
     (c["finish_reason"].clone(), c["stop_reason"].clone())
