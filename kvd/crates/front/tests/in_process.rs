@@ -569,3 +569,72 @@ async fn a_stop_string_that_spans_the_break_stops_the_request_where_the_uninterr
         "the resubmission says which prompt tokens were generated"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_whose_front_died_is_taken_over_caught_up_and_continued_from_the_clients_last_event()
+ {
+    let records = std::sync::Arc::new(scripted::MemRecords::default());
+    let a = Cluster::new(3);
+    a.front.set_records(records.clone());
+    let (id, mut client) = a.start(&prompt(PROMPT), 20).await;
+    client.read_tokens(7).await;
+    let (seen, had) = (client.seqs(), client.tokens());
+    let last = *seen.last().unwrap();
+    let record = records.get(id).expect("the stream's record is kept");
+    assert_eq!(
+        (record["epoch"].as_u64(), record["max_tokens"].as_u64()),
+        (Some(1), Some(20))
+    );
+    // front a is gone (its engine attempt with it); b takes the stream over
+    a.engines.kill(
+        a.front.status()["active"][id.to_string()]["serving"]
+            .as_u64()
+            .unwrap() as u32,
+    );
+    let b = a.replica(3);
+    b.front.set_records(records.clone());
+    let resumed = b
+        .front
+        .take_over(id, last + 1, Some(had.len()))
+        .await
+        .unwrap();
+    let kvd_front::front::Resumed::Here((same, log, guard)) = resumed else {
+        panic!("taken over here")
+    };
+    assert_eq!(same, id, "the same stream");
+    let mut rest = scripted::Client::new(log, guard, last + 1);
+    rest.read_to_end().await;
+    assert!(rest.error().is_none(), "{:?}", rest.error());
+    let mut all = had.clone();
+    all.extend(rest.tokens());
+    assert_eq!(all, greedy(&prompt(PROMPT), 20), "exactly the rest");
+    let seqs: Vec<u64> = seen.iter().chain(rest.seqs().iter()).copied().collect();
+    assert_eq!(
+        seqs,
+        (0..seqs.len() as u64).collect::<Vec<_>>(),
+        "numbered on from the client's last"
+    );
+    let calls = b.engines.calls();
+    let catch_up = calls
+        .iter()
+        .find(|c| c.body["stream"] == serde_json::json!(false))
+        .expect("a catch-up");
+    assert_eq!(catch_up.body["prompt"], serde_json::json!(prompt(PROMPT)));
+    assert_eq!(catch_up.body["max_tokens"], had.len());
+    let resumed = calls.last().unwrap();
+    let kvd = &resumed.body["kv_transfer_params"]["kvd"];
+    assert_eq!(kvd["continues"]["generated"], had.len());
+    assert_eq!(
+        kvd["checkpoint"]["epoch"], 2,
+        "the epoch after the lost one"
+    );
+    assert_eq!(
+        kvd["restore"]["epoch"], 1,
+        "the lost attempt's checkpoint is loaded"
+    );
+    assert_eq!(b.front.stats().streams_taken_over, 1);
+    assert!(
+        records.get(id).is_none(),
+        "the record goes when the stream ends"
+    );
+}

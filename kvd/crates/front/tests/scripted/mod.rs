@@ -22,7 +22,10 @@ use std::time::Duration;
 
 use kvd_control::{ControlConfig, Controller, Epoch, Event, RequestId, WorkerId};
 use kvd_core::{Error, Result};
-use kvd_front::engine::{BoxFuture, Engines, EventStream, Held, Holders, Opened, PrefillAnswer};
+use kvd_front::engine::{
+    BoxFuture, ByteStream, Claim, Engines, EventStream, Forwarded, Held, Holders, Opened,
+    PrefillAnswer, Records,
+};
 use kvd_front::front::{Admission, Opened as FrontStream};
 use kvd_front::log::{ClientGuard, Read, StreamLog, changed};
 use kvd_front::machine::Admitted;
@@ -481,7 +484,90 @@ impl Scripted {
     }
 }
 
+/// A forwarded answer's body: its bytes at once.
+#[derive(Debug)]
+struct Once(Option<Vec<u8>>);
+
+impl ByteStream for Once {
+    fn next(&mut self) -> BoxFuture<'_, Result<Option<Vec<u8>>>> {
+        let b = self.0.take();
+        Box::pin(async move { Ok(b) })
+    }
+}
+
+impl Scripted {
+    /// A completion without a stream (a taken-over stream's catch-up): the greedy tokens
+    /// after the body's prompt, at once.
+    fn forwarded(&self, worker: WorkerId, body: Value) -> Result<Forwarded> {
+        let mut w = self.w();
+        w.calls.push(Call {
+            worker,
+            body: body.clone(),
+        });
+        if w.engines[&worker].dead {
+            return Err(Error::Unavailable(format!(
+                "worker {worker}: connect: refused"
+            )));
+        }
+        let mut history = ids(&body["prompt"]);
+        let n = body["max_tokens"].as_u64().unwrap_or(16) as usize;
+        let mut tokens = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = next_token(&history);
+            history.push(t);
+            tokens.push(t);
+        }
+        let text: String = tokens.iter().map(|t| format!(" t{t}")).collect();
+        let answer = json!({"choices": [{"index": 0, "text": text, "token_ids": tokens,
+            "finish_reason": "length"}]});
+        Ok(Forwarded {
+            status: 200,
+            content_type: Some("application/json".into()),
+            body: Box::new(Once(Some(answer.to_string().into_bytes()))),
+        })
+    }
+}
+
+/// The streams' records, in memory: what a replica keeps, another takes over (its owner is
+/// taken to be gone).
+#[derive(Debug, Default)]
+pub struct MemRecords(Mutex<BTreeMap<RequestId, Value>>);
+
+impl MemRecords {
+    /// The record kept for `request`.
+    pub fn get(&self, request: RequestId) -> Option<Value> {
+        self.0.lock().unwrap().get(&request).cloned()
+    }
+}
+
+impl Records for MemRecords {
+    fn keep(&self, request: RequestId, record: Value) {
+        self.0.lock().unwrap().insert(request, record);
+    }
+
+    fn forget(&self, request: RequestId) {
+        self.0.lock().unwrap().remove(&request);
+    }
+
+    fn claim(&self, request: RequestId) -> BoxFuture<'_, Result<Claim>> {
+        let r = self.get(request).map_or(Claim::Unknown, Claim::Taken);
+        Box::pin(async move { Ok(r) })
+    }
+}
+
 impl Engines for Scripted {
+    fn forward(
+        &self,
+        worker: WorkerId,
+        _path: &'static str,
+        body: Vec<u8>,
+    ) -> BoxFuture<'_, Result<Forwarded>> {
+        let r = serde_json::from_slice(&body)
+            .map_err(|e| Error::Protocol(e.to_string()))
+            .and_then(|b| self.forwarded(worker, b));
+        Box::pin(async move { r })
+    }
+
     fn workers(&self) -> Vec<WorkerId> {
         let w = self.w();
         w.engines
@@ -601,6 +687,21 @@ impl Cluster {
     }
 
     fn build(n: u32, m: u32, config: ControlConfig, args: FrontArgs) -> Cluster {
+        Cluster::build_over(Scripted::new(n), n, m, config, args)
+    }
+
+    /// Another front (a replica) over this one's engines and holders, with its own controller.
+    pub fn replica(&self, n: u32) -> Cluster {
+        Cluster::build_over(self.engines.clone(), n, 0, ControlConfig::default(), args())
+    }
+
+    fn build_over(
+        engines: Scripted,
+        n: u32,
+        m: u32,
+        config: ControlConfig,
+        args: FrontArgs,
+    ) -> Cluster {
         let hub = Hub::new(
             Controller::new(config).unwrap(),
             Arc::new(TokioClock::new()),
@@ -614,7 +715,6 @@ impl Cluster {
             .unwrap();
             hub.node_registered(u64::from(w), &format!("holder-{w}"));
         }
-        let engines = Scripted::new(n);
         let pool: Vec<WorkerId> = (FIRST_PREFILL..FIRST_PREFILL + m).collect();
         for p in &pool {
             hub.node_registered(u64::from(*p), &format!("prefill-{p}"));
