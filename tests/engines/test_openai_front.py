@@ -152,6 +152,10 @@ def test_the_official_client_gets_the_engines_own_text_for_every_api(cluster):
     text, _ = chat_text(via.chat.completions.create(model=SERVED_NAME, messages=messages, stream=True, **GREEDY))
     assert text == cref.choices[0].message.content
 
+    # vLLM's own /tokenize, as the engine answers it
+    tok = json.dumps({"model": SERVED_NAME, "messages": messages}).encode()
+    assert post(f"http://{front.addr}", "/tokenize", tok)[2] == post(nodes[1].url, "/tokenize", tok)[2]
+
     # what the front cannot recover exactly is still served, and says so
     raw = via.completions.with_raw_response.create(model=SERVED_NAME, prompt="w1 w2", n=2, max_tokens=4)
     assert raw.headers["x-kvd-recovery"] == "off"
@@ -312,13 +316,15 @@ def test_vllms_serving_benchmark_completes_every_request_through_the_front(clust
     out = subprocess.run(
         [sys.executable, "-c", bench, "--backend", "openai-chat", "--base-url", f"http://{front.addr}",
          "--endpoint", "/v1/chat/completions", "--model", SERVED_NAME, "--tokenizer", str(model),
-         "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "16",
-         "--num-prompts", "16", "--max-concurrency", "4", "--seed", "0", "--disable-tqdm"],
+         # long enough prompts, 8 at a time: some wait past a second for their first token
+         "--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "16",
+         "--num-prompts", "16", "--max-concurrency", "8", "--seed", "0", "--disable-tqdm"],
         capture_output=True, text=True, timeout=900)
     report = out.stdout + out.stderr
     assert out.returncode == 0, report[-4000:]
+    assert "/tokenize unavailable" not in report, "the front answers vLLM's /tokenize"
     for line in report.splitlines():
-        for name in ("Mean TTFT (ms):", "Median TPOT (ms):", "Request throughput (req/s):"):
+        for name in ("Mean TTFT (ms):", "P99 TTFT (ms):", "Median TPOT (ms):", "Request throughput (req/s):"):
             if line.startswith(name):
                 FIGURES["bench_" + name.rstrip(":").split(" (")[0].lower().replace(" ", "_")] = float(line.split()[-1])
     ok = [l for l in report.splitlines() if l.startswith("Successful requests:")]

@@ -1,10 +1,12 @@
 //! The streaming front's HTTP surface ([`kvd_front`] holds the front itself), OpenAI's:
 //! `POST /v1/completions` and `POST /v1/chat/completions` (streaming or not; with
-//! `Last-Event-ID` a stream resumes), `GET /v1/models`; and kvd's: `GET /v1/streams/{id}`
+//! `Last-Event-ID` a stream resumes), `GET /v1/models`; vLLM's `POST /tokenize` and
+//! `POST /detokenize` (an engine's answer, as it is); and kvd's: `GET /v1/streams/{id}`
 //! (resume) and `GET /status`.
 //!
-//! - A stream is an SSE body that reads the request's log from a sequence number on, with a
-//!   keep-alive comment while nothing comes. Its head waits for the log's first event, so a
+//! - A stream is an SSE body that reads the request's log from a sequence number on; a client
+//!   that reads SSE (`Accept: text/event-stream`) also gets `id:` lines and a keep-alive comment
+//!   each second nothing comes, any other gets OpenAI's shape, `data:` lines only. Its head waits for the log's first event, so a
 //!   request the engine refuses gets the engine's status and error, as from the engine itself.
 //! - Without a stream, the handler reads the log to its end and answers once
 //!   ([`kvd_front::openai::Collector`]); the request recovers as a stream does meanwhile.
@@ -39,6 +41,8 @@ pub fn routes(front: Arc<Front>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/streams/{id}", get(resume))
         .route("/status", get(status))
         // the handlers read the body themselves, up to --max-body-bytes
@@ -68,8 +72,9 @@ struct Sub {
     rx: tokio::sync::watch::Receiver<u64>,
     _guard: ClientGuard,
     ended: bool,
-    /// The client reads SSE `id:` lines (otherwise they are left out, as OpenAI's stream has
-    /// none: the `kvd` field of each event says the same).
+    /// The client reads SSE: `id:` lines, and a keep-alive comment each second nothing comes
+    /// (otherwise neither, as OpenAI's stream has none: the `kvd` field of each event carries
+    /// the id).
     ids: bool,
 }
 
@@ -101,7 +106,7 @@ async fn next_chunk(mut s: Sub) -> Option<(Result<Bytes, std::convert::Infallibl
                 return Some((Ok(Bytes::from(out)), s));
             }
             Read::Frames(_, true) => return None,
-            Read::Frames(_, false) => {
+            Read::Frames(_, false) if s.ids => {
                 if tokio::time::timeout(KEEPALIVE, changed(&mut s.rx))
                     .await
                     .is_err()
@@ -109,6 +114,9 @@ async fn next_chunk(mut s: Sub) -> Option<(Result<Bytes, std::convert::Infallibl
                     return Some((Ok(Bytes::from_static(b": keep-alive\n\n")), s));
                 }
             }
+            // no comments to a client that reads OpenAI's stream shape: one `data:` line per
+            // event, nothing else (vLLM's benchmark client glues a comment to the next event)
+            Read::Frames(_, false) => changed(&mut s.rx).await,
         }
     }
 }
@@ -390,6 +398,38 @@ async fn direct(f: &Front, worker: u32, kind: Kind, body: Vec<u8>, reason: &str)
     }
     b.body(Body::from_stream(bytes_stream(forwarded.body)))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+async fn tokenize(State(f): State<Arc<Front>>, body: Body) -> Response {
+    engine_as_is(&f, "/tokenize", body).await
+}
+
+async fn detokenize(State(f): State<Arc<Front>>, body: Body) -> Response {
+    engine_as_is(&f, "/detokenize", body).await
+}
+
+/// vLLM's `/tokenize` and `/detokenize`, answered by an engine in service as it answers them.
+async fn engine_as_is(f: &Front, path: &'static str, body: Body) -> Response {
+    let limit = f.args().max_body_bytes;
+    let body = match axum::body::to_bytes(body, limit).await {
+        Ok(b) => b.to_vec(),
+        Err(e) => {
+            let msg = format!("the body is over --max-body-bytes ({limit}) or broke: {e}");
+            return error_json(StatusCode::PAYLOAD_TOO_LARGE, &msg);
+        }
+    };
+    match f.engines_forward_any(path, body).await {
+        Ok(fw) => {
+            let status = StatusCode::from_u16(fw.status).unwrap_or(StatusCode::BAD_GATEWAY);
+            let mut b = Response::builder().status(status);
+            if let Some(ct) = &fw.content_type {
+                b = b.header(header::CONTENT_TYPE, ct.as_str());
+            }
+            b.body(Body::from_stream(bytes_stream(fw.body)))
+                .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+        }
+        Err(e) => refusal(&e),
+    }
 }
 
 /// A body read as it comes, as a stream for axum.

@@ -460,6 +460,20 @@ impl Front {
         self.models(w).await
     }
 
+    /// Send a body to an engine in service as it is (vLLM's `/tokenize` and `/detokenize`,
+    /// which a drop-in for vLLM's server answers too).
+    ///
+    /// # Errors
+    /// No worker in service; the engine is unreachable.
+    pub async fn engines_forward_any(
+        &self,
+        path: &'static str,
+        body: Vec<u8>,
+    ) -> Result<crate::engine::Forwarded> {
+        let worker = self.pick_worker().ok_or_else(no_worker)?;
+        self.engines_forward(worker, path, body).await
+    }
+
     /// Send a body to `worker`'s engine as it is (a request served without recovery), the
     /// answer's head within the request deadline.
     ///

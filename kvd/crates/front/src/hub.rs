@@ -88,17 +88,17 @@ impl Hub {
     /// the front's requests reach them too).
     pub fn apply_all(&self, events: &[Event]) -> Vec<Result<Vec<Decision>>> {
         let now = self.now_ms();
-        let results: Vec<_> = {
-            let mut c = lock(&self.controller);
-            events.iter().map(|e| c.apply(e, now)).collect()
-        };
+        let mut c = lock(&self.controller);
+        let results: Vec<_> = events.iter().map(|e| c.apply(e, now)).collect();
         let noted: Vec<Decision> = results
             .iter()
             .filter_map(|r| r.as_ref().ok())
             .flatten()
             .cloned()
             .collect();
+        // published before the controller is let go (see [`Hub::fail`])
         self.note(&noted);
+        drop(c);
         results
     }
 
@@ -108,8 +108,11 @@ impl Hub {
     /// Those of [`Controller::apply`].
     pub fn apply(&self, event: &Event) -> Result<Vec<Decision>> {
         let now = self.now_ms();
-        let d = lock(&self.controller).apply(event, now)?;
+        let mut c = lock(&self.controller);
+        let d = c.apply(event, now)?;
+        // published before the controller is let go (see [`Hub::fail`])
         self.note(&d);
+        drop(c);
         Ok(d)
     }
 
@@ -138,8 +141,14 @@ impl Hub {
     /// Those of [`Controller::fail_workers`].
     pub fn fail(&self, workers: &[WorkerId]) -> Result<RecoveryPlan> {
         let now = self.now_ms();
-        let plan = lock(&self.controller).fail_workers(workers, now)?;
+        let mut c = lock(&self.controller);
+        let plan = c.fail_workers(workers, now)?;
+        // the plans are published before the controller is let go: another request of the
+        // same worker that fails it too (a no-op now) finds its plan waiting, instead of
+        // asking between the failure and the publishing and getting none (lock order:
+        // controller, then plans; nothing takes them the other way round)
         self.note(&plan.clone().into_decisions());
+        drop(c);
         Ok(plan)
     }
 
@@ -252,5 +261,60 @@ impl Hub {
     /// The front's counters.
     pub fn front_stats(&self) -> FrontStats {
         lock(&self.front_stats).clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvd_control::ControlConfig;
+    use kvd_core::clock::ManualClock;
+
+    /// Every request of a failed worker finds its plan right after its own failure call, however
+    /// the calls of its siblings interleave (each thread: fail the worker, then take its plan, as
+    /// `Front::recover_worker` does when its stream breaks).
+    #[test]
+    fn each_request_of_a_failed_worker_finds_its_plan_after_its_own_failure_call() {
+        for round in 0..50 {
+            let hub = Hub::new(
+                Controller::new(ControlConfig::default()).unwrap(),
+                ManualClock::new(0),
+                0,
+            );
+            for w in 1..=3 {
+                hub.apply(&Event::WorkerJoined {
+                    worker: w,
+                    capacity_bytes: 1 << 30,
+                })
+                .unwrap();
+            }
+            let ids: Vec<RequestId> = (1..=8).collect();
+            for &id in &ids {
+                hub.admit(AdmitRequest {
+                    request_id: id,
+                    serving: 1,
+                    prompt_tokens: 100,
+                    max_new_tokens: 10,
+                    reserve_bytes: 1 << 20,
+                    deadline_ms: None,
+                })
+                .unwrap();
+                hub.watch_request(id);
+            }
+            let found: Vec<bool> = std::thread::scope(|s| {
+                let handles: Vec<_> = ids
+                    .iter()
+                    .map(|&id| {
+                        let hub = &hub;
+                        s.spawn(move || {
+                            hub.fail(&[1]).unwrap();
+                            hub.take_plan(id).is_some()
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert!(found.iter().all(|f| *f), "round {round}: {found:?}");
+        }
     }
 }
