@@ -7,9 +7,9 @@ use std::time::Duration;
 pub struct FrontArgs {
     /// A worker's engine, as ID=URL: the OpenAI-compatible server (vLLM's) of the node whose
     /// kvd daemon has node id ID, e.g. 1=http://10.0.0.1:8000. Repeat per worker. With at
-    /// least one, `kvd control` serves the streaming front (`POST /v1/completions`); it needs
-    /// --etcd (the holders' admin addresses and the workers' capacities come from the nodes'
-    /// registrations).
+    /// least one, `kvd control` serves the front (OpenAI's `/v1/completions`,
+    /// `/v1/chat/completions` and `/v1/models`); it needs --etcd (the holders' admin addresses
+    /// and the workers' capacities come from the nodes' registrations).
     #[arg(long = "engine", value_name = "ID=URL")]
     pub engines: Vec<String>,
     /// A prefill worker's engine, as ID=URL (prefill/decode disaggregation): the
