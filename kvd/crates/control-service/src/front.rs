@@ -247,13 +247,9 @@ async fn serve(f: Arc<Front>, headers: HeaderMap, body: Body, kind: Kind) -> Res
         f.hub().count_front(|s| s.streams_refused += 1);
         r
     };
-    let limit = f.args().max_body_bytes;
-    let body = match axum::body::to_bytes(body, limit).await {
+    let body = match read_body(&f, body).await {
         Ok(b) => b,
-        Err(e) => {
-            let msg = format!("the body is over --max-body-bytes ({limit}) or broke: {e}");
-            return refused(&f, error_json(StatusCode::PAYLOAD_TOO_LARGE, &msg));
-        }
+        Err(r) => return refused(&f, r),
     };
     let body: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
@@ -380,24 +376,42 @@ async fn whole(
 
 /// A body one engine serves as it is: its answer, relayed as it comes.
 async fn direct(f: &Front, worker: u32, kind: Kind, body: Vec<u8>, reason: &str) -> Response {
-    let forwarded = match f.engines_forward(worker, kind.path(), body).await {
-        Ok(fw) => fw,
-        Err(e) => return refusal(&e),
-    };
-    let status = StatusCode::from_u16(forwarded.status).unwrap_or(StatusCode::BAD_GATEWAY);
-    let mut b = Response::builder()
-        .status(status)
-        .header("x-kvd-recovery", "off")
-        .header(
-            "x-kvd-recovery-reason",
-            header::HeaderValue::from_str(reason)
-                .unwrap_or(header::HeaderValue::from_static("see the front's log")),
-        );
-    if let Some(ct) = &forwarded.content_type {
+    let reason = header::HeaderValue::from_str(reason)
+        .unwrap_or(header::HeaderValue::from_static("see the front's log"));
+    let headers = [
+        ("x-kvd-recovery", header::HeaderValue::from_static("off")),
+        ("x-kvd-recovery-reason", reason),
+    ];
+    match f.engines_forward(worker, kind.path(), body).await {
+        Ok(fw) => as_answered(fw, headers),
+        Err(e) => refusal(&e),
+    }
+}
+
+/// An engine's answer relayed as it comes: its status, its `Content-Type`, these headers.
+fn as_answered<const N: usize>(
+    fw: kvd_front::engine::Forwarded,
+    headers: [(&'static str, header::HeaderValue); N],
+) -> Response {
+    let status = StatusCode::from_u16(fw.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut b = Response::builder().status(status);
+    for (k, v) in headers {
+        b = b.header(k, v);
+    }
+    if let Some(ct) = &fw.content_type {
         b = b.header(header::CONTENT_TYPE, ct.as_str());
     }
-    b.body(Body::from_stream(bytes_stream(forwarded.body)))
+    b.body(Body::from_stream(bytes_stream(fw.body)))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// A client's body, at most `--max-body-bytes` of it (past it: 413, OpenAI's shape).
+async fn read_body(f: &Front, body: Body) -> Result<Bytes, Response> {
+    let limit = f.args().max_body_bytes;
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let msg = format!("the body is over --max-body-bytes ({limit}) or broke: {e}");
+        error_json(StatusCode::PAYLOAD_TOO_LARGE, &msg)
+    })
 }
 
 async fn tokenize(State(f): State<Arc<Front>>, body: Body) -> Response {
@@ -410,24 +424,12 @@ async fn detokenize(State(f): State<Arc<Front>>, body: Body) -> Response {
 
 /// vLLM's `/tokenize` and `/detokenize`, answered by an engine in service as it answers them.
 async fn engine_as_is(f: &Front, path: &'static str, body: Body) -> Response {
-    let limit = f.args().max_body_bytes;
-    let body = match axum::body::to_bytes(body, limit).await {
+    let body = match read_body(f, body).await {
         Ok(b) => b.to_vec(),
-        Err(e) => {
-            let msg = format!("the body is over --max-body-bytes ({limit}) or broke: {e}");
-            return error_json(StatusCode::PAYLOAD_TOO_LARGE, &msg);
-        }
+        Err(r) => return r,
     };
     match f.engines_forward_any(path, body).await {
-        Ok(fw) => {
-            let status = StatusCode::from_u16(fw.status).unwrap_or(StatusCode::BAD_GATEWAY);
-            let mut b = Response::builder().status(status);
-            if let Some(ct) = &fw.content_type {
-                b = b.header(header::CONTENT_TYPE, ct.as_str());
-            }
-            b.body(Body::from_stream(bytes_stream(fw.body)))
-                .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
-        }
+        Ok(fw) => as_answered(fw, []),
         Err(e) => refusal(&e),
     }
 }
