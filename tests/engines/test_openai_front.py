@@ -236,21 +236,28 @@ def test_a_chat_whose_worker_is_killed_streaming_and_not_gets_the_uninterrupted_
     t = threading.Thread(target=lambda: answer.update(r=front_client(front).chat.completions.create(
         model=SERVED_NAME, messages=messages, temperature=0, max_tokens=MAX_TOKENS,
         extra_body={"ignore_eos": True})))
-    recoveries = front.get("/status")["front"]["recoveries"]
+    before = front.get("/status")
+    recoveries, earlier = before["front"]["recoveries"], set(before["active"])
     t.start()
+    # The request is found by its id (not one of the streams still running before it) and killed
+    # from the same look, well before its end: a later second look, or a finished stream's entry,
+    # could kill a worker after the request's last token, or the wrong worker.
+    seen: dict[str, Any] = {}
 
-    def running() -> Optional[dict]:
+    def running() -> bool:
         active = front.get("/status")["active"]
-        return next((a for a in active.values() if a["generated"] >= KILL_AT), None)
+        mine = [a for id, a in active.items() if id not in earlier and a["generated"] >= KILL_AT // 2]
+        if mine:
+            seen["a"] = mine[0]
+            nodes[mine[0]["serving"]].kill_vllm()
+        return bool(mine) or not t.is_alive()
 
-    wait_until("the request past token 100", lambda: running() is not None or not t.is_alive(), timeout_s=300)
-    a = running()
-    assert a is not None, "the request ran"
-    nodes[a["serving"]].kill_vllm()
+    wait_until("the request past token 50", running, timeout_s=300)
+    assert "a" in seen, "the request ran"
     t.join(timeout=600)
     assert answer["r"].choices[0].message.content == ref
     assert answer["r"].usage.completion_tokens == MAX_TOKENS
-    assert front.get("/status")["front"]["recoveries"] == recoveries + 1
+    assert front.get("/status")["front"]["recoveries"] == recoveries + 1, f"killed at {seen['a']}"
     all_in_service(front, nodes)
 
 
