@@ -30,7 +30,7 @@ fn an_unknown_experiment_is_refused_with_the_choices() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("choose a, b, c, d, v or all"), "{err}");
+    assert!(err.contains("choose a, b, c, d, v, l or all"), "{err}");
 }
 
 #[test]

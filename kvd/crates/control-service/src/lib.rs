@@ -90,6 +90,17 @@ pub struct ControlArgs {
     /// λ, the weight of the restore delay in the placement score.
     #[arg(long, default_value_t = 1.0)]
     pub lambda: f64,
+    /// The restore rate the placement score assumes, MB/s: p_w turns bytes into milliseconds
+    /// with it. The default is a GPU's host-to-device copy (25 GB/s); where a restore goes
+    /// through something slower (vLLM's CPU build loaded the tests' tiny model from kvd at
+    /// about 450 MB/s: 1.1 MiB in 2.5 ms, docs/PERFORMANCE.md), give the measured rate, or p_w
+    /// is near 0 and the queue term alone decides.
+    #[arg(long, default_value_t = 25_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub restore_mb_per_s: u64,
+    /// The prefill rate recovery planning assumes, tokens/ms (what recomputing a request's
+    /// history would cost against loading it).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub prefill_tokens_per_ms: u32,
     /// Migrations allowed per request.
     #[arg(long, default_value_t = 3)]
     pub migration_budget: u32,
@@ -466,6 +477,8 @@ pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u6
             let config = ControlConfig {
                 policy: args.policy.parse::<PolicyKind>()?,
                 lambda: args.lambda,
+                host_to_gpu_bytes_per_ms: args.restore_mb_per_s * 1_000,
+                prefill_tokens_per_ms: args.prefill_tokens_per_ms,
                 migration_budget: args.migration_budget,
                 ..ControlConfig::default()
             };

@@ -5,7 +5,7 @@
 
 mod scripted;
 
-use kvd_control::{ControlConfig, Decision, RequestState, RestorePlan};
+use kvd_control::{ControlConfig, Decision, Event, RequestState, RestorePlan};
 use kvd_front::machine::{Action, Input, Request, State};
 use scripted::{Cluster, Fault, admitted, args, eventually, greedy, prompt, resume};
 
@@ -372,6 +372,65 @@ fn an_older_epochs_late_events_are_dropped() {
         |a| matches!(a, Action::Recovered(r) if r.recovery_ms == 2 && r.committed_tokens == 1)
     ));
     assert_eq!(m.state(), State::Decoding);
+}
+
+fn controls(actions: &[Action]) -> Vec<&'static str> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Control(Event::PrefillStarted { .. }) => Some("prefill"),
+            Action::Control(Event::DecodingStarted { .. }) => Some("decoding"),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_first_prefill_is_told_at_its_first_token_and_a_recoverys_at_its_send() {
+    // the controller's q_w is admission → PrefillStarted: told at the send it would read 0
+    let mut m = Request::new(admitted(10));
+    assert!(controls(&m.on(Input::Start, 0)).is_empty());
+    let first = m.on(
+        Input::EngineEvent {
+            epoch: 1,
+            data: token(5),
+        },
+        40,
+    );
+    assert_eq!(controls(&first), ["prefill", "decoding"]);
+    let more = m.on(
+        Input::EngineEvent {
+            epoch: 1,
+            data: token(6),
+        },
+        41,
+    );
+    assert!(controls(&more).is_empty(), "told once: {more:?}");
+    let plan = RestorePlan {
+        request_id: 9,
+        epoch: 2,
+        target: 3,
+        kv_source: Some(2),
+        load_tokens: 4,
+        prefill_tokens: 0,
+        history_tokens: 4,
+        resume_seq: 2,
+        new_holder: Some(1),
+    };
+    let resumed = m.on(Input::Plan(Decision::Restore(plan)), 50);
+    assert_eq!(
+        controls(&resumed),
+        ["prefill"],
+        "a recovery's restore is told as it goes out"
+    );
+    let next = m.on(
+        Input::EngineEvent {
+            epoch: 2,
+            data: token(7),
+        },
+        60,
+    );
+    assert_eq!(controls(&next), ["decoding"]);
 }
 
 #[tokio::test(start_paused = true)]

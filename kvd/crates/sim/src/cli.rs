@@ -38,7 +38,7 @@ pub struct SimArgs {
 
 #[derive(Debug, Subcommand)]
 enum SimCommand {
-    /// Run one experiment (a, b, c, d, v) or all of them and write the results.
+    /// Run one experiment (a, b, c, d, v, l) or all of them and write the results.
     Run(RunArgs),
     /// List the built-in experiments and their scenarios.
     List,
@@ -54,7 +54,8 @@ enum SimCommand {
 struct RunArgs {
     /// Which experiment: a (one failure, 32B x4 and 14B x8), b (1-4 simultaneous failures),
     /// c (load 50/70/85 %), d (25 % failing at 4-64 workers), v (validation: one failure at
-    /// 4-64 workers, StopRestart's failure impact against published measurements), or all.
+    /// 4-64 workers, StopRestart's failure impact against published measurements), l (the
+    /// set-up of the experiment on real processes: 1 and 2 failures on 4 workers), or all.
     #[arg(short, long, default_value = "all")]
     experiment: String,
     /// Directory for the CSV, Markdown and PNG files (created if missing).

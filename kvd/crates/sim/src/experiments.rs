@@ -53,16 +53,20 @@ pub enum Experiment {
     /// Validation: one failure, 4 to 64 workers (StopRestart's failure impact against the
     /// published measurements).
     V,
+    /// The set-up of the experiment on real processes (benches/python/lumen_load.py): 4
+    /// workers, one failure and two at once.
+    L,
 }
 
 impl Experiment {
     /// All of them, in order.
-    pub const ALL: [Experiment; 5] = [
+    pub const ALL: [Experiment; 6] = [
         Experiment::A,
         Experiment::B,
         Experiment::C,
         Experiment::D,
         Experiment::V,
+        Experiment::L,
     ];
 
     /// Its one-letter name.
@@ -73,6 +77,7 @@ impl Experiment {
             Experiment::C => "c",
             Experiment::D => "d",
             Experiment::V => "v",
+            Experiment::L => "l",
         }
     }
 
@@ -84,6 +89,9 @@ impl Experiment {
             Experiment::C => "one failure on 8 workers (Qwen3-14B) at 50/70/85 % of saturation",
             Experiment::D => "25 % of workers failing, 4 to 64 workers (Qwen3-14B)",
             Experiment::V => "validation: one failure, 4 to 64 workers (Qwen3-14B)",
+            Experiment::L => {
+                "the set-up on real processes: one and two failures on 4 workers (Qwen3-14B)"
+            }
         }
     }
 
@@ -98,8 +106,9 @@ impl Experiment {
             "c" => Ok(Experiment::C),
             "d" => Ok(Experiment::D),
             "v" => Ok(Experiment::V),
+            "l" => Ok(Experiment::L),
             _ => Err(crate::Error::InvalidArgument(format!(
-                "unknown experiment {s:?}; choose a, b, c, d, v or all"
+                "unknown experiment {s:?}; choose a, b, c, d, v, l or all"
             ))),
         }
     }
@@ -291,6 +300,9 @@ pub fn scenarios(exp: Experiment, sweep: &SweepConfig) -> Vec<Scenario> {
             .iter()
             .filter(|&&n| n <= sweep.max_workers_d)
             .map(|&n| one(&format!("{n}w-1f"), c14(n), sweep.load, 1))
+            .collect(),
+        Experiment::L => (1..=2)
+            .map(|k| one(&format!("4w-{k}f"), c14(4), sweep.load, k))
             .collect(),
     }
 }

@@ -155,6 +155,8 @@ pub struct Request {
     stopped: bool,
     /// Taken over: the tokens the client has, generated again before the stream continues.
     catch_up: usize,
+    /// The first attempt's `PrefillStarted` waits for its first token (see `start_attempt`).
+    prefill_untold: bool,
 }
 
 impl Request {
@@ -178,6 +180,7 @@ impl Request {
             pd: None,
             stopped: false,
             catch_up: 0,
+            prefill_untold: false,
             a,
         }
     }
@@ -375,6 +378,7 @@ impl Request {
         }
         self.state = State::Prefilling;
         self.decoding = false;
+        self.prefill_untold = false;
         let n = self.generated.len();
         if n < self.catch_up {
             let body = self.catch_up_body();
@@ -414,6 +418,12 @@ impl Request {
             if self.pending.is_some() {
                 out.push(Action::Handoff(HandoffNote::Resumed { to }));
             }
+        } else if self.generated.is_empty() && self.pending.is_none() {
+            // A request's first prefill is told at its first token: the engine's own queue is
+            // invisible from here, and the controller's queue delay `q_w` (admission → prefill
+            // start) would read 0 on every worker if told at the send. From the first token,
+            // `q_w` is the wait in the engine's queue plus the prefill itself (docs/CONTROL.md).
+            self.prefill_untold = true;
         } else {
             self.control(Event::PrefillStarted { request_id, epoch }, out);
         }
@@ -603,6 +613,9 @@ impl Request {
         if !self.decoding {
             self.decoding = true;
             self.state = State::Decoding;
+            if std::mem::take(&mut self.prefill_untold) {
+                self.control(Event::PrefillStarted { request_id, epoch }, out);
+            }
             self.control(Event::DecodingStarted { request_id, epoch }, out);
             self.handoff_done(now_ms, out);
             if let Some(p) = self.pending.take() {
