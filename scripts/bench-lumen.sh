@@ -16,8 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -eq 0 ]; then
-    set -- --workers 4 --layers 16 --rate 2 --duration 60 \
-        --scenario 30:node:2 --scenario 30:node:2,30:node:3 \
+    set -- --workers 4 --layers 16 --rate 2 --duration 40 --output-len chat:1 --window 10 \
+        --scenario 20:node:2 --scenario 20:node:2,20:node:3 \
         --policies lumen,fixed_ring,stop_restart --repeat 3 --seed 1 \
         --out lumen.json --svg lumen.svg
 fi

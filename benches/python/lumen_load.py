@@ -8,8 +8,8 @@ side by side, each run checked stream by stream against the uninterrupted greedy
 The full experiment (4 workers, one and two failures, the three policies, 3 repetitions, a
 16-layer model so that a 1,000-token prefill costs well over a restore):
 
-    scripts/bench-lumen.sh --workers 4 --layers 16 --rate 2 --duration 60 \\
-        --scenario 30:node:2 --scenario 30:node:2,30:node:3 \\
+    scripts/bench-lumen.sh --workers 4 --layers 16 --rate 2 --duration 40 --output-len chat:1 --window 10 \\
+        --scenario 20:node:2 --scenario 20:node:2,20:node:3 \\
         --policies lumen,fixed_ring,stop_restart --repeat 3 --seed 1 \\
         --out lumen.json --svg lumen.svg
 
