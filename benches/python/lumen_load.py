@@ -353,36 +353,12 @@ class Cluster:
 
 
 def start_front(folder: Path, etcd, nodes: dict, policy: str, kv_bytes_per_token: int, extra: list[str]):
-    """``kvd control --policy P`` with the front over the engines: test_stream_recovery.Front's
-    start with the run's policy and KV bytes per token (its own flags are fixed, and
-    ``kvd control`` takes each flag once)."""
-    import re
-    import pytest
+    """``kvd control --policy P`` with the front over the engines: the engine tests' harness
+    (test_stream_recovery.Front) with the run's policy and KV bytes per token, routing by load."""
     from test_stream_recovery import Front
 
-    front = Front.__new__(Front)
-    engines = [a for n in nodes.values() for a in ("--engine", f"{n.i}={n.url}")]
-    front.log = open(folder / "control.log", "wb")
-    front.proc = subprocess.Popen(
-        [os.environ["KVD_BIN"], "control", "--listen", "127.0.0.1:0", "--etcd", etcd.url, *engines,
-         "--policy", policy, "--kv-bytes-per-token", str(kv_bytes_per_token), "--kv-tokens-per-block", str(BLOCK),
-         "--cache-routing", "false", "--engine-timeout-ms", "60000", "--max-streams", "1024", *extra],
-        stdout=subprocess.PIPE, stderr=front.log,
-        env={**os.environ, "RUST_LOG": os.environ.get("KVD_CONTROL_LOG", "info")})
-    front.addr = ""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = front.proc.stdout.readline().decode()
-        m = re.match(r"kvd control listening on (\S+)", line)
-        if m:
-            front.addr = m.group(1)
-            break
-        if not line and front.proc.poll() is not None:
-            break
-    if not front.addr:
-        front.proc.kill()
-        pytest.fail(f"kvd control did not start:\n{(folder / 'control.log').read_text()}")
-    return front
+    return Front(folder, etcd, nodes, extra=["--policy", policy, "--cache-routing", "false", "--max-streams", "1024",
+                                             *extra], kv_bytes_per_token=kv_bytes_per_token)
 
 
 def warm(url: str, seed: int) -> None:

@@ -176,14 +176,15 @@ class Front:
     """``kvd control`` with the streaming front over the three engines."""
 
     def __init__(self, tmp: Path, etcd: Etcd, nodes: dict[int, Node],
-                 prefill: Optional[dict[int, Node]] = None, extra: Optional[list[str]] = None) -> None:
+                 prefill: Optional[dict[int, Node]] = None, extra: Optional[list[str]] = None,
+                 kv_bytes_per_token: int = 2048) -> None:
         binary = os.environ["KVD_BIN"]
         engines = [a for n in nodes.values() for a in ("--engine", f"{n.i}={n.url}")]
         engines += [a for n in (prefill or {}).values() for a in ("--prefill-engine", f"{n.i}={n.url}")]
         self.log = open(tmp / "control.log", "wb")
         self.proc = subprocess.Popen(
             [binary, "control", "--listen", "127.0.0.1:0", "--etcd", etcd.url, *engines,
-             "--kv-bytes-per-token", "2048",  # a 64 KiB page per 32-token block
+             "--kv-bytes-per-token", str(kv_bytes_per_token),  # 2048: a 64 KiB page per 32-token block
              "--kv-tokens-per-block", "32",   # vllm_server.py's --block-size
              "--reconnect-grace-ms", str(GRACE_MS),
              "--engine-timeout-ms", "60000", *(extra or [])],

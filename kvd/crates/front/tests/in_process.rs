@@ -287,6 +287,21 @@ fn relayed(actions: &[Action]) -> usize {
         .count()
 }
 
+/// A restore of epoch 2 on worker 3, loading 4 tokens from holder 2, resuming at `resume_seq`.
+fn restore_on_3(resume_seq: u64) -> RestorePlan {
+    RestorePlan {
+        request_id: 9,
+        epoch: 2,
+        target: 3,
+        kv_source: Some(2),
+        load_tokens: 4,
+        prefill_tokens: 0,
+        history_tokens: 4,
+        resume_seq,
+        new_holder: Some(1),
+    }
+}
+
 #[test]
 fn an_older_epochs_late_events_are_dropped() {
     let mut m = Request::new(admitted(10));
@@ -301,17 +316,7 @@ fn an_older_epochs_late_events_are_dropped() {
         )),
         1
     );
-    let plan = RestorePlan {
-        request_id: 9,
-        epoch: 2,
-        target: 3,
-        kv_source: Some(2),
-        load_tokens: 4,
-        prefill_tokens: 0,
-        history_tokens: 4,
-        resume_seq: 1,
-        new_holder: Some(1),
-    };
+    let plan = restore_on_3(1);
     let a = m.on(Input::Plan(Decision::Restore(plan.clone())), 2);
     assert!(
         a.contains(&Action::Cancel { epoch: 1 }),
@@ -406,17 +411,7 @@ fn a_first_prefill_is_told_at_its_first_token_and_a_recoverys_at_its_send() {
         41,
     );
     assert!(controls(&more).is_empty(), "told once: {more:?}");
-    let plan = RestorePlan {
-        request_id: 9,
-        epoch: 2,
-        target: 3,
-        kv_source: Some(2),
-        load_tokens: 4,
-        prefill_tokens: 0,
-        history_tokens: 4,
-        resume_seq: 2,
-        new_holder: Some(1),
-    };
+    let plan = restore_on_3(2);
     let resumed = m.on(Input::Plan(Decision::Restore(plan)), 50);
     assert_eq!(
         controls(&resumed),
