@@ -8,7 +8,8 @@
 #   scripts/bench-lumen.sh --smoke       (2 workers, a few seconds, one vLLM kill, lumen)
 #   scripts/bench-lumen.sh --help
 #
-# The full experiment: 4 workers, a 16-layer tiny model, one failure and two at once (nodes 2
+# The full experiment: 4 workers, a 16-layer tiny model 256 wide (a prefill several times its
+# restore), 1 request/s, one failure and two at once (nodes 2
 # and 3: ring neighbours), lumen, fixed_ring and stop_restart alternating, 3 repetitions with
 # the same seed; the table on stdout, lumen.json (raw records and figures) and lumen.svg (TTFT
 # over arrival time, the kills marked) in the current folder. Pick --rate first with a run
@@ -16,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -eq 0 ]; then
-    set -- --workers 4 --layers 16 --rate 2 --duration 40 --output-len chat:1 --window 10 \
+    set -- --workers 4 --layers 16 --hidden 256 --rate 1 --duration 40 --output-len chat:1 --window 10 \
         --scenario 20:node:2 --scenario 20:node:2,20:node:3 \
         --policies lumen,fixed_ring,stop_restart --repeat 3 --seed 1 \
         --out lumen.json --svg lumen.svg

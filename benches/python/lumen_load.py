@@ -6,9 +6,10 @@ side by side, each run checked stream by stream against the uninterrupted greedy
     KVD_BIN=target/debug/kvd $(scripts/engine-venv.sh)/bin/python benches/python/lumen_load.py --smoke
 
 The full experiment (4 workers, one and two failures, the three policies, 3 repetitions, a
-16-layer model so that a 1,000-token prefill costs well over a restore):
+16-layer model 256 wide so that a 1,000-token prefill costs well over a restore):
 
-    scripts/bench-lumen.sh --workers 4 --layers 16 --rate 2 --duration 40 --output-len chat:1 --window 10 \\
+    scripts/bench-lumen.sh --workers 4 --layers 16 --hidden 256 --rate 1 --duration 40 --output-len chat:1 \\
+        --window 10 \\
         --scenario 20:node:2 --scenario 20:node:2,20:node:3 \\
         --policies lumen,fixed_ring,stop_restart --repeat 3 --seed 1 \\
         --out lumen.json --svg lumen.svg
@@ -68,8 +69,9 @@ the repetitions with its 95 % Student-t interval:
   a stop-and-restart recovery of a full-context request on this machine, and the queue it leaves
   on the survivors; set it to your recovery's tail).
 - Recovery time per interrupted request (its *stall*): the kill → the first token of its new
-  attempt at the client (an attempt whose epoch, in the events' ``kvd`` field, is above 1); mean,
-  p50, and the largest (the recovery time, as ``kvd sim`` names it).
+  attempt at the client (an attempt whose epoch, in the events' ``kvd`` field, is above 1); mean
+  ("recovery mean"), p50, and the largest ("recovery max": the last interrupted request's, what
+  ``kvd sim`` calls the recovery time).
 - Tokens restored against recomputed: the plans' counts from the front's ``GET /status``
   (``restored_tokens``, ``recomputed_tokens``, ``recoveries``, ``recoveries_from_checkpoint``,
   ``recoveries_recomputed``), and beside them what the survivors' vLLM really loaded through
@@ -126,6 +128,7 @@ import lumen_stats as ls  # noqa: E402
 
 POLICIES = ("lumen", "lumen_mean", "lumen_total", "fixed_ring", "stop_restart")
 BLOCK = 32  # vllm_server.py's --block-size
+VLLM_MAX_NUM_SEQS = 8  # vllm_server.py's --max-num-seqs: kvd control --engine-max-seqs
 # --smoke: seed 7 puts 9 arrivals in the 4 s, three of them in the second before the kill
 SMOKE = {"workers": 2, "duration": 4.0, "rate": 2.0, "seed": 7, "vary_seed": False, "prompt_len": "uniform:100:400",
          "output_len": "fixed:200", "kill": ["2.5:vllm:busiest"], "policies": "lumen", "repeat": 1, "window": 5.0,
@@ -148,6 +151,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=2,
                     help="decoder layers of the tiny model (default 2; the experiment wants a prefill "
                          "well over a restore)")
+    ap.add_argument("--hidden", type=int, default=128,
+                    help="hidden size of the tiny model (default 128): wider costs prefill compute about as "
+                         "hidden^2 and leaves the KV a restore loads as it is (make_tiny_model.py --hidden)")
     ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second (default 2)")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (default 60)")
     ap.add_argument("--prompt-len", default=f"chat:{ls.DEFAULT_CHAT_SCALE}",
@@ -174,7 +180,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="longest a stream may take, and the drain after the last arrival, s (default 600)")
     ap.add_argument("--pool-mib", type=int, default=512, help="each daemon's pool (default 512)")
-    ap.add_argument("--max-num-seqs", type=int, help="vLLM's --max-num-seqs (vllm_server.py: 8)")
+    ap.add_argument("--max-num-seqs", type=int, help="vLLM's --max-num-seqs (vllm_server.py: 8), told to kvd control as --engine-max-seqs")
     ap.add_argument("--cluster-lookup", action=argparse.BooleanOptionalAction, default=False,
                     help="the connector's cluster lookup (default off: with it, a request recomputed after a "
                          "vLLM-only kill fetches its blocks from the dead engine's live daemon and is no "
@@ -292,7 +298,9 @@ class Cluster:
         for n in self.nodes.values():
             warm(n.url, 900_000 + n.i)
         self.front = start_front(self.folder, self.etcd, self.nodes, self.policy, self.page_kib * 1024 // BLOCK,
-                                 ["--restore-mb-per-s", str(self.args.restore_mb_per_s), *self.args.front_arg])
+                                 ["--restore-mb-per-s", str(self.args.restore_mb_per_s),
+                                  "--engine-max-seqs", str(self.args.max_num_seqs or VLLM_MAX_NUM_SEQS),
+                                  *self.args.front_arg])
         ids = set(self.nodes)
         self.wait_until("every worker in service", lambda: self.front.in_service() == ids, timeout_s=60)
         log(f"kvd control --policy {self.policy} at {self.front.addr}, {len(ids)} workers in service")
@@ -673,7 +681,7 @@ def run(args: argparse.Namespace) -> dict:
     """Every scenario × repetition × policy (policies alternating within a repetition); the
     result (also written to ``--out``)."""
     cluster_parts()  # fails here, before any process starts, outside the engine venv
-    tmp, model, secret = make_folder(args.layers)
+    tmp, model, secret = make_folder(args.layers, args.hidden)
     ctx: dict[str, Any] = {"args": args, "tmp": tmp, "model": model, "secret": secret, "refs": {}, "runs": []}
     t_start = time.monotonic()
     finished = False
@@ -706,12 +714,12 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def make_folder(layers: int) -> tuple[Path, Path, Path]:
-    """A fresh folder with the tiny model (``layers`` deep) and a cluster secret."""
+def make_folder(layers: int, hidden: int) -> tuple[Path, Path, Path]:
+    """A fresh folder with the tiny model (``layers`` deep, ``hidden`` wide) and a cluster secret."""
     tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-lumen-"))
     model = tmp / "model"
-    subprocess.run([sys.executable, str(ENGINES / "make_tiny_model.py"), str(model), "--layers", str(layers)],
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, str(ENGINES / "make_tiny_model.py"), str(model), "--layers", str(layers),
+                    "--hidden", str(hidden)], check=True, capture_output=True)
     secret = tmp / "secret"
     secret.write_bytes(bytes(range(32)))
     secret.chmod(0o600)
@@ -739,7 +747,7 @@ def summarise(ctx: dict, args: argparse.Namespace, wall_s: float) -> dict:
             kt = kt or [k["at"] for k in r["kills"]]
         panels.append({"title": f"TTFT over arrival time: {scen} ({args.workers} workers, {args.rate:g}/s)",
                        "kills": kt or [k.at for k in kills], "series": series})
-    text = (f"\nLUMEN load: {args.workers} workers, tiny model {args.layers} layers, {args.rate:g} req/s for "
+    text = (f"\nLUMEN load: {args.workers} workers, tiny model {args.layers} layers hidden {args.hidden}, {args.rate:g} req/s for "
             f"{args.duration:g} s, prompts {args.prompt_len}, outputs {args.output_len}, seed {args.seed}, "
             f"{args.repeat} repetition(s), window {args.window:g} s; {wall_s / 60:.1f} min\n\n" + ls.table(rows))
     wrong = sum(len(r["problems"]) for r in ctx["runs"])

@@ -101,6 +101,11 @@ pub struct ControlArgs {
     /// history would cost against loading it).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub prefill_tokens_per_ms: u32,
+    /// The engines' sequence cap (vLLM's `--max-num-seqs`; 0: not known). With it, Lumen's
+    /// recovery hands no survivor more requests than its free batch slots while another
+    /// survivor has room: a request past an engine's batch waits for a running one to finish.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub engine_max_seqs: u32,
     /// Migrations allowed per request.
     #[arg(long, default_value_t = 3)]
     pub migration_budget: u32,
@@ -479,6 +484,7 @@ pub fn controller_from_args(args: &ControlArgs) -> crate::Result<(Controller, u6
                 lambda: args.lambda,
                 host_to_gpu_bytes_per_ms: args.restore_mb_per_s * 1_000,
                 prefill_tokens_per_ms: args.prefill_tokens_per_ms,
+                engine_max_seqs: args.engine_max_seqs,
                 migration_budget: args.migration_budget,
                 ..ControlConfig::default()
             };

@@ -33,6 +33,11 @@
 //!    reference, then fewer sinks. Every candidate is evaluated: feasibility is not monotone
 //!    in `k` (too few sinks lengthen their queues, too many pile the restores on the rest).
 //!
+//! 4. When the engines' sequence cap is known (`kvd control --engine-max-seqs`), the winner's
+//!    requests are moved off survivors over the cap onto those with room ([`fit_slots`]): a
+//!    request beyond an engine's batch waits for a running one to finish, a cost the estimate
+//!    below does not see (the simulator's engines never run out of slots).
+//!
 //! The estimate, per survivor: prefill work runs one request at a time from `q_w`,
 //! recomputations first (`history / prefill rate` each), then restores in the order their
 //! copies finish (`loaded bytes / host-to-GPU bandwidth`, doubled when pulled over the network,
@@ -54,6 +59,13 @@ pub fn dispatch_by_cost(
     interrupted: &[Interrupted],
     p: ScoreParams,
 ) -> Dispatched {
+    let mut best = by_cost(load, interrupted, p);
+    fit_slots(load, interrupted, &mut best, p.engine_max_seqs);
+    best
+}
+
+/// Steps 1 to 3: the candidate with the lowest estimated stall sum.
+fn by_cost(load: &LoadTable, interrupted: &[Interrupted], p: ScoreParams) -> Dispatched {
     let survivors: Vec<WorkerId> = load.in_service().map(|w| w.id).collect();
     if survivors.is_empty() {
         return Dispatched::default(); // nobody to resume on: every request fails
@@ -75,6 +87,56 @@ pub fn dispatch_by_cost(
         }
     }
     best
+}
+
+/// Step 4 (when the engines' sequence cap is known): no survivor is handed more than its free
+/// batch slots while another has room. An engine runs at most `cap` sequences; a request over
+/// the cap waits for a running one to finish (seconds of decode), which no copy or prefill
+/// estimate sees. While the survivor with the most requests (those it serves plus those
+/// handed to it) is over the cap and has two more than the one with the fewest, one of its
+/// handed requests moves there: a recomputation first (it loses nothing by moving), the
+/// longest; else a restore, pulled over the network from its holder. When every survivor is
+/// over, this evens the queues. Bounded: at most one move per interrupted request.
+fn fit_slots(load: &LoadTable, interrupted: &[Interrupted], d: &mut Dispatched, cap: u32) {
+    if cap == 0 {
+        return;
+    }
+    let mut count: BTreeMap<WorkerId, u32> = load
+        .in_service()
+        .map(|w| (w.id, w.serving_requests))
+        .collect();
+    for x in &d.dispatches {
+        *count.entry(x.target).or_default() += 1;
+    }
+    for _ in 0..d.dispatches.len() {
+        let key = |(w, c): (&WorkerId, &u32)| (*c, std::cmp::Reverse(*w));
+        let (Some((&over, &most)), Some((&under, &fewest))) = (
+            count.iter().max_by_key(|e| key(*e)),
+            count.iter().min_by_key(|e| key(*e)),
+        ) else {
+            return;
+        };
+        if most <= cap || most < fewest + 2 {
+            return;
+        }
+        let Some(i) = d
+            .dispatches
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| x.target == over)
+            .max_by_key(|(_, x)| {
+                let r = lookup(interrupted, x.request_id);
+                (x.kv_source.is_none(), r.history_tokens, r.request_id)
+            })
+            .map(|(i, _)| i)
+        else {
+            return; // over the cap with its own requests only: nothing handed to move
+        };
+        d.dispatches[i].target = under;
+        d.rebalance_moves += 1;
+        *count.get_mut(&over).expect("counted") -= 1;
+        *count.get_mut(&under).expect("counted") += 1;
+    }
 }
 
 /// Whether `r` can load its checkpoint from a holder still in service.
@@ -354,6 +416,7 @@ mod tests {
         lambda: 1.0,
         host_to_gpu_bytes_per_ms: 25_000_000,
         prefill_tokens_per_ms: 20,
+        engine_max_seqs: 0,
     };
 
     fn table(ids: std::ops::Range<WorkerId>) -> LoadTable {
@@ -433,5 +496,58 @@ mod tests {
             "never every survivor (that is the reference)"
         );
         assert_eq!(sink_counts(5, 2), [1, 2]);
+    }
+
+    #[test]
+    fn with_a_known_batch_cap_no_survivor_is_handed_past_it_while_another_has_room() {
+        // Two survivors of four: worker 1 serves 5, worker 4 serves 3, cap 8. Eleven
+        // interrupted requests: three restorable at worker 1, eight to recompute. The cost
+        // model alone may pile the recomputations on one sink; with the cap, no survivor ends
+        // more than one request above the other while either is over 8.
+        let mut t = table(1..5);
+        for (w, serving) in [(1, 5), (4, 3)] {
+            t.get_mut(w).expect("row").serving_requests = serving;
+        }
+        for w in [2, 3] {
+            t.get_mut(w).expect("row").phase = crate::load::WorkerPhase::Failed;
+        }
+        let rs = failure(1, 3, 8);
+        let capped = ScoreParams {
+            engine_max_seqs: 8,
+            ..P
+        };
+        let d = dispatch_by_cost(&t, &rs, capped);
+        assert_eq!(
+            d.dispatches.len(),
+            rs.len(),
+            "every request dispatched once"
+        );
+        let on = |w: WorkerId, base: u32| {
+            base + d.dispatches.iter().filter(|x| x.target == w).count() as u32
+        };
+        let (a, b) = (on(1, 5), on(4, 3));
+        assert_eq!(a + b, 19);
+        assert!(a.abs_diff(b) <= 1, "balanced over the cap: {a} and {b}");
+        assert!(
+            d.dispatches
+                .iter()
+                .all(|x| x.kv_source.is_none() || x.kv_source == Some(1)),
+            "restores still load from their holder: {:?}",
+            d.dispatches
+        );
+        // Without the cap the same failure is left to the cost model (the old behaviour).
+        let free = dispatch_by_cost(&t, &rs, P);
+        assert_eq!(free, by_cost(&t, &rs, P));
+    }
+
+    #[test]
+    fn under_the_cap_the_slots_change_nothing() {
+        let t = table(1..6);
+        let rs = failure(5, 10, 2);
+        let capped = ScoreParams {
+            engine_max_seqs: 64,
+            ..P
+        };
+        assert_eq!(dispatch_by_cost(&t, &rs, capped), by_cost(&t, &rs, P));
     }
 }

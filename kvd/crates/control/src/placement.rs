@@ -36,6 +36,9 @@ pub struct ScoreParams {
     pub host_to_gpu_bytes_per_ms: u64,
     /// Prefill throughput used to turn tokens into recompute milliseconds (recovery dispatch).
     pub prefill_tokens_per_ms: u32,
+    /// The engines' sequence cap (vLLM's `--max-num-seqs`), 0 when not known: recovery
+    /// dispatch hands no survivor requests past it while another has room.
+    pub engine_max_seqs: u32,
 }
 
 /// How the placement score estimates the restore delay `p_w(r)`.
@@ -153,6 +156,7 @@ mod tests {
         lambda: 1.0,
         host_to_gpu_bytes_per_ms: 1000,
         prefill_tokens_per_ms: 10,
+        engine_max_seqs: 0,
     };
     const ALL: [RestoreEstimate; 3] = [
         RestoreEstimate::PerServer,

@@ -84,6 +84,7 @@ impl Shim {
             policy,
             host_to_gpu_bytes_per_ms: (cluster.hardware.pcie_h2d_bytes_per_s / 1000.0) as u64,
             prefill_tokens_per_ms: ((1e-3 / cluster.model.iter_per_token_s) as u32).max(1),
+            engine_max_seqs: 0, // the simulated engines batch without a sequence cap
             max_workers: cluster.workers.max(1),
             ..ControlConfig::default()
         };

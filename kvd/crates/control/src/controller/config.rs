@@ -19,6 +19,10 @@ pub struct ControlConfig {
     pub host_to_gpu_bytes_per_ms: u64,
     /// Prefill throughput used for deadline estimates, tokens per ms (default 10).
     pub prefill_tokens_per_ms: u32,
+    /// The engines' sequence cap (vLLM's `--max-num-seqs`), 0 when not known (default): with
+    /// it, recovery dispatch hands no survivor requests past its free batch slots while
+    /// another has room.
+    pub engine_max_seqs: u32,
     /// KV block size in tokens: a restore loads whole blocks only (default 16).
     pub tokens_per_block: u32,
     /// Workers at most (≤ [`MAX_WORKERS`]).
@@ -40,6 +44,7 @@ impl Default for ControlConfig {
             lambda: 1.0,
             host_to_gpu_bytes_per_ms: 25_000_000,
             prefill_tokens_per_ms: 10,
+            engine_max_seqs: 0,
             tokens_per_block: 16,
             max_workers: 1024,
             max_in_flight: 1 << 20,
@@ -57,6 +62,7 @@ impl ControlConfig {
             lambda: self.lambda,
             host_to_gpu_bytes_per_ms: self.host_to_gpu_bytes_per_ms,
             prefill_tokens_per_ms: self.prefill_tokens_per_ms,
+            engine_max_seqs: self.engine_max_seqs,
         }
     }
 
