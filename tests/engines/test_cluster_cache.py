@@ -206,9 +206,21 @@ def routing(front: Front) -> tuple[dict, dict]:
     return st["front"], st["routing"]["index"]
 
 
+def idle_in_service(front: Front) -> None:
+    """Both workers in service and serving nothing: what the routing assertions assume. The
+    hung-holder case before stops node 1's daemon; on a loaded machine its lease can lapse
+    meanwhile, and worker 1 then walks back to full service only after it (a route in between
+    has node 2 as its only candidate: the CI failure this wait removes)."""
+    wait_until("workers 1 and 2 in service, serving nothing",
+               lambda: {1, 2} <= front.in_service() and all(
+                   w["serving_requests"] == 0 for w in front.get("/workers")["workers"].values()),
+               timeout_s=60)
+
+
 def test_the_front_routes_a_prompt_to_the_node_that_holds_its_prefix_unless_its_queue_outweighs_it(cluster):
     tmp, nodes, front, _ = cluster
     a, b, cold = nodes[1], nodes[2], nodes[3]
+    idle_in_service(front)
     prompt = words(111, 600, 7)
     _, index = routing(front)
     complete(b, prompt)  # straight to node 2's engine: node 2's daemon holds the prefix
@@ -232,6 +244,7 @@ def test_the_front_routes_a_prompt_to_the_node_that_holds_its_prefix_unless_its_
     try:
         busy.read_until(1)
         assert record(front, busy.request)["serving"] == 2
+        assert 1 in front.in_service(), "worker 1 must be a candidate for the load to outweigh"
         again = prompt + words(114, 150, 7)
         reference, _ = complete(cold, again)
         loaded = a.loaded()
