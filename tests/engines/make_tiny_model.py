@@ -8,7 +8,8 @@ same shapes and config but other weights (the engine tests use that for "other w
 same path"). The vocabulary is ``w0 .. w{V-1}`` plus ``<s> </s> <unk> <pad>``: a prompt is any
 space-separated run of those words, one token each.
 
-``--hidden`` widens the model (hidden H, MLP 4·H, H/32 query heads) and keeps its KV as it is
+``--hidden`` widens the model (hidden H, MLP 4·H, H/32 query heads; the default 128 keeps its
+MLP of 256, so the tests' model is unchanged) and keeps its KV as it is
 (2 KV heads of 32 dimensions): prefill compute grows about as H², the bytes a restore loads do
 not (the LUMEN benchmark uses that for a prefill well over its restore).
 """
