@@ -23,6 +23,8 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from . import _lib
 from .errors import OK, Disconnected, KvdError, check, for_status, last_error
 
+MANIFEST_TRIES = 8  # reads of a manifest that grows while it is read
+
 L = _lib.lib
 
 ANY_NODE = _lib.ANY_NODE  # fetch's peer for "whichever peers hold them" (a cluster fetch)
@@ -838,11 +840,18 @@ class Client:
 
     def manifest(self, request: int) -> Manifest:
         """A request's manifest, with its tags."""
-        m = _lib.ManifestInfo()
-        check(L.kvd_manifest_get(self._c(), request, m, None, 0))
-        tags = (_lib.Tag * max(m.tag_count, 1))()
-        check(L.kvd_manifest_get(self._c(), request, m, tags, m.tag_count))
-        return self._manifest(m, (bytes(tags[i].bytes) for i in range(m.tag_count)))
+        cap = 0
+        for _ in range(MANIFEST_TRIES):  # asked again while it grows between the calls
+            m = _lib.ManifestInfo()
+            tags = (_lib.Tag * max(cap, 1))()
+            status = L.kvd_manifest_get(self._c(), request, m, tags if cap else None, cap)
+            if m.tag_count <= cap or (status != OK and not m.tag_count):
+                check(status)
+                return self._manifest(m, (bytes(tags[i].bytes) for i in range(m.tag_count)))
+            cap = m.tag_count
+        if status != OK:
+            raise last_error(status)
+        raise KvdError(f"request {request}'s manifest kept growing while read", retryable=True)
 
     def push(self, peer: int, keys: Sequence[bytes]) -> int:
         """Push PUBLISHED blocks (one namespace) to peer node ``peer`` over the daemon's data

@@ -850,12 +850,25 @@ class KvdConnector(KVConnectorBase_V1):
         """Saves happen whole-block in ``wait_for_save``, after every layer was computed."""
 
     def wait_for_save(self) -> None:
+        self._pump_checkpoints()
         meta = self._connector_metadata
         if not isinstance(meta, KvdConnectorMetadata) or not meta.saves:
             return
         t0 = time.perf_counter()
         self._each(meta.saves, self._save_or_count, lambda save: self._count("save_errors", len(save.tags)))
         self._count("save_us", int((time.perf_counter() - t0) * 1e6))
+
+    def _pump_checkpoints(self) -> None:
+        """Checkpoint pushes that wait, for room or to go out again after a failure."""
+        if not len(self.streamer) or not self._usable():
+            return
+        try:
+            self.streamer.pump()
+        except Disconnected as e:
+            self._lost(e)
+        except KvdError as e:  # asked again next step
+            log.debug("kvd: asking after checkpoint pushes failed: %s", e)
+        self._sync(self.streamer.figures)
 
     def _save_or_count(self, save: BlockTransfer) -> None:
         try:
@@ -872,9 +885,16 @@ class KvdConnector(KVConnectorBase_V1):
             self._soft_pin(save)
         if save.checkpoint is not None:
             step = save.checkpoint
-            self._store(save.checkpoint_block_ids, self.streamer.keys(step))
             assert self.layout is not None
-            self.streamer.offer(step, len(step.tags) * self.layout.block_bytes)
+            try:
+                stored = self._store(save.checkpoint_block_ids, self.streamer.keys(step))
+            except KvdError:
+                self.streamer.lose(step.binding)
+                raise
+            if stored:
+                self.streamer.offer(step, len(step.tags) * self.layout.block_bytes)
+            else:  # a gap the holder's manifest could never close
+                self.streamer.lose(step.binding)
             self._sync(self.streamer.figures)
 
     def _soft_pin(self, t: BlockTransfer) -> None:
@@ -889,36 +909,41 @@ class KvdConnector(KVConnectorBase_V1):
         except KvdError as e:
             log.debug("kvd: soft pin of %d blocks failed (%s)", n, e)
 
-    def _store(self, block_ids: list[int], keys: list[bytes]) -> None:
-        """Write, seal and publish (as one group) the blocks not stored yet."""
+    def _store(self, block_ids: list[int], keys: list[bytes]) -> bool:
+        """Write, seal and publish (as one group) the blocks not stored yet; whether every one
+        is stored now."""
         try:
             allocs = self.client.alloc(keys)
         except KvdError as e:
             log.debug("kvd: alloc for a save failed: %s", e)
             self._count("save_errors", len(keys))
-            return
-        items = []
+            return False
+        items, whole = [], True
         for block_id, a in zip(block_ids, allocs):
             if block_id in self._failed_this_step and not isinstance(a, KvdError):
                 self.client.abort([a.handle])  # its bytes are not its KV: never store them
                 self._count("save_errors", 1)
+                whole = False
                 continue
             if isinstance(a, KvdError):  # stored already (AlreadyExists), or no room
                 self._count("save_skipped" if isinstance(a, AlreadyExists) else "save_errors", 1)
+                whole = whole and isinstance(a, AlreadyExists)
                 continue
             try:
                 items.append((a.handle, *self._copy_out(a.handle, block_id)))
             except KvdError:
                 self.client.abort([a.handle])
                 self._count("save_errors", 1)
+                whole = False
         if not items:
-            return
+            return whole
         sealed = self.client.seal(items)
         ok = [i for i, st in enumerate(sealed) if not isinstance(st, KvdError)]
         bad = [items[i][0] for i, st in enumerate(sealed) if isinstance(st, KvdError)]
         if bad:
             self.client.abort(bad)
             self._count("save_errors", len(bad))
+            whole = False
         if ok:
             good = [items[i][0] for i in ok]
             try:
@@ -928,6 +953,8 @@ class KvdConnector(KVConnectorBase_V1):
             except KvdError:
                 self.client.abort(good)
                 self._count("save_errors", len(ok))
+                whole = False
+        return whole
 
     def _copy_out(self, handle: Any, block_id: int) -> tuple[int, Optional[int]]:
         """Copy a block's runs into a kvd block; (bytes, CRC computed in the copy or None)."""

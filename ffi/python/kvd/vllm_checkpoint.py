@@ -7,8 +7,15 @@ with the committed tokens, atomically per step, and an older epoch is refused th
 never waits for it: the worker publishes the block locally and starts the push (one local call);
 at most ``max_checkpoint_transfers`` pushes are in flight per worker, a step past that bound
 waits for the next step's push (counted, ``checkpoint_deferred``; so the holder's manifest has no
-gap), a request whose waiting blocks pass a bound loses its checkpoint (``checkpoint_dropped``),
-and a push that fails costs only the checkpoint (``checkpoint_failed``).
+gap). The holder takes a push only where it continues its manifest, so a push that fails
+(``checkpoint_failed``: the holder was out of room, its lease lapsed, the push arrived before an
+earlier one) goes out again, with every push of the request after it, as one push once none of
+them is under way. The worker asks after its pushes at most once a step and a second
+(``SETTLE_POLL_S``; every ``POLL_INTERVAL_S`` while a failed one waits), one local call. A
+request loses its checkpoint (``checkpoint_dropped``; the holder keeps the prefix it has) when
+its pushes fail ``MAX_PUSH_FAILURES`` times in a row, when a newer attempt of it holds the
+manifest (``StaleEpoch``), when its waiting blocks pass a bound, or when a block of it could not
+be stored on the worker.
 
 A request resubmitted with ``{"kvd": {"restore": {"holder": NODE, "request": ID, "epoch": E}}}``
 (its prompt being the original prompt and the tokens committed before the failure) gets its
@@ -36,10 +43,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .client import Client, block_tags, key
-from .errors import KvdError
+from .errors import KvdError, StaleEpoch
 
 log = logging.getLogger("kvd.vllm")
 MAX_BACKLOG_BLOCKS = 4096  # blocks of one request waiting for room to be pushed
+MAX_PUSH_FAILURES = 4  # failures of a request's pushes in a row before its checkpoint is given up
+RETRY_AFTER_S = 0.25  # times the failures in a row: when a failed push may go out again
+POLL_INTERVAL_S = 0.05  # how often a worker asks after its pushes while a failed one waits
+SETTLE_POLL_S = 1.0  # how often it asks after pushes under way otherwise
+MAX_LOST_REMEMBERED = 4096  # given-up checkpoints remembered, so their later steps are ignored
 
 
 @dataclass(frozen=True)
@@ -142,15 +154,50 @@ class Restorer:
         return len(self._by_req)
 
 
+@dataclass
+class _Push:
+    seq: int  # its place among the request's pushes
+    id: int
+    keys: list[bytes]
+    nbytes: int
+
+
+@dataclass
+class _Chain:
+    """One request's checkpoint on its way to its holder. Pushes go out as steps complete blocks,
+    several under way at once; the holder's manifest takes each only where it continues it (one
+    that arrives before an earlier one, or after one that failed, is refused there). The failed
+    ones go out again, in order and with what waits behind them, as one push once no earlier one
+    is under way."""
+
+    waiting: list[bytes] = field(default_factory=list)  # published here, not pushed, in order
+    waiting_bytes: int = 0
+    committed: int = 0  # the committed tokens the last waiting block ends
+    under_way: list[_Push] = field(default_factory=list)
+    failed: list[_Push] = field(default_factory=list)  # to go out again, before ``waiting``
+    pushes: int = 0
+    failures: int = 0  # in a row
+    retry_at: float = 0.0
+
+    def ready(self, now: float) -> bool:
+        if self.failed:
+            return not self.under_way and now >= self.retry_at
+        return bool(self.waiting)
+
+    def blocks_left(self) -> int:
+        return len(self.waiting) + sum(len(p.keys) for p in self.failed)
+
+
 class Streamer:
-    """Worker side: start one checkpoint push per step and request, within a bound."""
+    """Worker side: each checkpointed request's blocks, pushed to its holder in order, within a
+    bound of pushes under way per worker."""
 
     def __init__(self, client: Client, namespace: bytes, max_inflight: int, ttl_ms: int) -> None:
         self.client, self.namespace = client, namespace
-        self.max_inflight, self.ttl_ms = max_inflight, ttl_ms
-        self._inflight: collections.deque[int] = collections.deque()
-        self._backlog: dict[Binding, list[bytes]] = {}  # keys published here, not pushed yet
-        self._backlog_bytes: dict[Binding, int] = {}
+        self.max_inflight, self.ttl_ms = max(1, max_inflight), ttl_ms
+        self._chains: dict[Binding, _Chain] = {}
+        self._lost: collections.OrderedDict[Binding, None] = collections.OrderedDict()
+        self._polled = 0.0
         self.figures = collections.Counter()
 
     def keys(self, step: CheckpointStep) -> list[bytes]:
@@ -158,37 +205,104 @@ class Streamer:
 
     def offer(self, step: CheckpointStep, nbytes: int) -> None:
         """Push this step's blocks (published here already), with any earlier ones of the same
-        request that waited for room: one push, so the holder's manifest has no gap."""
+        request still waiting: one push, so the holder's manifest has no gap."""
         b = step.binding
-        waiting = self._backlog.setdefault(b, [])
-        waiting += self.keys(step)
-        self._backlog_bytes[b] = self._backlog_bytes.get(b, 0) + nbytes
-        if len(waiting) > MAX_BACKLOG_BLOCKS:  # the holder is too slow: this checkpoint is lost
-            self.figures["checkpoint_dropped"] += len(waiting)
-            self.forget(b)
+        if b in self._lost:  # behind a gap the holder can never fill: of no use
             return
-        if len(self._inflight) >= self.max_inflight:
-            self._reap()
-        if len(self._inflight) >= self.max_inflight:
-            self.figures["checkpoint_deferred"] += 1
+        c = self._chains.setdefault(b, _Chain())
+        c.waiting += self.keys(step)
+        c.waiting_bytes += nbytes
+        c.committed = step.committed_tokens
+        if c.blocks_left() > MAX_BACKLOG_BLOCKS:  # the holder is too slow: this checkpoint is lost
+            self.lose(b)
             return
-        tid = self.client.push_checkpoint(b.holder, b.request, b.epoch, waiting,
-                                          step.committed_tokens, self.ttl_ms)
-        self._inflight.append(tid)
-        self.figures["checkpoint_blocks"] += len(waiting)
-        self.figures["checkpoint_bytes"] += self._backlog_bytes.get(b, 0)
-        self.forget(b)
+        self.pump()
 
-    def forget(self, b: Binding) -> None:
-        self._backlog.pop(b, None)
-        self._backlog_bytes.pop(b, None)
+    def lose(self, b: Binding) -> None:
+        """Give up ``b``'s checkpoint (a block of it could not be stored here, or pushed): the
+        holder keeps the prefix it has, and a restore recomputes the rest."""
+        c = self._chains.pop(b, None)
+        self.figures["checkpoint_dropped"] += 1 + (c.blocks_left() if c else 0)
+        self._lost[b] = None
+        while len(self._lost) > MAX_LOST_REMEMBERED:
+            self._lost.popitem(last=False)
 
-    def _reap(self) -> None:
-        ids = list(self._inflight)
+    def pump(self) -> None:
+        """Start the pushes that may go. Once per step: also learn how the pushes under way
+        went (a local call), at most every ``POLL_INTERVAL_S`` while a failed push waits to go
+        out again, else every ``SETTLE_POLL_S`` (a request's last pushes, which no later block
+        asks after)."""
+        now = time.monotonic()
+        since = now - self._polled
+        if since >= POLL_INTERVAL_S and any(c.failed for c in self._chains.values()) or \
+                since >= SETTLE_POLL_S and self._under_way():
+            self._reap(now)
+        for b, c in list(self._chains.items()):
+            if self._chains.get(b) is not c or not c.ready(now):
+                continue
+            if self._under_way() >= self.max_inflight:
+                self._reap(now)
+                if self._under_way() >= self.max_inflight:
+                    self.figures["checkpoint_deferred"] += 1
+                    return
+            self._send(b, c, now)
+
+    def _under_way(self) -> int:
+        return sum(len(c.under_way) for c in self._chains.values())
+
+    def _send(self, b: Binding, c: _Chain, now: float) -> None:
+        c.failed.sort(key=lambda p: p.seq)
+        keys = [k for p in c.failed for k in p.keys] + c.waiting
+        nbytes = sum(p.nbytes for p in c.failed) + c.waiting_bytes
+        c.pushes += 1
+        try:
+            tid = self.client.push_checkpoint(b.holder, b.request, b.epoch, keys, c.committed, self.ttl_ms)
+        except KvdError as e:  # refused here (overload, a lapsed lease): tried again later
+            c.failed, c.waiting, c.waiting_bytes = [_Push(c.pushes, 0, keys, nbytes)], [], 0
+            self._failed(b, c, now, e)
+            return
+        c.under_way.append(_Push(c.pushes, tid, keys, nbytes))
+        self.figures["checkpoint_blocks"] += len(keys)
+        self.figures["checkpoint_bytes"] += nbytes
+        c.failed, c.waiting, c.waiting_bytes = [], [], 0
+
+    def _failed(self, b: Binding, c: _Chain, now: float, error: Any) -> None:
+        self.figures["checkpoint_failed"] += 1
+        c.failures += 1
+        log.debug("kvd: a checkpoint push of request %d to node %d failed (%d in a row): %s",
+                  b.request, b.holder, c.failures, error)
+        if c.failures >= MAX_PUSH_FAILURES:
+            self.lose(b)
+        else:
+            c.retry_at = now + RETRY_AFTER_S * c.failures
+
+    def _reap(self, now: float) -> None:
+        self._polled = now
+        ids = [p.id for c in self._chains.values() for p in c.under_way]
+        if not ids:
+            return
         states = {t.id: t for t in self.client.transfers(ids)}
-        self._inflight = collections.deque(i for i in ids if i in states and states[i].state == "in_flight")
-        for i in ids:
-            t = states.get(i)
-            if t is not None and t.state == "failed":
-                self.figures["checkpoint_failed"] += 1
-                log.debug("kvd: checkpoint push %d failed: %s", i, t.error)
+        for b, c in list(self._chains.items()):
+            error: Any = None
+            failing = bool(c.failed)  # pushes behind a failed one fail with it: one failure
+            for p in list(c.under_way):
+                t = states.get(p.id)
+                if t is not None and t.state == "in_flight":
+                    continue
+                c.under_way.remove(p)
+                if t is not None and t.state == "done":
+                    continue
+                # failed (nothing of it published at the holder) or forgotten by the daemon
+                c.failed.append(p)
+                error = error or (t.error if t is not None else "the daemon no longer knows it")
+            if isinstance(error, StaleEpoch):  # a newer attempt of the request holds it now
+                self.lose(b)
+            elif error is not None and not failing:
+                self._failed(b, c, now, error)
+            elif not (c.failed or c.under_way or c.waiting):
+                del self._chains[b]
+            elif not c.failed:
+                c.failures = 0
+
+    def __len__(self) -> int:
+        return len(self._chains)
