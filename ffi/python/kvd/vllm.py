@@ -103,6 +103,9 @@ from .errors import AlreadyExists, Disconnected, KvdError, Overloaded
 # Renew the session's lease before a call when less than this is left (the client's lease is
 # 10 s; an engine renews it with every call, but makes none while it has no requests).
 RENEW_BELOW_MS = 5_000
+# ... looked at no more often than this: the look takes the client's lock, which an asynchronous
+# call on libkvd's worker thread holds for its round trip (a step with a load waited for it).
+LEASE_LOOK_S = 1.0
 from .identity import weights_identity
 from .vllm_checkpoint import CheckpointStep, Restorer, Streamer, params
 from .cluster import ClusterLookups
@@ -290,6 +293,7 @@ class KvdConnector(KVConnectorBase_V1):
         self.namespace = self.shard_ns[0]
         self._down_since: Optional[float] = None
         self._last_reconnect = 0.0
+        self._lease_looked = 0.0  # when _fresh last looked at the lease
         # Scheduler side.
         if self.is_scheduler and self.async_lookup:
             self.client.async_start(int(extra.get("max_inflight_lookups", 256)))
@@ -464,7 +468,12 @@ class KvdConnector(KVConnectorBase_V1):
     def _fresh(self) -> bool:
         """The session is usable now (``Client.keep_alive``): an engine with no requests makes
         no connector calls, so nothing renews its lease while it idles; without this its first
-        request after an idle spell longer than the lease was a miss (and its saves failed)."""
+        request after an idle spell longer than the lease was a miss (and its saves failed).
+        At most once per ``LEASE_LOOK_S``: in between, a broken session shows as a call's error."""
+        now = time.monotonic()
+        if now - self._lease_looked < LEASE_LOOK_S:
+            return True
+        self._lease_looked = now
         try:
             if self.client.keep_alive(RENEW_BELOW_MS):
                 log.info("kvd: the daemon session lapsed while the engine was idle: reopened")
