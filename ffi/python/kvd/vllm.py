@@ -895,15 +895,13 @@ class KvdConnector(KVConnectorBase_V1):
         if save.checkpoint is not None:
             step = save.checkpoint
             assert self.layout is not None
+            stored = False
             try:
                 stored = self._store(save.checkpoint_block_ids, self.streamer.keys(step))
-            except KvdError:
-                self.streamer.lose(step.binding)
-                raise
-            if stored:
-                self.streamer.offer(step, len(step.tags) * self.layout.block_bytes)
-            else:  # a gap the holder's manifest could never close
-                self.streamer.lose(step.binding)
+            finally:
+                if not stored:  # a gap the holder's manifest could never close
+                    self.streamer.lose(step.binding)
+            self.streamer.offer(step, len(step.tags) * self.layout.block_bytes)  # a lost one: ignored
             self._sync(self.streamer.figures)
 
     def _soft_pin(self, t: BlockTransfer) -> None:

@@ -13,9 +13,9 @@ import kvd
 from conftest import wait_until
 from kvd import vllm_checkpoint
 from kvd.vllm_checkpoint import Binding, CheckpointStep, Streamer
+from test_client import LAYOUT
 
-LAYOUT = kvd.Namespace("test/py-streamer", "r1", 65536, 16, 2, 2, 64, tokenizer="tok-1")
-BLOCK = 16  # tokens per block
+BLOCK = 16  # tokens per block (LAYOUT's)
 PAGE = 65536
 HOLDER_PAGES = 64  # the fixture's 16 MiB pool of 256 KiB pages
 
