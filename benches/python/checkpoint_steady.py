@@ -6,6 +6,8 @@ stepped by hand, so every connector call is on the decode path and each token's 
 
     KVD_BIN=target/debug/kvd <engine venv>/bin/python benches/python/checkpoint_steady.py \
         [ROUNDS] [CONCURRENCY] [PROMPT_TOKENS] [OUTPUT_TOKENS]     (defaults 4, 1, 1000, 300)
+        [--layers N] [--hidden H]   the model (defaults: the tests' tiny model, 2 layers, hidden
+                                    128; the LUMEN experiment's is --layers 16 --hidden 256)
 
 Each round runs a batch of CONCURRENCY requests with checkpoints on and one with them off (fresh
 prompts each batch, so no prefix hits; the order alternates with the round). Per mode: TTFT,
@@ -13,7 +15,9 @@ TPOT (a request's mean gap between its tokens after the first) and the decode ra
 second of a batch from its first token to its last), medians over the rounds with their spread;
 and the connector's own time per engine step, scheduler side (``get_num_new_matched_tokens`` ..
 ``update_connector_output``) and worker side (``start_load_kv`` .. ``get_finished``), p50 and
-p99 over every step of the mode. Set ``KVD_LIBKVD``/``PYTHONPATH`` to test another copy of the
+p99 over every step of the mode; the connector's share of the engine's step time (both sides, summed
+over the mode's steps: what checkpointing adds to the decode thread, free of the rounds' spread);
+and the per-round TPOT ratios' mean with its 95 % t interval. Set ``KVD_LIBKVD``/``PYTHONPATH`` to test another copy of the
 package (the engine logs the ``kvd`` it imported).
 """
 
@@ -29,6 +33,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from lumen_stats import mean_ci  # noqa: E402 (the experiment's intervals, one implementation)
 ENGINES = HERE.parent.parent / "tests" / "engines"
 BLOCK = 32
 SCHED_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -199,16 +205,28 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--engine":
         engine(sys.argv[2], sys.argv[3])
         return
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 4
-    conc = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    prompt_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 1000
-    output = int(sys.argv[4]) if len(sys.argv) > 4 else 300
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rounds", type=int, nargs="?", default=4, help="rounds, each one batch on and one off (4)")
+    ap.add_argument("concurrency", type=int, nargs="?", default=1, help="requests per batch (1)")
+    ap.add_argument("prompt_tokens", type=int, nargs="?", default=1000, help="prompt tokens (1000)")
+    ap.add_argument("output", type=int, nargs="?", default=300, help="tokens out per request (300)")
+    ap.add_argument("--layers", type=int, default=2, help="the model's decoder layers (2)")
+    ap.add_argument("--hidden", type=int, default=128, help="the model's hidden size (128)")
+    ap.add_argument("--cpu-wake-latency-us", type=int, default=None, metavar="US",
+                    help="start the daemons with this --cpu-wake-latency-us (default: off, as kvd serve)")
+    args = ap.parse_args()
+    if not 1 <= args.rounds <= 64 or not 1 <= args.concurrency <= 16 or not 1 <= args.output <= 1500 \
+            or not 32 <= args.prompt_tokens <= 1900:
+        raise SystemExit("rounds 1-64, concurrency 1-16, prompt 32-1900 tokens, output 1-1500 tokens")
+    rounds, conc, prompt_tokens, output = args.rounds, args.concurrency, args.prompt_tokens, args.output
     sys.path.insert(0, str(ENGINES))
     from kvd_daemon import Daemon, peers_file, write_peers  # noqa: E402 (needs KVD_BIN)
 
     tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-ckpt-"))
     model = tmp / "model"
-    subprocess.run([sys.executable, str(ENGINES / "make_tiny_model.py"), str(model)], check=True, capture_output=True)
+    subprocess.run([sys.executable, str(ENGINES / "make_tiny_model.py"), str(model), "--layers", str(args.layers),
+                    "--hidden", str(args.hidden)], check=True, capture_output=True)
     secret = tmp / "secret"
     secret.write_bytes(bytes(range(32)))
     secret.chmod(0o600)
@@ -220,8 +238,13 @@ def main() -> None:
     ports = [s.getsockname()[1] for s in socks]
     for s in socks:
         s.close()
+    block_kib = args.layers * 2 * 2 * 32 * 4 * BLOCK // 1024  # K and V, 2 KV heads of 32, float32
+    page_kib = max(64, block_kib)
+    pool_mib = max(256, 4 * page_kib)  # room for a thousand blocks
     nodes = {i: Daemon(["--cluster-secret-file", str(secret), "--data-listen", f"127.0.0.1:{ports[i - 1]}",
-                        "--node-id", str(i), "--pool-mib", "256", "--page-kib", "64", "--peers-file", str(peers)])
+                        "--node-id", str(i), "--pool-mib", str(pool_mib), "--page-kib", str(page_kib), "--peers-file", str(peers)]
+                        + (["--cpu-wake-latency-us", str(args.cpu_wake_latency_us)]
+                           if args.cpu_wake_latency_us is not None else []))
              for i in (1, 2)}
     try:
         write_peers(peers, nodes)
@@ -259,7 +282,8 @@ def main() -> None:
     on = summarize([b for b in got if b["checkpoint"]])
     off = summarize([b for b in got if not b["checkpoint"]])
     ck = [b["stats"] for b in got if b["checkpoint"]]
-    print(f"\n{rounds} rounds, {conc} concurrent request(s), {prompt_tokens}-token prompts, {output} tokens out")
+    print(f"\n{rounds} rounds, {conc} concurrent request(s), {prompt_tokens}-token prompts, {output} tokens out,"
+          f" {args.layers} layers, hidden {args.hidden}")
     print(f"{'what':<34} {'checkpoint on':>26} {'off':>26}  on/off")
 
     def row(name: str, a: list[float], b: list[float], scale: float, unit: str) -> None:
@@ -287,6 +311,15 @@ def main() -> None:
         rb = summarize([b])["per_round"]["tpot"][0]
         ratios.append(ra / rb)
     print("TPOT on/off per round:", " ".join(f"{x:.3f}" for x in ratios))
+    m, half, n = mean_ci(ratios)
+    if half is not None:
+        print(f"TPOT on/off, mean of rounds: {m:.3f} ± {half:.3f} (95 % t interval over {n} rounds)")
+    for mode in (True, False):
+        s_ = summarize([b for b in got if b["checkpoint"] == mode])
+        share = (sum(s_["sched"]) + sum(s_["worker"])) / sum(s_["step"])
+        print(f"connector's share of step time, checkpoint {'on' if mode else 'off'}: {100 * share:.2f} %"
+              f" (scheduler {100 * sum(s_['sched']) / sum(s_['step']):.2f} %,"
+              f" worker {100 * sum(s_['worker']) / sum(s_['step']):.2f} %)")
     tot = {k: sum(s.get(k, 0) for s in ck) for k in ("checkpoint_blocks", "checkpoint_deferred", "checkpoint_dropped",
                                                      "checkpoint_failed", "checkpoint_skipped", "saved_blocks", "save_us")}
     print("checkpoint figures (on batches):", json.dumps(tot))

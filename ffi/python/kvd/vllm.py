@@ -307,6 +307,7 @@ class KvdConnector(KVConnectorBase_V1):
         self._save_cursor: dict[str, int] = {}  # blocks of a request already handed to save
         self._restore_tags: dict[str, list[bytes]] = {}  # restoring requests: token-chain tags
         self._ckpt_cursor: dict[str, int] = {}  # blocks of a checkpointed request streamed
+        self._bindings: dict[str, Any] = {}  # a running request's checkpoint binding, parsed once
         self.recovery = len(self.shard_ns) == 1
         if not self.recovery:
             log.warning("kvd: checkpoints and restores need TP and PP size 1: their parameters are ignored")
@@ -620,6 +621,8 @@ class KvdConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         self._requests[rid] = request
+        if rid not in self._bindings:  # not parsed again at every step of the request
+            self._bindings[rid] = params(request)[0] if self.recovery else None
         if self._handoff_alloc(request, blocks, num_external_tokens):
             return
         lk = self._lookups.pop(rid, None)
@@ -688,7 +691,7 @@ class KvdConnector(KVConnectorBase_V1):
             computed = request.num_computed_tokens + n_new - len(spec.get(rid, ()))
             full = min(computed // self.block_size, len(request.block_hashes))
             start = self._save_cursor.get(rid, 0)
-            binding = params(request)[0] if self.recovery else None
+            binding = self._bindings.get(rid)
             streamed = self._ckpt_cursor.get(rid, 0) if binding is not None else full
             if full <= min(start, streamed):
                 continue  # nothing completed this step (the common case: no block lookup)
@@ -748,6 +751,7 @@ class KvdConnector(KVConnectorBase_V1):
         self._requests.pop(rid, None)
         self._save_cursor.pop(rid, None)
         self._ckpt_cursor.pop(rid, None)
+        self._bindings.pop(rid, None)
         self._restore_tags.pop(rid, None)
         self.restorer.forget(rid)
         return False, handoff
@@ -889,18 +893,24 @@ class KvdConnector(KVConnectorBase_V1):
             self._count("save_errors", len(save.tags))
 
     def _save(self, save: BlockTransfer) -> None:
+        """Store the step's completed blocks, a checkpointed request's checkpoint blocks with
+        them (one alloc, one seal and one publish for both: each is a daemon round trip on the
+        decode thread), then start the checkpoint's push."""
+        step = save.checkpoint
+        ckpt = self.streamer.keys(step) if step is not None else []
+        keys = [key(self.namespace, t) for t in save.tags] + ckpt
+        if not keys:
+            return
+        stored: list[bool] = []
+        try:
+            stored = self._store(save.block_ids + (save.checkpoint_block_ids if step else []), keys)
+        finally:
+            if step is not None and not all(stored[len(save.tags):] or [False]):
+                self.streamer.lose(step.binding)  # a gap the holder's manifest could never close
         if save.tags:
-            self._store(save.block_ids, [key(self.namespace, t) for t in save.tags])
             self._soft_pin(save)
-        if save.checkpoint is not None:
-            step = save.checkpoint
+        if step is not None:
             assert self.layout is not None
-            stored = False
-            try:
-                stored = self._store(save.checkpoint_block_ids, self.streamer.keys(step))
-            finally:
-                if not stored:  # a gap the holder's manifest could never close
-                    self.streamer.lose(step.binding)
             self.streamer.offer(step, len(step.tags) * self.layout.block_bytes)  # a lost one: ignored
             self._sync(self.streamer.figures)
 
@@ -916,52 +926,52 @@ class KvdConnector(KVConnectorBase_V1):
         except KvdError as e:
             log.debug("kvd: soft pin of %d blocks failed (%s)", n, e)
 
-    def _store(self, block_ids: list[int], keys: list[bytes]) -> bool:
-        """Write, seal and publish (as one group) the blocks not stored yet; whether every one
-        is stored now."""
+    def _store(self, block_ids: list[int], keys: list[bytes]) -> list[bool]:
+        """Write, seal and publish (as one group) the blocks not stored yet; per block, whether
+        it is stored now (by this call or before it)."""
+        stored = [False] * len(keys)
         try:
             allocs = self.client.alloc(keys)
         except KvdError as e:
             log.debug("kvd: alloc for a save failed: %s", e)
             self._count("save_errors", len(keys))
-            return False
-        items, whole = [], True
-        for block_id, a in zip(block_ids, allocs):
+            return stored
+        items, at = [], []
+        for i, (block_id, a) in enumerate(zip(block_ids, allocs)):
             if block_id in self._failed_this_step and not isinstance(a, KvdError):
                 self.client.abort([a.handle])  # its bytes are not its KV: never store them
                 self._count("save_errors", 1)
-                whole = False
                 continue
             if isinstance(a, KvdError):  # stored already (AlreadyExists), or no room
-                self._count("save_skipped" if isinstance(a, AlreadyExists) else "save_errors", 1)
-                whole = whole and isinstance(a, AlreadyExists)
+                stored[i] = isinstance(a, AlreadyExists)
+                self._count("save_skipped" if stored[i] else "save_errors", 1)
                 continue
             try:
                 items.append((a.handle, *self._copy_out(a.handle, block_id)))
+                at.append(i)
             except KvdError:
                 self.client.abort([a.handle])
                 self._count("save_errors", 1)
-                whole = False
         if not items:
-            return whole
+            return stored
         sealed = self.client.seal(items)
         ok = [i for i, st in enumerate(sealed) if not isinstance(st, KvdError)]
         bad = [items[i][0] for i, st in enumerate(sealed) if isinstance(st, KvdError)]
         if bad:
             self.client.abort(bad)
             self._count("save_errors", len(bad))
-            whole = False
         if ok:
             good = [items[i][0] for i in ok]
             try:
                 self.client.publish(good)  # one group: all of this step's blocks or none
                 self._count("saved_blocks", len(ok))
                 self._count("saved_bytes", sum(items[i][1] for i in ok))
+                for i in ok:
+                    stored[at[i]] = True
             except KvdError:
                 self.client.abort(good)
                 self._count("save_errors", len(ok))
-                whole = False
-        return whole
+        return stored
 
     def _copy_out(self, handle: Any, block_id: int) -> tuple[int, Optional[int]]:
         """Copy a block's runs into a kvd block; (bytes, CRC computed in the copy or None)."""

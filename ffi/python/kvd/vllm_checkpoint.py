@@ -30,7 +30,7 @@ leaves a shorter hit or none: the rest is recomputed, with the same output.
 Checkpoint blocks are keyed by kvd's own token chain (``block_tags``: the namespace, then each
 block's tokens chained), which is what a holder rebuilds from the tokens at restore; cache blocks
 stay keyed by vLLM's block hashes. So a checkpointed block is written twice on its worker (a
-cache block and a checkpoint block). Both features need one shard (TP and PP size 1); with more
+cache block and a checkpoint block), in one alloc, one seal and one publish for both. Both features need one shard (TP and PP size 1); with more
 the parameters are ignored, and the start-up log says so.
 """
 
