@@ -22,6 +22,9 @@ if [ $# -eq 0 ]; then
         --policies lumen,fixed_ring,stop_restart --repeat 3 --seed 1 \
         --out lumen.json --svg lumen.svg
 fi
+for a in "$@"; do  # the help needs no build and no engine
+    case "$a" in -h|--help) exec python3 benches/python/lumen_load.py --help ;; esac
+done
 target=$(realpath "${CARGO_TARGET_DIR:-target}")
 echo "== building kvd and libkvd (release)"
 cargo build --locked --release -p kvd -p kvd-ffi

@@ -643,6 +643,15 @@ impl Front {
         if held.epoch != epoch {
             return;
         }
+        // Each ask runs on its own task: an answer that arrives after the request ended, or
+        // moved to another epoch or lost its holder, is stale (its reservation is gone), not
+        // a holder holding more than it reserved.
+        let Some(rec) = self.hub.request(id) else {
+            return;
+        };
+        if rec.epoch != epoch || rec.holder.is_none() {
+            return;
+        }
         let tokens = held
             .committed_tokens
             .min(history as u64)
@@ -651,7 +660,7 @@ impl Front {
         // blocks; a holder that needs more pool for the same tokens means those figures are too
         // small. The tokens are what a plan needs: say so loudly and report the bytes at the
         // reservation rather than lose the checkpoint.
-        let reserved = self.hub.request(id).map_or(u64::MAX, |r| r.reserved_bytes);
+        let reserved = rec.reserved_bytes;
         let bytes = if held.bytes > reserved {
             self.count(|s| s.checkpoint_reports_clamped += 1);
             tracing::warn!(

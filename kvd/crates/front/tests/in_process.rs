@@ -56,6 +56,33 @@ async fn an_uninterrupted_stream_relays_the_greedy_run_numbered_from_zero_and_en
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_progress_report_that_lands_after_the_request_ended_is_dropped_not_clamped() {
+    // The front asks the holder what it holds as tokens arrive, each ask on its own task. A
+    // slow holder answers after the stream ended and released the reservation: that answer is
+    // stale, not a holder holding more than its reservation.
+    let c = Cluster::new(3);
+    c.engines
+        .holders_answer_after(std::time::Duration::from_millis(900)); // within PROBE_TIMEOUT
+    // 250 tokens at 10 ms: the front asks at 2 s (its progress tick) and hears at 2.9 s, after
+    // the stream's end at about 2.5 s
+    let (id, mut client) = c.start(&prompt(PROMPT), 250).await;
+    client.read_to_end().await;
+    assert_eq!(client.tokens(), greedy(&prompt(PROMPT), 250));
+    eventually(100, "the request completes", || {
+        c.hub().request(id).unwrap().state == RequestState::Completed
+    })
+    .await;
+    assert_eq!(c.hub().request(id).unwrap().reserved_bytes, 0);
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await; // every ask answered
+    let s = c.front.stats();
+    assert!(
+        s.checkpoint_tokens > 0,
+        "the end measured the holder: {s:?}"
+    );
+    assert_eq!(s.checkpoint_reports_clamped, 0, "{s:?}");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_kill_during_prefill_resumes_on_a_survivor_from_the_prompt() {
     let c = Cluster::new(3);
     let (id, client) = c.run(&[Fault::KillAt(0)], 12).await;

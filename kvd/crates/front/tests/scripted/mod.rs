@@ -104,6 +104,8 @@ struct World {
     ended: Vec<(WorkerId, RequestId, Epoch)>,
     /// Holders that no longer answer.
     holders_down: Vec<WorkerId>,
+    /// How long a holder takes to say what it holds (its answer is what it held when asked).
+    held_delay: std::time::Duration,
     /// Faults for the next completions, whichever engine is asked (before its own).
     any: VecDeque<Fault>,
     /// P/D: the prefill workers.
@@ -293,6 +295,11 @@ impl Scripted {
     /// The checkpoints ended so far.
     pub fn ended(&self) -> Vec<(WorkerId, RequestId, Epoch)> {
         self.w().ended.clone()
+    }
+
+    /// Holders answer what they hold `d` after they are asked.
+    pub fn holders_answer_after(&self, d: std::time::Duration) {
+        self.w().held_delay = d;
     }
 
     /// `holder` stops answering admin calls.
@@ -613,7 +620,13 @@ impl Holders for Scripted {
         } else {
             Ok(w.held.get(&holder).and_then(|m| m.get(&request)).copied())
         };
-        Box::pin(async move { r })
+        let delay = w.held_delay;
+        Box::pin(async move {
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            r
+        })
     }
 
     fn end(&self, holder: WorkerId, request: RequestId, epoch: Epoch) -> BoxFuture<'_, Result<()>> {
