@@ -314,12 +314,10 @@ def main() -> None:
     m, half, n = mean_ci(ratios)
     if half is not None:
         print(f"TPOT on/off, mean of rounds: {m:.3f} ± {half:.3f} (95 % t interval over {n} rounds)")
-    for mode in (True, False):
-        s_ = summarize([b for b in got if b["checkpoint"] == mode])
-        share = (sum(s_["sched"]) + sum(s_["worker"])) / sum(s_["step"])
-        print(f"connector's share of step time, checkpoint {'on' if mode else 'off'}: {100 * share:.2f} %"
-              f" (scheduler {100 * sum(s_['sched']) / sum(s_['step']):.2f} %,"
-              f" worker {100 * sum(s_['worker']) / sum(s_['step']):.2f} %)")
+    for mode, s_ in (("on", on), ("off", off)):
+        sched, work, total = sum(s_["sched"]), sum(s_["worker"]), sum(s_["step"])
+        print(f"connector's share of step time, checkpoint {mode}: {100 * (sched + work) / total:.2f} %"
+              f" (scheduler {100 * sched / total:.2f} %, worker {100 * work / total:.2f} %)")
     tot = {k: sum(s.get(k, 0) for s in ck) for k in ("checkpoint_blocks", "checkpoint_deferred", "checkpoint_dropped",
                                                      "checkpoint_failed", "checkpoint_skipped", "saved_blocks", "save_us")}
     print("checkpoint figures (on batches):", json.dumps(tot))

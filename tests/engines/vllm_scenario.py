@@ -172,24 +172,18 @@ class _StepTimer:
 MAX_STEPS_FOR_A_LOAD = 20  # more steps an aborted request may take for its kvd hit to load
 
 
-def _loaded_blocks() -> int:
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
-
-    return int(get_kv_transfer_group().totals.data.get("loaded_blocks", 0)) if has_kv_transfer_group() else 0
-
-
 def _aborted(llm, prompt, sp, steps: int) -> None:
     """Submit a request, run ``steps`` engine steps, abort it, and step until it is gone. With a
     connector, it runs until its kvd hit loaded (at most ``MAX_STEPS_FOR_A_LOAD`` more steps):
     the lookup is asynchronous, and a daemon slower than an engine step answers a step later."""
     eng = llm.llm_engine
     rid = f"aborted-{time.monotonic_ns()}"
-    before = _loaded_blocks()
+    before = _worker_stats().get("loaded_blocks", 0)
     eng.add_request(rid, prompt, sp)
     for _ in range(steps):
         eng.step()
     for _ in range(MAX_STEPS_FOR_A_LOAD):
-        if _loaded_blocks() > before or not eng.has_unfinished_requests():
+        if _worker_stats().get("loaded_blocks", 0) > before or not eng.has_unfinished_requests():
             break
         eng.step()
     eng.abort_request([rid])

@@ -901,11 +901,11 @@ class KvdConnector(KVConnectorBase_V1):
         keys = [key(self.namespace, t) for t in save.tags] + ckpt
         if not keys:
             return
-        stored: list[bool] = []
+        whole = False  # every checkpoint block stored
         try:
-            stored = self._store(save.block_ids + (save.checkpoint_block_ids if step else []), keys)
+            whole = all(self._store(save.block_ids + save.checkpoint_block_ids, keys)[len(save.tags):])
         finally:
-            if step is not None and not all(stored[len(save.tags):] or [False]):
+            if step is not None and not whole:
                 self.streamer.lose(step.binding)  # a gap the holder's manifest could never close
         if save.tags:
             self._soft_pin(save)
