@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from kvd import Client, Namespace, key
+from kvd import Client, KvdError, Namespace, key
 from kvd.vllm import KvdConnector
 
 
@@ -44,3 +44,29 @@ class RacingConnector(KvdConnector):
                     other.put(keys, [page] * len(keys))  # evicts the least recently used
         finally:
             other.close()
+
+
+class LosingConnector(KvdConnector):
+    """``kv_connector_extra_config.test_lose_answers``: N. The answers to the first N lookups are
+    taken from libkvd's queue and dropped (their pins handed back), as an answer lost between the
+    daemon and the scheduler would be: the scheduler must ask again, then take a miss, never
+    leave the request waiting."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.to_lose = int(self.extra.get("test_lose_answers", 0))
+        self.lost = 0
+        poll = self.client.poll
+
+        def losing(timeout_ms: int = 0, max_completions: int = 64):
+            kept = []
+            for ticket, result in poll(timeout_ms, max_completions):
+                if self.lost < self.to_lose and ticket in self._ticket_req:
+                    self.lost += 1
+                    if not isinstance(result, KvdError):
+                        self.client.release([b.handle for b in result])
+                    continue
+                kept.append((ticket, result))
+            return kept
+
+        self.client.poll = losing

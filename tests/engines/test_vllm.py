@@ -7,7 +7,7 @@ The engines run one after another (and two at once where the case is "two engine
 daemon"), each a process of its own (``vllm_scenario.py``), so "a fresh process loads" is real.
 Order matters and is kept in one module-scoped fixture: P (plain) -> S (stores) -> L (loads in a
 fresh process) -> Q and R at once (preemption; blocks removed or the pool flooded between
-lookup and load) -> misses (another model, another dtype, then other weights at the same path).
+lookup and load) -> N (lookup answers lost) -> misses (another model, another dtype, then other weights at the same path).
 """
 
 from __future__ import annotations
@@ -154,6 +154,10 @@ def world(tmp_path_factory):
         w["Q"], w["R"] = finish(tmp, "Q", q), finish(tmp, "R", r)
         w["F"] = engine(tmp, "F", scenario(str(model), [step("flooded", [AB], 4)],
                                            connector(sock, "kvd_test_hooks", "RacingConnector", test_race="flood")))
+        # The first three lookup answers are lost: asked again then a miss, then asked again and loaded.
+        w["N"] = engine(tmp, "N", scenario(str(model), [
+            step("lost", [AB], 4), {**step("lost_once", [AB], 4), "reset_prefix_cache": True}],
+            connector(sock, "kvd_test_hooks", "LosingConnector", test_lose_answers=3, lookup_timeout_ms=1000)))
         # Idle past the session's lease (10 s): nothing renews it while there are no requests.
         w["I"] = engine(tmp, "I", scenario(str(model), [
             step("first", [IDLE], 4, False),
@@ -267,6 +271,20 @@ def test_a_block_removed_between_lookup_and_load_is_recomputed_and_the_output_is
     assert world["F"].tokens("flooded") == [P.tokens("base")[1]]
 
 
+def test_a_lookup_whose_answer_is_lost_is_asked_again_then_missed_never_left_waiting(world):
+    """``lookup_timeout_ms``: the scheduler's asynchronous lookup has a deadline. In "lost" both
+    answers (the lookup and its second ask) are lost: the request is computed as a miss. In
+    "lost_once" only the first is: the second ask finds the hit and the request loads it."""
+    P, N = world["P"], world["N"]
+    assert N.tokens("lost") == [P.tokens("base")[1]]
+    assert N.tokens("lost_once") == [P.tokens("base")[1]]
+    assert N.stats("lost")["loaded_blocks"] == 0
+    ab = N.steps["lost_once"]["outputs"][0]
+    assert N.stats("lost_once")["loaded_blocks"] == full_blocks(ab["prompt_len"])
+    totals = N.r["scheduler_totals"]
+    assert (totals["lookup_reasks"], totals["lookup_timeouts"]) == (2, 1), totals
+
+
 def test_lookups_pin_their_hit_so_a_pool_flood_before_the_load_evicts_none_of_it(world):
     P, F = world["P"], world["F"]
     assert F.tokens("flooded") == [P.tokens("base")[1]]
@@ -323,10 +341,11 @@ def test_the_connectors_figures_go_through_vllms_connector_stats_logging(world):
 
 
 def test_finished_and_aborted_requests_leave_no_bookkeeping_behind(world):
-    # L's last request was aborted as its kvd hit loaded (two steps in, or a few more when the
-    # daemon answered the asynchronous lookup late), with the hit pinned.
-    assert world["L"].steps["abort"]["stats"]["loaded_blocks"] > 0
-    for name in ("S", "L", "Q", "R", "F"):
+    # L's last request was aborted as its kvd hit loaded (two steps in, or later when the daemon
+    # answered the asynchronous lookup late: up to 10 s), with the hit pinned.
+    L = world["L"]
+    assert L.steps["abort"]["stats"]["loaded_blocks"] > 0, (L.steps["abort"], L.r["scheduler_totals"])
+    for name in ("S", "L", "Q", "R", "F", "N"):
         assert all(n == 0 for n in world[name].r["bookkeeping"].values()), (name, world[name].r["bookkeeping"])
 
 

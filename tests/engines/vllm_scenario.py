@@ -169,23 +169,29 @@ class _StepTimer:
         setattr(conn, name, timed)
 
 
-MAX_STEPS_FOR_A_LOAD = 20  # more steps an aborted request may take for its kvd hit to load
+MAX_WAIT_FOR_A_LOAD_S = 10.0  # how long an aborted request may take for its kvd hit to load
 
 
 def _aborted(llm, prompt, sp, steps: int) -> None:
     """Submit a request, run ``steps`` engine steps, abort it, and step until it is gone. With a
-    connector, it runs until its kvd hit loaded (at most ``MAX_STEPS_FOR_A_LOAD`` more steps):
-    the lookup is asynchronous, and a daemon slower than an engine step answers a step later."""
+    connector, it runs until its kvd hit loaded (at most ``MAX_WAIT_FOR_A_LOAD_S`` more): the
+    lookup is asynchronous, and while it is out the engine's steps schedule nothing and take
+    microseconds, so a count of steps is no bound on the daemon's answer (CI's loaded machine
+    outran 20 of them)."""
     eng = llm.llm_engine
     rid = f"aborted-{time.monotonic_ns()}"
     before = _worker_stats().get("loaded_blocks", 0)
     eng.add_request(rid, prompt, sp)
     for _ in range(steps):
         eng.step()
-    for _ in range(MAX_STEPS_FOR_A_LOAD):
+    deadline = time.monotonic() + MAX_WAIT_FOR_A_LOAD_S
+    for _ in range(100_000):  # bounded in steps and in time
         if _worker_stats().get("loaded_blocks", 0) > before or not eng.has_unfinished_requests():
             break
+        if time.monotonic() > deadline:
+            break
         eng.step()
+        time.sleep(0.001)
     eng.abort_request([rid])
     for _ in range(1000):  # bounded: the abort takes effect at the next step
         if not eng.has_unfinished_requests():

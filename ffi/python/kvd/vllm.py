@@ -21,6 +21,9 @@ Settings (``kv_connector_extra_config``):
 ``lookup_wait_ms``   how long the scheduler waits for a lookup's answer before it answers "ask
                      again" (0 to 10; default 1 for ``kv_producer``, a prefill-only engine with no
                      decode to hold up, where asking again costs a whole engine step; else 0)
+``lookup_timeout_ms``  a lookup unanswered this long is submitted once more, and unanswered as
+                     long again the request takes a miss and is computed (default 2000; counted
+                     as ``lookup_reasks`` and ``lookup_timeouts``, with a warning)
 ``pin_ttl_ms``       how long a lookup's pins hold the hit blocks for the load (default 30000)
 ``soft_pin_blocks``  soft-pin each request's first N blocks (a system prompt the requests share:
                      eviction takes them only when nothing else can go), renewed whenever they
@@ -192,6 +195,7 @@ _COUNTERS = ("loaded_blocks", "loaded_bytes", "load_errors", "saved_blocks", "sa
              "handoff_failed", "handoff_over_bound", "cluster_fetches", "cluster_fetched_blocks",
              "cluster_fetched_bytes", "cluster_misses", "cluster_timeouts", "cluster_errors",
              "cluster_over_bound", "cluster_skipped_by_hint", "lookup_local_blocks", "lookup_remote_blocks", "lookup_missed_blocks",
+             "lookup_reasks", "lookup_timeouts",
              *sampling_counters())
 
 
@@ -229,6 +233,8 @@ class _Lookup:
     found: dict[int, int] = field(default_factory=dict)  # shard index -> blocks found
     pins: list[Any] = field(default_factory=list)
     local_tokens: int = 0  # the local prefix-cache hit vLLM passed to the last ask
+    asked: float = field(default_factory=time.monotonic)  # when its calls were submitted
+    reasked: bool = False  # asked a second time after an answer past the deadline
 
     def hit_blocks(self, shards: int) -> Optional[int]:
         if self.tickets or len(self.found) < shards:
@@ -272,6 +278,9 @@ class KvdConnector(KVConnectorBase_V1):
         # for a lookup's answer up to this long, where "ask again" would cost a whole engine step
         role = str(getattr(self._kv_transfer_config, "kv_role", "") or "")
         self.lookup_wait_ms = max(0, min(int(extra.get("lookup_wait_ms", 1 if role == "kv_producer" else 0)), 10))
+        # an asynchronous lookup unanswered this long is asked once more, then taken as a miss:
+        # a request never waits on kvd without bound
+        self.lookup_timeout_s = max(1, int(extra.get("lookup_timeout_ms", 2_000))) / 1000
         self.reconnect_s = int(extra.get("reconnect_ms", 1000)) / 1000
         self.socket = str(extra.get("socket") or os.environ.get("KVD_SOCKET", "kvd-data/kvd.sock"))
         if getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "fail":
@@ -530,7 +539,7 @@ class KvdConnector(KVConnectorBase_V1):
         lk.local_tokens = num_computed_tokens
         found = lk.hit_blocks(len(self.shard_ns))
         if found is None:
-            return None, False
+            return self._unanswered(rid, lk, tags), False
         if rid not in self._restore_tags:
             want = min(len(tags), (request.num_tokens - 1) // self.block_size)
             started = self.cluster.start(rid, tags, found, want, _cluster_hint(request))
@@ -544,6 +553,32 @@ class KvdConnector(KVConnectorBase_V1):
         if hit_tokens >= request.num_tokens:  # the last token is always computed (its logits)
             hit_tokens = (request.num_tokens - 1) // self.block_size * self.block_size
         return max(0, hit_tokens - num_computed_tokens), False
+
+    def _unanswered(self, rid: str, lk: _Lookup, tags: list[bytes]) -> Optional[int]:
+        """A lookup still out: ``None`` (ask again next step) until ``lookup_timeout_ms``; then
+        it is submitted once more, and past a second deadline the request takes a miss (0)."""
+        if time.monotonic() - lk.asked < self.lookup_timeout_s:
+            return None
+        out = len(self._ticket_req)
+        self._drop_lookup(rid)
+        if lk.reasked:
+            self._count("lookup_timeouts", 1)
+            log.warning("kvd: lookup for %s unanswered twice in %.1f s (%d calls out): a miss",
+                        rid, self.lookup_timeout_s, out)
+            return 0
+        self._count("lookup_reasks", 1)
+        log.warning("kvd: lookup for %s unanswered in %.1f s (tickets %s, %d calls out): asked again",
+                    rid, self.lookup_timeout_s, sorted(lk.tickets), out)
+        again = self._lookups[rid] = _Lookup(reasked=True)
+        try:
+            self._ask(rid, again, tags)
+        except KvdError as e:
+            if isinstance(e, Disconnected):
+                self._lost(e)
+            log.warning("kvd: lookup for %s failed (%s): a miss", rid, e)
+            self._drop_lookup(rid)
+            return 0
+        return None
 
     def _lookup_tags(self, request: Any) -> Optional[list[bytes]]:
         """vLLM's block hashes, or for a request restoring a checkpoint the token-chain tags
