@@ -190,6 +190,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--restore-mb-per-s", type=int, default=450,
                     help="kvd control --restore-mb-per-s: the restore rate lumen's p_w assumes (default 450, the "
                          "CPU build's measured load rate; kvd control's own default is a GPU's 25,000)")
+    ap.add_argument("--resume-priority", type=int, default=-1,
+                    help="kvd control --resume-priority: vLLM's priority for an attempt that resumes an "
+                         "interrupted request, with the engines on --scheduling-policy priority, so a "
+                         "survivor takes it before its queued prompts (default -1; 0: off, the engines "
+                         "schedule first come, first served)")
     ap.add_argument("--front-arg", action="append", default=[], metavar="ARG",
                     help="an extra argument for kvd control (repeat), e.g. --front-arg=--lambda --front-arg=2")
     ap.add_argument("--out", help="write the settings, raw records, figures and table as JSON here")
@@ -270,7 +275,8 @@ class Cluster:
                 return connector(self.daemon.socket, cluster_lookup=args.cluster_lookup)
 
             def vllm_args(self) -> list[str]:
-                return ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
+                out = ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
+                return out + (["--scheduling-policy", "priority"] if args.resume_priority else [])
 
             def start_vllm(self) -> None:
                 assert self.daemon is not None
@@ -300,6 +306,8 @@ class Cluster:
         self.front = start_front(self.folder, self.etcd, self.nodes, self.policy, self.page_kib * 1024 // BLOCK,
                                  ["--restore-mb-per-s", str(self.args.restore_mb_per_s),
                                   "--engine-max-seqs", str(self.args.max_num_seqs or VLLM_MAX_NUM_SEQS),
+                                  *([f"--resume-priority={self.args.resume_priority}"]
+                                    if self.args.resume_priority else []),
                                   *self.args.front_arg])
         ids = set(self.nodes)
         self.wait_until("every worker in service", lambda: self.front.in_service() == ids, timeout_s=60)

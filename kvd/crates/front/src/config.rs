@@ -55,6 +55,12 @@ pub struct FrontArgs {
     /// Largest request body, bytes; a larger one gets 413 and admits nothing.
     #[arg(long, default_value_t = 16 << 20)]
     pub max_body_bytes: usize,
+    /// vLLM's request `priority` for an attempt that resumes an interrupted request (lower
+    /// runs first; new requests have 0), so its survivor takes it before the prompts queued
+    /// there, e.g. -1. The engines must run with `--scheduling-policy priority`: vLLM refuses a
+    /// priority otherwise. A client's own lower priority is kept. Unset: no priority is sent.
+    #[arg(long, allow_negative_numbers = true)]
+    pub resume_priority: Option<i64>,
     /// Cache-aware routing.
     #[command(flatten)]
     pub route: RouteArgs,

@@ -83,6 +83,26 @@ async fn a_progress_report_that_lands_after_the_request_ended_is_dropped_not_cla
 }
 
 #[tokio::test(start_paused = true)]
+async fn with_a_resume_priority_only_the_attempt_that_resumes_carries_it() {
+    let mut a = args();
+    a.resume_priority = Some(-1);
+    let c = Cluster::with(3, ControlConfig::default(), a);
+    let (_, client) = c.run(&[Fault::KillAt(5)], 12).await;
+    client.assert_greedy(12);
+    let calls = c.engines.calls();
+    assert_eq!(calls.len(), 2);
+    assert_eq!(
+        calls[0].body.get("priority"),
+        None,
+        "a first attempt queues as any"
+    );
+    assert_eq!(
+        calls[1].body["priority"], -1,
+        "the survivor takes the resumed one first"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_kill_during_prefill_resumes_on_a_survivor_from_the_prompt() {
     let c = Cluster::new(3);
     let (id, client) = c.run(&[Fault::KillAt(0)], 12).await;

@@ -436,6 +436,7 @@ impl Front {
             holder: adm.holder,
             deadline_ms,
             grace_ms: self.args.reconnect_grace_ms,
+            resume_priority: self.args.resume_priority,
         };
         let m = match taken {
             Some(t) => Request::taken_over(

@@ -187,6 +187,8 @@ pub struct AttemptSpec<'a> {
     /// P/D: the prefill answer's `kv_transfer_params`, passed on unchanged (kvd's own entries
     /// added inside its `kvd` object).
     pub handoff: Option<&'a Map<String, Value>>,
+    /// vLLM's `priority` for a resuming attempt (the client's own, if lower, is kept).
+    pub priority: Option<i64>,
 }
 
 /// The engine body of an attempt: prompt + committed tokens, the remaining budget, and kvd's
@@ -208,6 +210,10 @@ pub fn attempt_body(a: &AttemptSpec<'_>) -> Value {
     }
     b.insert("stream".into(), json!(true));
     b.insert("return_token_ids".into(), json!(true));
+    if let Some(p) = a.priority {
+        let theirs = b.get("priority").and_then(Value::as_i64).unwrap_or(p);
+        b.insert("priority".into(), json!(p.min(theirs)));
+    }
     // the front's own entries for every attempt (the routing's cluster hint)
     let mut kvd = match b.remove("kv_transfer_params") {
         Some(Value::Object(mut p)) => match p.remove("kvd") {
@@ -480,8 +486,14 @@ mod tests {
                 local: true,
             }),
             handoff: None,
+            priority: None,
         });
         assert_eq!(v["prompt"], json!([1, 2, 3]));
+        assert_eq!(
+            v.get("priority"),
+            None,
+            "no priority unless --resume-priority"
+        );
         assert_eq!(
             (v["max_tokens"].clone(), v["min_tokens"].clone()),
             (json!(3), json!(1))
@@ -492,6 +504,35 @@ mod tests {
                    "restore": {"holder": 2, "request": 7, "epoch": 1, "local": true},
                    "continues": {"generated": 1}})
         );
+    }
+
+    #[test]
+    fn a_resuming_attempt_carries_the_resume_priority_unless_the_client_asked_a_lower_one() {
+        let priority = |client: Value| {
+            let body = json!({ "priority": client });
+            attempt_body(&AttemptSpec {
+                id: 7,
+                body: body.as_object().unwrap(),
+                prompt: &[1],
+                generated: &[2],
+                max_tokens: 4,
+                min_tokens: 0,
+                epoch: 2,
+                holder: None,
+                restore: None,
+                handoff: None,
+                priority: Some(-1),
+            })["priority"]
+                .clone()
+        };
+        assert_eq!(priority(json!(0)), json!(-1));
+        assert_eq!(priority(json!(3)), json!(-1));
+        assert_eq!(
+            priority(json!(-5)),
+            json!(-5),
+            "the client's more urgent priority"
+        );
+        assert_eq!(priority(Value::Null), json!(-1), "no client priority");
     }
 
     #[test]
@@ -508,6 +549,7 @@ mod tests {
             holder,
             restore: None,
             handoff: None,
+            priority: None,
         };
         assert_eq!(
             attempt_body(&spec(Some(3)))["kv_transfer_params"]["kvd"],
@@ -617,6 +659,7 @@ mod tests {
             holder: Some(3),
             restore: None,
             handoff: params.as_ref(),
+            priority: None,
         });
         let mut want = answer["kv_transfer_params"].clone();
         want["kvd"]["checkpoint"] = json!({"holder": 3, "request": 7, "epoch": 1});

@@ -109,6 +109,8 @@ pub struct Admitted {
     pub deadline_ms: u64,
     /// How long it waits without a client before it is cancelled, ms.
     pub grace_ms: u64,
+    /// vLLM's `priority` for the attempts that resume it (`--resume-priority`).
+    pub resume_priority: Option<i64>,
 }
 
 /// A stream another front began (and died serving), taken over by this one.
@@ -444,6 +446,7 @@ impl Request {
             holder: None,
             restore: self.restore,
             handoff: None,
+            priority: self.a.resume_priority,
         });
         b["stream"] = json!(false);
         if let Some(o) = b.as_object_mut() {
@@ -497,6 +500,8 @@ impl Request {
                 holder: self.holder,
                 restore: self.restore,
                 handoff: params,
+                // a recovery's attempt goes before the prompts queued at its survivor
+                priority: self.pending.as_ref().and(self.a.resume_priority),
             }),
         };
         out.push(if self.pending.is_some() {

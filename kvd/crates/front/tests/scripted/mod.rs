@@ -678,6 +678,7 @@ pub fn args() -> FrontArgs {
         max_streams: 8,
         max_stream_bytes: 1 << 20,
         max_body_bytes: 1 << 20,
+        resume_priority: None,
         route: kvd_front::config::RouteArgs::default(),
     }
 }
@@ -958,6 +959,7 @@ pub fn admitted(max_tokens: u32) -> Admitted {
         holder: Some(2),
         deadline_ms: 10_000,
         grace_ms: 1_000,
+        resume_priority: None,
     }
 }
 
