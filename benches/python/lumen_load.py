@@ -190,6 +190,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--restore-mb-per-s", type=int, default=450,
                     help="kvd control --restore-mb-per-s: the restore rate lumen's p_w assumes (default 450, the "
                          "CPU build's measured load rate; kvd control's own default is a GPU's 25,000)")
+    ap.add_argument("--prefill-tokens-per-ms", type=int, default=2,
+                    help="kvd control --prefill-tokens-per-ms: the prefill rate recovery planning assumes "
+                         "(default 2, the CPU build's: a 1,000-token prefill of the 16-layer, 256-wide model "
+                         "takes 446 ms on one core; kvd control's own default is 10)")
     ap.add_argument("--resume-priority", type=int, default=-1,
                     help="kvd control --resume-priority: vLLM's priority for an attempt that resumes an "
                          "interrupted request, with the engines on --scheduling-policy priority, so a "
@@ -305,6 +309,7 @@ class Cluster:
             warm(n.url, 900_000 + n.i)
         self.front = start_front(self.folder, self.etcd, self.nodes, self.policy, self.page_kib * 1024 // BLOCK,
                                  ["--restore-mb-per-s", str(self.args.restore_mb_per_s),
+                                  "--prefill-tokens-per-ms", str(self.args.prefill_tokens_per_ms),
                                   "--engine-max-seqs", str(self.args.max_num_seqs or VLLM_MAX_NUM_SEQS),
                                   *([f"--resume-priority={self.args.resume_priority}"]
                                     if self.args.resume_priority else []),

@@ -38,7 +38,9 @@
 //!    request beyond an engine's batch waits for a running one to finish, a cost the estimate
 //!    below does not see (the simulator's engines never run out of slots).
 //!
-//! The estimate, per survivor: prefill work runs one request at a time from `q_w`,
+//! The estimate, per survivor: prefill work runs one request at a time from `q_w` plus the
+//! prefill already queued there (requests sent and not yet prefilled:
+//! [`crate::load::WorkerLoad::busy_ms`]),
 //! recomputations first (`history / prefill rate` each), then restores in the order their
 //! copies finish (`loaded bytes / host-to-GPU bandwidth`, doubled when pulled over the network,
 //! on one copy queue), each finishing at `max(copy done, prefill free) + suffix / prefill rate`.
@@ -188,7 +190,7 @@ fn with_sinks(
     }
 }
 
-/// The `k` survivors with the fewest holder-first restores (ties: lower `q_w`, lower id) and
+/// The `k` survivors with the fewest holder-first restores (ties: lower `busy_w`, lower id) and
 /// the others, each sorted by id. With `k` = every survivor, both are every survivor.
 fn split_sinks(
     load: &LoadTable,
@@ -199,7 +201,7 @@ fn split_sinks(
     if k == survivors.len() {
         return (survivors.to_vec(), survivors.to_vec());
     }
-    let q = |w: WorkerId| load.get(w).map_or(0.0, |l| l.queue_delay_ms());
+    let q = |w: WorkerId| load.get(w).map_or(0.0, |l| l.busy_ms());
     let mut restores_on: BTreeMap<WorkerId, u32> = survivors.iter().map(|&w| (w, 0)).collect();
     for r in interrupted.iter().filter(|r| restorable(load, r)) {
         *restores_on
@@ -229,7 +231,7 @@ fn place_restores(
     others: &[WorkerId],
 ) -> (Vec<Dispatch>, u32) {
     let every_survivor_a_sink = sinks == others;
-    let q = |w: WorkerId| load.get(w).map_or(0.0, |l| l.queue_delay_ms());
+    let q = |w: WorkerId| load.get(w).map_or(0.0, |l| l.busy_ms());
     let mut count: BTreeMap<WorkerId, u32> = others.iter().map(|&w| (w, 0)).collect();
     for r in interrupted.iter().filter(|r| restorable(load, r)) {
         if let Some(c) = count.get_mut(&r.live_holder.expect("restorable")) {
@@ -278,7 +280,7 @@ fn lookup(interrupted: &[Interrupted], id: super::RequestId) -> &Interrupted {
 }
 
 /// Where each recomputation goes: longest first, each to the sink with the least work so far
-/// (`work` starts with the restores already there; ties: lower `q_w`, lower id), which keeps
+/// (`work` starts with the restores already there; ties: lower `busy_w`, lower id), which keeps
 /// the busiest sink short.
 fn recompute_targets(
     load: &LoadTable,
@@ -286,7 +288,7 @@ fn recompute_targets(
     mut work: BTreeMap<WorkerId, f64>,
     p: ScoreParams,
 ) -> Vec<Dispatch> {
-    let q = |w: WorkerId| load.get(w).map_or(0.0, |l| l.queue_delay_ms());
+    let q = |w: WorkerId| load.get(w).map_or(0.0, |l| l.busy_ms());
     let mut todo: Vec<&Interrupted> = interrupted
         .iter()
         .filter(|r| !restorable(load, r))
@@ -392,7 +394,7 @@ pub fn estimate(
         est.requests += 1;
     };
     for (w, (recomputes, restores)) in per {
-        let mut free = load.get(w).map_or(0.0, |l| l.queue_delay_ms());
+        let mut free = load.get(w).map_or(0.0, |l| l.busy_ms());
         for work in recomputes {
             free += work;
             add(free);

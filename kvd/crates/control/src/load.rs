@@ -84,6 +84,12 @@ pub struct WorkerLoad {
     delay_samples_ms: VecDeque<u64>,
     /// Sum of `delay_samples_ms`.
     delay_sum_ms: u64,
+    /// The prefill queued on this worker while a failure is dispatched, ms: the history of the
+    /// requests it serves whose prefill has not started (`ADMITTED`, or `MIGRATING` to it), at
+    /// the configured prefill rate. What recovery work handed to it now lands behind, which
+    /// `q_w` (a mean over past requests) does not show. Set for the dispatch, 0 otherwise.
+    #[serde(default)]
+    pub queued_prefill_ms: f64,
 }
 
 impl WorkerLoad {
@@ -101,6 +107,7 @@ impl WorkerLoad {
             held_for_server: BTreeMap::new(),
             delay_samples_ms: VecDeque::new(),
             delay_sum_ms: 0,
+            queued_prefill_ms: 0.0,
         }
     }
 
@@ -126,6 +133,12 @@ impl WorkerLoad {
         } else {
             self.delay_sum_ms as f64 / self.delay_samples_ms.len() as f64
         }
+    }
+
+    /// How long recovery work handed to this worker now waits to start, ms: `q_w` plus the
+    /// queued prefill (recovery's dispatch ranks survivors by it).
+    pub fn busy_ms(&self) -> f64 {
+        self.queue_delay_ms() + self.queued_prefill_ms
     }
 
     /// Mean reservation of the checkpoints held here, in bytes (0 when none is held).

@@ -126,15 +126,16 @@ pub fn ring_holder(load: &LoadTable, serving: WorkerId, reserve_bytes: u64) -> O
 }
 
 /// The least-loaded worker among `candidates` (rows in full service), where load is
-/// `(extra[w], q_w, id)` compared lexicographically: `extra` counts work already handed to the
-/// worker in the current decision (recovering requests), then queueing delay breaks ties.
+/// `(extra[w], busy_w, id)` compared lexicographically: `extra` counts work already handed to the
+/// worker in the current decision (recovering requests), then `q_w` plus the prefill queued
+/// there ([`crate::load::WorkerLoad::busy_ms`]) breaks ties.
 pub fn least_loaded<'a>(
     candidates: impl Iterator<Item = &'a WorkerLoad>,
     extra: impl Fn(WorkerId) -> u32,
 ) -> Option<WorkerId> {
     let mut best: Option<(u32, f64, WorkerId)> = None;
     for w in candidates {
-        let key = (extra(w.id), w.queue_delay_ms(), w.id);
+        let key = (extra(w.id), w.busy_ms(), w.id);
         let better = match best {
             None => true,
             Some(b) => {

@@ -202,11 +202,11 @@ pub fn rebalance_among(
     let threshold = total.div_ceil(n) as u32;
     let queue_delay: Vec<f64> = survivors
         .iter()
-        .map(|w| load.get(*w).map_or(0.0, |l| l.queue_delay_ms()))
+        .map(|w| load.get(*w).map_or(0.0, |l| l.busy_ms()))
         .collect();
     let mut moves = 0u32;
     for _ in 0..total {
-        // The most loaded survivor (lowest id on ties) and the least loaded (then lowest q_w).
+        // The most loaded survivor (lowest id on ties) and the least loaded (then lowest busy_w: q_w plus queued prefill).
         let (mut hi, mut lo) = (0usize, 0usize);
         for s in 1..n {
             if counts(&lists, s) > counts(&lists, hi) {

@@ -12,6 +12,8 @@
 //!    [`RestorePlan`] or fails (no survivor, migration budget, deadline);
 //! 5. [`Controller::replace_lost_checkpoints`]: survivors whose holder died get a new holder.
 
+use std::collections::BTreeMap;
+
 use super::Controller;
 use crate::load::WorkerLoad;
 use crate::recovery::{Dispatch, Interrupted, RecoveryPlan, RestorePlan, loadable_prefix};
@@ -165,7 +167,9 @@ impl Controller {
         now_ms: u64,
         plan: &mut RecoveryPlan,
     ) {
+        self.set_queued_prefill(true);
         let dispatched = self.policy.dispatch(&self.load, interrupted);
+        self.set_queued_prefill(false);
         plan.rebalance_moves = dispatched.rebalance_moves;
         self.stats.rebalance_moves += u64::from(dispatched.rebalance_moves);
         // Both lists are in request-id order; a request the policy left out has no survivor.
@@ -185,6 +189,27 @@ impl Controller {
             "policy {:?} dispatched unknown requests",
             self.policy.kind()
         );
+    }
+
+    /// Each worker's queued prefill for a dispatch ([`WorkerLoad::queued_prefill_ms`]), or 0.
+    /// The front tells a prefill started at its first token, so `ADMITTED` there is a request
+    /// sent to the engine and not yet prefilled: the survivor's queue, which the LUMEN runs
+    /// traced restores waiting 1-2 s behind (docs/PERFORMANCE.md).
+    fn set_queued_prefill(&mut self, on: bool) {
+        let mut tokens: BTreeMap<WorkerId, u64> = BTreeMap::new();
+        if on {
+            for r in self.requests.values() {
+                if matches!(r.state, RequestState::Admitted | RequestState::Migrating) {
+                    *tokens.entry(r.serving).or_default() += u64::from(r.history_tokens());
+                }
+            }
+        }
+        let rate = f64::from(self.config.prefill_tokens_per_ms.max(1));
+        let ids: Vec<WorkerId> = self.load.iter().map(|w| w.id).collect();
+        for id in ids {
+            let row = self.load.get_mut(id).expect("listed");
+            row.queued_prefill_ms = tokens.get(&id).map_or(0.0, |&t| t as f64 / rate);
+        }
     }
 
     /// Resume one interrupted request on `d.target`, unless its budget or deadline forbids it.

@@ -57,6 +57,29 @@ fn prefill_start_feeds_the_serving_workers_queueing_delay() {
 }
 
 #[test]
+fn a_recovery_goes_to_the_survivor_with_no_prefill_queued_and_the_queue_is_transient() {
+    // Worker 1 was sent a request it has not started to prefill (the front tells the start at
+    // the first token); worker 2 has nothing queued. Their `q_w` are equal (no samples), so
+    // only the queued prefill tells them apart: worker 0's request, with no checkpoint, is
+    // recomputed on worker 2, not on the lower id.
+    let mut c = cluster(3, 1000);
+    c.admit(req(1, 0, 0), 0).unwrap();
+    c.prefill_started(1, 1, 5).unwrap();
+    c.admit(req(2, 1, 0), 10).unwrap();
+    let plan = c.fail_workers(&[0], 20).unwrap();
+    assert_eq!(plan.restores.len(), 1);
+    assert_eq!(
+        (plan.restores[0].request_id, plan.restores[0].target),
+        (1, 2)
+    );
+    assert!(
+        c.load().iter().all(|w| w.queued_prefill_ms == 0.0),
+        "set for the dispatch only"
+    );
+    c.check_invariants().unwrap();
+}
+
+#[test]
 fn admission_beyond_the_in_flight_cap_is_overloaded_and_retryable() {
     let mut c = Controller::new(ControlConfig {
         max_in_flight: 2,
