@@ -23,9 +23,10 @@
 //!    survivors with the fewest restores take every recomputation (longest first, each to
 //!    the sink with the least work so far); their restores
 //!    move to the other survivors (pulled over the network from the holder); restores are then
-//!    balanced by count among the non-sinks (smallest checkpointed prefix moves first).
+//!    rebalanced among the non-sinks by the requests each runs in all, its own and those
+//!    handed to it ([`rebalance_among`]: smallest checkpointed prefix moves first).
 //! 3. Each candidate, and the reference (every survivor a sink: restores stay at their
-//!    holders, balanced by count, and recomputations spread by work), is scored by the
+//!    holders, rebalanced the same way, and recomputations spread by work), is scored by the
 //!    estimated sum of stalls (below). The candidate with the lowest sum wins, among those
 //!    whose estimated largest stall (the recovery time) is at most the reference's plus the
 //!    longest single recomputation (the estimate's resolution): fewer sinks shorten the typical stall but

@@ -159,8 +159,15 @@ pub fn dispatch_holders_first(
     out.into_iter().flatten().collect()
 }
 
-/// Step 2: move requests off survivors above `⌈mean⌉` recovering requests, smallest checkpointed
-/// prefix first, to the survivor with the fewest. Returns the number of moves.
+/// Step 2 (the paper's average-based request-count rule): while a survivor that was handed
+/// requests serves more than `⌈mean⌉` requests in all (those it already runs plus those
+/// handed to it; the mean over the survivors), its handed request with the smallest
+/// checkpointed prefix moves to the survivor serving the fewest (ties: lower `busy_w`, lower
+/// id), so long as that one serves at least two fewer. Returns the number of moves.
+///
+/// A holder that runs fewer requests than the others keeps its restores (they load locally):
+/// balancing the restores alone, as this did before, moved them off an idle holder onto
+/// survivors already busier, where the LUMEN runs saw them wait behind new prompts.
 ///
 /// `checkpointed` gives each dispatched request's checkpointed prefix (same order as
 /// `dispatches`). Bounded by `dispatches.len()` moves.
@@ -170,7 +177,7 @@ pub fn rebalance(load: &LoadTable, dispatches: &mut [Dispatch], checkpointed: &[
 }
 
 /// [`rebalance`] over the survivors in `survivors` only (sorted by id, all in service): the
-/// threshold is `⌈dispatches on them / their number⌉`; dispatches to other workers stay.
+/// mean is over them; dispatches to other workers stay.
 pub fn rebalance_among(
     load: &LoadTable,
     survivors: &[WorkerId],
@@ -197,36 +204,38 @@ pub fn rebalance_among(
     for l in &mut lists {
         l.sort_by_key(|&i| std::cmp::Reverse((checkpointed[i], dispatches[i].request_id)));
     }
-    let counts = |lists: &Vec<Vec<usize>>, s: usize| lists[s].len() as u32;
-    let total: usize = lists.iter().map(Vec::len).sum();
-    let threshold = total.div_ceil(n) as u32;
-    let queue_delay: Vec<f64> = survivors
+    let row = |w: WorkerId| load.get(w);
+    let mut count: Vec<u64> = (0..n)
+        .map(|s| {
+            row(survivors[s]).map_or(0, |l| u64::from(l.serving_requests)) + lists[s].len() as u64
+        })
+        .collect();
+    let threshold = count.iter().sum::<u64>().div_ceil(n as u64);
+    let busy: Vec<f64> = survivors
         .iter()
-        .map(|w| load.get(*w).map_or(0.0, |l| l.busy_ms()))
+        .map(|w| row(*w).map_or(0.0, |l| l.busy_ms()))
         .collect();
     let mut moves = 0u32;
-    for _ in 0..total {
-        // The most loaded survivor (lowest id on ties) and the least loaded (then lowest busy_w: q_w plus queued prefill).
-        let (mut hi, mut lo) = (0usize, 0usize);
-        for s in 1..n {
-            if counts(&lists, s) > counts(&lists, hi) {
-                hi = s;
-            }
-            let (cs, cl) = (counts(&lists, s), counts(&lists, lo));
-            if cs < cl || (cs == cl && queue_delay[s] < queue_delay[lo]) {
-                lo = s;
-            }
-        }
-        if counts(&lists, hi) <= threshold {
+    for _ in 0..dispatches.len() {
+        // The busiest survivor with a handed request to move (lowest id on ties), and the
+        // least loaded (then the least busy, then the lowest id).
+        let Some(hi) = (0..n)
+            .filter(|&s| !lists[s].is_empty())
+            .max_by_key(|&s| (count[s], std::cmp::Reverse(s)))
+        else {
+            break;
+        };
+        let lo = (0..n)
+            .min_by(|&a, &b| {
+                (count[a], busy[a], a)
+                    .partial_cmp(&(count[b], busy[b], b))
+                    .expect("finite")
+            })
+            .expect("at least one survivor");
+        if count[hi] <= threshold || count[hi] < count[lo] + 2 {
             break;
         }
-        debug_assert!(
-            counts(&lists, hi) >= counts(&lists, lo) + 2,
-            "a move must reduce imbalance"
-        );
-        let i = lists[hi]
-            .pop()
-            .expect("a worker above the threshold has requests");
+        let i = lists[hi].pop().expect("a survivor with handed requests");
         dispatches[i].target = survivors[lo];
         // Keep the list order: insert by key.
         let key = std::cmp::Reverse((checkpointed[i], dispatches[i].request_id));
@@ -236,6 +245,7 @@ pub fn rebalance_among(
             })
             .unwrap_or_else(|p| p);
         lists[lo].insert(pos, i);
+        (count[hi], count[lo]) = (count[hi] - 1, count[lo] + 1);
         moves += 1;
     }
     moves
@@ -322,6 +332,42 @@ mod tests {
         assert!(
             d.iter().all(|x| x.kv_source == Some(1)),
             "moved requests still pull the holder's KV"
+        );
+    }
+
+    #[test]
+    fn a_holder_running_fewer_requests_than_the_mean_keeps_its_restores() {
+        // Holder 1 runs nothing, survivors 2 and 3 run three each: with its two restores it
+        // serves 2 against a mean of 8 / 3, so they stay and load locally. Balanced by restores
+        // alone, one would have moved onto a survivor already running three.
+        let mut t = table(&[1, 2, 3]);
+        for w in [2, 3] {
+            t.get_mut(w).unwrap().serving_requests = 3;
+        }
+        let mut d: Vec<Dispatch> = (0..2)
+            .map(|i| Dispatch {
+                request_id: i,
+                target: 1,
+                kv_source: Some(1),
+            })
+            .collect();
+        assert_eq!(rebalance(&t, &mut d, &[10, 20]), 0);
+        assert!(d.iter().all(|x| x.target == 1));
+        // Running four requests, it serves 6 against a mean of 12 / 3: two move, one to each
+        // (the least loaded, then the lower id).
+        t.get_mut(1).unwrap().serving_requests = 4;
+        let mut d: Vec<Dispatch> = (0..2)
+            .map(|i| Dispatch {
+                request_id: i,
+                target: 1,
+                kv_source: Some(1),
+            })
+            .collect();
+        assert_eq!(rebalance(&t, &mut d, &[10, 20]), 2);
+        assert_eq!(
+            d.iter().map(|x| x.target).collect::<Vec<_>>(),
+            [2, 3],
+            "the smaller prefix first, to the lower id"
         );
     }
 
