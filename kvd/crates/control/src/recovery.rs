@@ -162,8 +162,9 @@ pub fn dispatch_holders_first(
 /// Step 2 (the paper's average-based request-count rule): while a survivor that was handed
 /// requests serves more than `⌈mean⌉` requests in all (those it already runs plus those
 /// handed to it; the mean over the survivors), its handed request with the smallest
-/// checkpointed prefix moves to the survivor serving the fewest (ties: lower `busy_w`, lower
-/// id), so long as that one serves at least two fewer. Returns the number of moves.
+/// checkpointed prefix moves to the idlest survivor (the least `busy_w`: `q_w` plus the prefill
+/// queued there; ties: fewer requests, lower id) among those serving at least two fewer.
+/// Returns the number of moves.
 ///
 /// A holder that runs fewer requests than the others keeps its restores (they load locally):
 /// balancing the restores alone, as this did before, moved them off an idle holder onto
@@ -217,24 +218,28 @@ pub fn rebalance_among(
         .collect();
     let mut moves = 0u32;
     for _ in 0..dispatches.len() {
-        // The busiest survivor with a handed request to move (lowest id on ties), and the
-        // least loaded (then the least busy, then the lowest id).
+        // The most loaded survivor with a handed request to move (lowest id on ties), and,
+        // among those serving at least two fewer, the idlest: the least `busy_w` (then the
+        // fewest requests, then the lowest id).
         let Some(hi) = (0..n)
             .filter(|&s| !lists[s].is_empty())
             .max_by_key(|&s| (count[s], std::cmp::Reverse(s)))
         else {
             break;
         };
-        let lo = (0..n)
-            .min_by(|&a, &b| {
-                (count[a], busy[a], a)
-                    .partial_cmp(&(count[b], busy[b], b))
-                    .expect("finite")
-            })
-            .expect("at least one survivor");
-        if count[hi] <= threshold || count[hi] < count[lo] + 2 {
+        if count[hi] <= threshold {
             break;
         }
+        let Some(lo) = (0..n)
+            .filter(|&s| count[s] + 2 <= count[hi])
+            .min_by(|&a, &b| {
+                (busy[a], count[a], a)
+                    .partial_cmp(&(busy[b], count[b], b))
+                    .expect("finite")
+            })
+        else {
+            break;
+        };
         let i = lists[hi].pop().expect("a survivor with handed requests");
         dispatches[i].target = survivors[lo];
         // Keep the list order: insert by key.
@@ -369,6 +374,18 @@ mod tests {
             [2, 3],
             "the smaller prefix first, to the lower id"
         );
+        // Survivor 2 was just sent a prompt it has not prefilled: the first move goes to the
+        // idle 3, the second to 2 (3 has no room left below the holder).
+        t.get_mut(2).unwrap().queued_prefill_ms = 500.0;
+        let mut d: Vec<Dispatch> = (0..2)
+            .map(|i| Dispatch {
+                request_id: i,
+                target: 1,
+                kv_source: Some(1),
+            })
+            .collect();
+        assert_eq!(rebalance(&t, &mut d, &[10, 20]), 2);
+        assert_eq!(d.iter().map(|x| x.target).collect::<Vec<_>>(), [3, 2]);
     }
 
     #[test]
