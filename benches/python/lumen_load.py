@@ -181,6 +181,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="longest a stream may take, and the drain after the last arrival, s (default 600)")
     ap.add_argument("--pool-mib", type=int, default=512, help="each daemon's pool (default 512)")
     ap.add_argument("--max-num-seqs", type=int, help="vLLM's --max-num-seqs (vllm_server.py: 8), told to kvd control as --engine-max-seqs")
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    help="vLLM's --max-num-batched-tokens: the most tokens one engine step computes (its CPU "
+                         "server's default, 2,048, takes a whole prompt, or two, in one step; a smaller cap "
+                         "chunks prefills, so a resumed request waits at most one chunk)")
     ap.add_argument("--cluster-lookup", action=argparse.BooleanOptionalAction, default=False,
                     help="the connector's cluster lookup (default off: with it, a request recomputed after a "
                          "vLLM-only kill fetches its blocks from the dead engine's live daemon and is no "
@@ -280,6 +284,8 @@ class Cluster:
 
             def vllm_args(self) -> list[str]:
                 out = ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
+                if args.max_num_batched_tokens:
+                    out += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
                 return out + (["--scheduling-policy", "priority"] if args.resume_priority else [])
 
             def start_vllm(self) -> None:
