@@ -202,7 +202,7 @@ fn split_sinks(
     if k == survivors.len() {
         return (survivors.to_vec(), survivors.to_vec());
     }
-    let q = |w: WorkerId| load.get(w).map_or(0.0, |l| l.busy_ms());
+    let q = |w: WorkerId| load.busy_ms(w);
     let mut restores_on: BTreeMap<WorkerId, u32> = survivors.iter().map(|&w| (w, 0)).collect();
     for r in interrupted.iter().filter(|r| restorable(load, r)) {
         *restores_on
@@ -232,7 +232,7 @@ fn place_restores(
     others: &[WorkerId],
 ) -> (Vec<Dispatch>, u32) {
     let every_survivor_a_sink = sinks == others;
-    let q = |w: WorkerId| load.get(w).map_or(0.0, |l| l.busy_ms());
+    let q = |w: WorkerId| load.busy_ms(w);
     let mut count: BTreeMap<WorkerId, u32> = others.iter().map(|&w| (w, 0)).collect();
     for r in interrupted.iter().filter(|r| restorable(load, r)) {
         if let Some(c) = count.get_mut(&r.live_holder.expect("restorable")) {
@@ -289,7 +289,7 @@ fn recompute_targets(
     mut work: BTreeMap<WorkerId, f64>,
     p: ScoreParams,
 ) -> Vec<Dispatch> {
-    let q = |w: WorkerId| load.get(w).map_or(0.0, |l| l.busy_ms());
+    let q = |w: WorkerId| load.busy_ms(w);
     let mut todo: Vec<&Interrupted> = interrupted
         .iter()
         .filter(|r| !restorable(load, r))
@@ -395,7 +395,7 @@ pub fn estimate(
         est.requests += 1;
     };
     for (w, (recomputes, restores)) in per {
-        let mut free = load.get(w).map_or(0.0, |l| l.busy_ms());
+        let mut free = load.busy_ms(w);
         for work in recomputes {
             free += work;
             add(free);

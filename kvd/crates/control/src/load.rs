@@ -286,6 +286,11 @@ impl LoadTable {
         self.workers.values()
     }
 
+    /// Worker `id`'s [`WorkerLoad::busy_ms`] (0 for a worker not in the table).
+    pub fn busy_ms(&self, id: WorkerId) -> f64 {
+        self.get(id).map_or(0.0, WorkerLoad::busy_ms)
+    }
+
     /// Rows of workers in full service, by worker id.
     pub fn in_service(&self) -> impl Iterator<Item = &WorkerLoad> {
         self.workers.values().filter(|w| w.in_service())

@@ -205,17 +205,15 @@ pub fn rebalance_among(
     for l in &mut lists {
         l.sort_by_key(|&i| std::cmp::Reverse((checkpointed[i], dispatches[i].request_id)));
     }
-    let row = |w: WorkerId| load.get(w);
     let mut count: Vec<u64> = (0..n)
         .map(|s| {
-            row(survivors[s]).map_or(0, |l| u64::from(l.serving_requests)) + lists[s].len() as u64
+            load.get(survivors[s])
+                .map_or(0, |l| u64::from(l.serving_requests))
+                + lists[s].len() as u64
         })
         .collect();
     let threshold = count.iter().sum::<u64>().div_ceil(n as u64);
-    let busy: Vec<f64> = survivors
-        .iter()
-        .map(|w| row(*w).map_or(0.0, |l| l.busy_ms()))
-        .collect();
+    let busy: Vec<f64> = survivors.iter().map(|&w| load.busy_ms(w)).collect();
     let mut moves = 0u32;
     for _ in 0..dispatches.len() {
         // The most loaded survivor with a handed request to move (lowest id on ties), and,
@@ -342,6 +340,18 @@ mod tests {
 
     #[test]
     fn a_holder_running_fewer_requests_than_the_mean_keeps_its_restores() {
+        // Two restores at holder 1 (prefixes 10 and 20): the moves made, and each one's target.
+        let rebalanced = |t: &LoadTable| {
+            let mut d: Vec<Dispatch> = (0..2)
+                .map(|i| Dispatch {
+                    request_id: i,
+                    target: 1,
+                    kv_source: Some(1),
+                })
+                .collect();
+            let moves = rebalance(t, &mut d, &[10, 20]);
+            (moves, d.iter().map(|x| x.target).collect::<Vec<_>>())
+        };
         // Holder 1 runs nothing, survivors 2 and 3 run three each: with its two restores it
         // serves 2 against a mean of 8 / 3, so they stay and load locally. Balanced by restores
         // alone, one would have moved onto a survivor already running three.
@@ -349,43 +359,15 @@ mod tests {
         for w in [2, 3] {
             t.get_mut(w).unwrap().serving_requests = 3;
         }
-        let mut d: Vec<Dispatch> = (0..2)
-            .map(|i| Dispatch {
-                request_id: i,
-                target: 1,
-                kv_source: Some(1),
-            })
-            .collect();
-        assert_eq!(rebalance(&t, &mut d, &[10, 20]), 0);
-        assert!(d.iter().all(|x| x.target == 1));
+        assert_eq!(rebalanced(&t), (0, vec![1, 1]));
         // Running four requests, it serves 6 against a mean of 12 / 3: two move, one to each
-        // (the least loaded, then the lower id).
+        // (the least loaded, then the lower id), the smaller prefix first.
         t.get_mut(1).unwrap().serving_requests = 4;
-        let mut d: Vec<Dispatch> = (0..2)
-            .map(|i| Dispatch {
-                request_id: i,
-                target: 1,
-                kv_source: Some(1),
-            })
-            .collect();
-        assert_eq!(rebalance(&t, &mut d, &[10, 20]), 2);
-        assert_eq!(
-            d.iter().map(|x| x.target).collect::<Vec<_>>(),
-            [2, 3],
-            "the smaller prefix first, to the lower id"
-        );
+        assert_eq!(rebalanced(&t), (2, vec![2, 3]));
         // Survivor 2 was just sent a prompt it has not prefilled: the first move goes to the
         // idle 3, the second to 2 (3 has no room left below the holder).
         t.get_mut(2).unwrap().queued_prefill_ms = 500.0;
-        let mut d: Vec<Dispatch> = (0..2)
-            .map(|i| Dispatch {
-                request_id: i,
-                target: 1,
-                kv_source: Some(1),
-            })
-            .collect();
-        assert_eq!(rebalance(&t, &mut d, &[10, 20]), 2);
-        assert_eq!(d.iter().map(|x| x.target).collect::<Vec<_>>(), [3, 2]);
+        assert_eq!(rebalanced(&t), (2, vec![3, 2]));
     }
 
     #[test]
