@@ -5,13 +5,14 @@ side by side, each run checked stream by stream against the uninterrupted greedy
     scripts/bench-lumen.sh [OPTIONS]          (builds kvd, finds the engine venv, runs this)
     KVD_BIN=target/debug/kvd $(scripts/engine-venv.sh)/bin/python benches/python/lumen_load.py --smoke
 
-The full experiment (4 workers, one and two failures, the three policies, 3 repetitions, a
-16-layer model 256 wide so that a 1,000-token prefill costs well over a restore):
+The full experiment (4 workers, one and two failures, the three policies, 4 repetitions, a
+16-layer model 256 wide so that a 1,000-token prefill costs well over a restore, a step's prefill
+capped at 256 tokens for every policy; about 50 minutes):
 
-    scripts/bench-lumen.sh --workers 4 --layers 16 --hidden 256 --rate 1 --duration 40 --output-len chat:1 \\
-        --window 10 \\
+    scripts/bench-lumen.sh --workers 4 --layers 16 --hidden 256 --rate 1.25 --duration 40 --output-len chat:1 \\
+        --window 10 --max-num-batched-tokens 256 \\
         --scenario 20:node:2 --scenario 20:node:2,20:node:3 \\
-        --policies lumen,fixed_ring,stop_restart --repeat 3 --seed 1 \\
+        --policies lumen,fixed_ring,stop_restart --repeat 4 --seed 1 \\
         --out lumen.json --svg lumen.svg
 
 Choose ``--rate`` first with a run without ``--scenario`` (steady state): the survivors should be
@@ -343,7 +344,7 @@ class Cluster:
                 n.daemon.proc.kill()
             self.killed.add(i)
         for _, i in targets:
-            self.nodes[i].vllm.kill9()  # reaps (the group is gone already)
+            self.nodes[i].vllm.kill9(sweep=False)  # reaps (the group is gone already); stop() sweeps
         gone = time.monotonic()
         for what, i in targets:
             n = self.nodes[i]
@@ -781,8 +782,17 @@ def summarise(ctx: dict, args: argparse.Namespace, wall_s: float) -> dict:
             "table": table, "comparisons": comp, "runs": ctx["runs"], "table_text": text, "_svg": ls.svg_plot(panels)}
 
 
+def stop_on_signal(signum: int, _frame: Any) -> None:
+    """SIGTERM or SIGHUP (a stop from outside, a closed terminal) unwinds like Ctrl-C, so the
+    run's ``finally`` stops its engines: each vLLM server runs in its own session, out of reach of
+    a signal to this process's group, and would otherwise outlive the run (2.5 GB per process)."""
+    raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop_on_signal)
     if not os.environ.get("KVD_BIN"):
         print("lumen_load.py: KVD_BIN must name the kvd binary (scripts/bench-lumen.sh sets it)", file=sys.stderr)
         return 2

@@ -31,6 +31,80 @@ from pathlib import Path
 from typing import Optional
 
 SERVED_NAME = "tiny"
+SHM = Path("/dev/shm")
+SHM_PREFIX = "psm_"  # multiprocessing.shared_memory's names: vLLM's message queues between its processes
+SHM_SETTLE_S = 2.0  # a segment this fresh may be between its creation and its mapping
+GROUP_EXIT_S = 10.0  # bound on the wait for a killed server's engine processes to exit
+
+
+def _shm_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith(SHM_PREFIX)}
+    except OSError:
+        return set()
+
+
+def _mapped_shm() -> set[str]:
+    """The shared-memory segments some live process maps (scanned from /proc/*/maps)."""
+    out: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", errors="replace") as f:
+                for line in f:
+                    i = line.find(f"{SHM}/{SHM_PREFIX}")
+                    if i >= 0:
+                        out.add(line[i + len(str(SHM)) + 1:].split()[0])
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return out
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait, bounded, until no process of group ``pgid`` runs (zombies aside: their memory is
+    released); whether it got there."""
+    end = time.monotonic() + timeout_s
+    while True:
+        alive = False
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+            except (OSError, IndexError):
+                continue
+            if int(rest[2]) == pgid and rest[0] != "Z":
+                alive = True
+                break
+        if not alive:
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.05)
+
+
+def sweep_orphaned_shm(before: set[str]) -> list[str]:
+    """Unlink the shared-memory segments that appeared since ``before`` and that no live process
+    maps any more: those of a server killed with SIGKILL, which could not unlink its own. They are
+    vLLM's message queues, sparse files of 160-250 MB with tens of kB written, and they pile up
+    in /dev/shm run after run otherwise (463 of them after a day of benches). A segment younger
+    than ``SHM_SETTLE_S`` is kept, since its creator may not have mapped it yet. The names
+    removed."""
+    new = _shm_segments() - before
+    if not new:
+        return []
+    mapped, now, gone = _mapped_shm(), time.time(), []
+    for name in sorted(new - mapped):
+        path = SHM / name
+        try:
+            if now - path.stat().st_mtime >= SHM_SETTLE_S:
+                path.unlink()
+                gone.append(name)
+        except OSError:
+            pass  # removed by someone else meanwhile
+    return gone
 
 
 class VllmServer:
@@ -40,6 +114,7 @@ class VllmServer:
         self.connector, self.extra_env = connector, dict(extra_env or {})
         self.extra_args = list(extra_args or [])
         self.proc: Optional[subprocess.Popen] = None
+        self.shm_before: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -62,6 +137,7 @@ class VllmServer:
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")])
         env.update(self.extra_env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.shm_before = _shm_segments()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
@@ -100,11 +176,16 @@ class VllmServer:
         except ProcessLookupError:
             pass
 
-    def kill9(self) -> None:
-        """SIGKILL the API server and its engine core together, then reap the server."""
+    def kill9(self, sweep: bool = True) -> None:
+        """SIGKILL the API server and its engine core together and reap the server. With
+        ``sweep`` (``stop`` always sweeps), also wait for the rest of its group to exit and unlink
+        the shared memory they could not unlink themselves (``sweep_orphaned_shm``)."""
         self._signal_group(signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait(timeout=60)
+            if sweep:
+                _wait_group_gone(self.proc.pid, GROUP_EXIT_S)
+                sweep_orphaned_shm(self.shm_before)
 
     def stop(self, timeout_s: float = 60) -> None:
         """SIGTERM the group, wait for the server, then SIGKILL whatever is left of it."""

@@ -254,6 +254,11 @@ impl Front {
         lock(&self.cache).figures()
     }
 
+    /// Whether `worker` is in service now.
+    fn in_service(&self, worker: WorkerId) -> bool {
+        self.hub.load().get(worker).is_some_and(|w| w.in_service())
+    }
+
     /// The in-service worker with an engine that serves the fewest requests.
     fn pick_worker(&self) -> Option<WorkerId> {
         let engines = self.engines.workers();

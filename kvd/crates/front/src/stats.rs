@@ -11,6 +11,10 @@ pub struct FrontStats {
     pub streams_started: u64,
     /// Requests refused before their stream began (bad request, no worker, overload).
     pub streams_refused: u64,
+    /// Admissions sent to another worker because the one picked left service before the
+    /// request was admitted.
+    #[serde(default)]
+    pub admissions_repicked: u64,
     /// Streams that ended with the engine's last token.
     pub streams_finished: u64,
     /// Streams that ended with an error event.

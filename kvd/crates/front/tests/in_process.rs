@@ -579,6 +579,42 @@ async fn the_health_watch_fails_a_silent_engine_and_brings_it_back_when_it_answe
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_worker_that_fails_between_the_pick_and_the_admission_is_routed_around() {
+    // routing by load alone (`--cache-routing false`, as in the LUMEN runs): the worker picked
+    // before the tokenizer is the one admitted
+    let mut a = args();
+    a.route.cache_routing = false;
+    let c = Cluster::with(3, ControlConfig::default(), a);
+    c.engines
+        .tokenize_after(std::time::Duration::from_millis(50));
+    let front = std::sync::Arc::clone(&c.front);
+    let admitting = tokio::spawn(async move {
+        scripted::admit_stream(
+            &front,
+            serde_json::json!({"model": "m", "prompt": "hello", "max_tokens": 8, "stream": true,
+                "temperature": 0, "return_token_ids": true}),
+        )
+        .await
+    });
+    // every worker idle: the pick is worker 1, whose engine is tokenizing the prompt when
+    // another stream's break fails it
+    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    c.hub().fail(&[1]).unwrap();
+    c.engines.kill(1);
+    let (id, log, guard) = admitting
+        .await
+        .unwrap()
+        .expect("admitted on a worker in service");
+    assert_eq!(c.serving(id), 2, "the least loaded worker still in service");
+    let mut client = scripted::Client::new(log, guard, 0);
+    client.read_to_end().await;
+    let hello: Vec<u32> = "hello".bytes().map(u32::from).collect();
+    assert_eq!(client.tokens(), greedy(&hello, 8));
+    assert!(c.engines.calls().iter().all(|call| call.worker != 1));
+    assert_eq!(c.front.stats().admissions_repicked, 1);
+}
+
+#[tokio::test(start_paused = true)]
 async fn requests_past_max_streams_are_refused_and_finished_streams_stay_readable_for_a_while() {
     let mut a = args();
     a.max_streams = 1;

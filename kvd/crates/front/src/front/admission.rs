@@ -52,6 +52,10 @@ pub enum Resumed {
     At(String),
 }
 
+/// Admissions of one request, each on another worker, while the workers it was sent to leave
+/// service in between (a failure that struck between the pick and the admission).
+const REPICKS: usize = 3;
+
 /// How often the front asks an engine what it serves, ms.
 const MODELS_REFRESH_MS: u64 = 10_000;
 
@@ -402,10 +406,7 @@ impl Front {
             reserve_bytes: reserve,
             deadline_ms: Some(deadline_ms),
         };
-        let adm = match taken {
-            Some(t) => self.hub.admit_taken_over(req, t.lost_epoch)?,
-            None => self.hub.admit(req)?,
-        };
+        let (adm, serving) = self.admit_in_service(req, taken)?;
         let log =
             StreamLog::starting_at(self.args.max_stream_bytes, taken.map_or(0, |t| t.next_seq));
         let guard = log.client();
@@ -462,6 +463,38 @@ impl Front {
         }
         tokio::spawn(driver.run());
         Ok((id, log, guard))
+    }
+
+    /// Admit `req` with the controller. A worker picked in service can fail before its
+    /// request is admitted: the front may be waiting on that very engine (its models, the
+    /// tokenizer) when the break of another stream fails it. Such a request is admitted on the
+    /// least loaded worker still in service instead, at most [`REPICKS`] times; a refusal for
+    /// any other reason stands. The admission and the worker it names.
+    fn admit_in_service(
+        &self,
+        mut req: AdmitRequest,
+        taken: Option<Taken>,
+    ) -> Result<(kvd_control::Admission, WorkerId)> {
+        for _ in 0..REPICKS {
+            let r = match taken {
+                Some(t) => self.hub.admit_taken_over(req, t.lost_epoch),
+                None => self.hub.admit(req),
+            };
+            match r {
+                Err(Error::Unavailable(why)) if !self.in_service(req.serving) => {
+                    let next = self.pick_worker().ok_or_else(no_worker)?;
+                    tracing::info!(request = req.request_id, from = req.serving, to = next, %why,
+                        "front: the worker left service before the admission; admitting on another");
+                    self.count(|s| s.admissions_repicked += 1);
+                    req.serving = next;
+                }
+                r => return r.map(|adm| (adm, req.serving)),
+            }
+        }
+        Err(Error::Unavailable(format!(
+            "workers kept leaving service while request {} was admitted ({REPICKS} tries); retry",
+            req.request_id
+        )))
     }
 
     /// End a stream whose front died and whose client did not come back: the checkpoint its

@@ -106,6 +106,8 @@ struct World {
     holders_down: Vec<WorkerId>,
     /// How long a holder takes to say what it holds (its answer is what it held when asked).
     held_delay: std::time::Duration,
+    /// How long an engine takes to tokenize a text prompt.
+    tokenize_delay: std::time::Duration,
     /// Faults for the next completions, whichever engine is asked (before its own).
     any: VecDeque<Fault>,
     /// P/D: the prefill workers.
@@ -300,6 +302,11 @@ impl Scripted {
     /// Holders answer what they hold `d` after they are asked.
     pub fn holders_answer_after(&self, d: std::time::Duration) {
         self.w().held_delay = d;
+    }
+
+    /// Engines tokenize a text prompt `d` after they are asked.
+    pub fn tokenize_after(&self, d: std::time::Duration) {
+        self.w().tokenize_delay = d;
     }
 
     /// `holder` stops answering admin calls.
@@ -599,7 +606,11 @@ impl Engines for Scripted {
     fn tokenize(&self, _: WorkerId, body: Value) -> BoxFuture<'_, Result<Vec<u32>>> {
         let text = body["prompt"].as_str().unwrap_or_default();
         let ids = text.bytes().map(u32::from).collect();
-        Box::pin(async move { Ok(ids) })
+        let delay = self.w().tokenize_delay;
+        Box::pin(async move {
+            tokio::time::sleep(delay).await;
+            Ok(ids)
+        })
     }
 
     fn complete(&self, worker: WorkerId, body: Value) -> BoxFuture<'_, Result<Opened>> {
