@@ -344,7 +344,7 @@ class Cluster:
                 n.daemon.proc.kill()
             self.killed.add(i)
         for _, i in targets:
-            self.nodes[i].vllm.kill9(sweep=False)  # reaps (the group is gone already); stop() sweeps
+            self.nodes[i].vllm.kill9()  # reaps (the group is gone already); stop() sweeps
         gone = time.monotonic()
         for what, i in targets:
             n = self.nodes[i]

@@ -176,19 +176,17 @@ class VllmServer:
         except ProcessLookupError:
             pass
 
-    def kill9(self, sweep: bool = True) -> None:
-        """SIGKILL the API server and its engine core together and reap the server. With
-        ``sweep`` (``stop`` always sweeps), also wait for the rest of its group to exit and unlink
-        the shared memory they could not unlink themselves (``sweep_orphaned_shm``)."""
+    def kill9(self) -> None:
+        """SIGKILL the API server and its engine core together, then reap the server (nothing
+        more: tests kill a server mid-stream and race what follows)."""
         self._signal_group(signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait(timeout=60)
-            if sweep:
-                _wait_group_gone(self.proc.pid, GROUP_EXIT_S)
-                sweep_orphaned_shm(self.shm_before)
 
     def stop(self, timeout_s: float = 60) -> None:
-        """SIGTERM the group, wait for the server, then SIGKILL whatever is left of it."""
+        """SIGTERM the group, wait for the server, then SIGKILL whatever is left of it; then wait,
+        bounded, for the rest of its group to exit and unlink the shared memory it could not
+        unlink itself if it was killed (``sweep_orphaned_shm``)."""
         if self.proc is None:
             return
         self._signal_group(signal.SIGTERM)
@@ -197,6 +195,8 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             pass
         self.kill9()  # also takes an engine core the server left behind
+        _wait_group_gone(self.proc.pid, GROUP_EXIT_S)
+        sweep_orphaned_shm(self.shm_before)
 
     def __enter__(self) -> "VllmServer":
         self.start()
