@@ -270,6 +270,17 @@ mod tests {
     use super::*;
     use crate::load::WorkerLoad;
 
+    /// Requests 0..n, each restoring at its holder `holder`.
+    fn restores_at(holder: WorkerId, n: u64) -> Vec<Dispatch> {
+        (0..n)
+            .map(|i| Dispatch {
+                request_id: i,
+                target: holder,
+                kv_source: Some(holder),
+            })
+            .collect()
+    }
+
     fn table(ids: &[WorkerId]) -> LoadTable {
         let mut t = LoadTable::new();
         for &i in ids {
@@ -316,13 +327,7 @@ mod tests {
     #[test]
     fn rebalancing_moves_the_smallest_prefix_to_the_least_loaded() {
         let t = table(&[1, 2]);
-        let mut d: Vec<Dispatch> = (0..4)
-            .map(|i| Dispatch {
-                request_id: i,
-                target: 1,
-                kv_source: Some(1),
-            })
-            .collect();
+        let mut d = restores_at(1, 4);
         let cp = [40, 10, 30, 20];
         let moves = rebalance(&t, &mut d, &cp);
         assert_eq!(moves, 2);
@@ -342,13 +347,7 @@ mod tests {
     fn a_holder_running_fewer_requests_than_the_mean_keeps_its_restores() {
         // Two restores at holder 1 (prefixes 10 and 20): the moves made, and each one's target.
         let rebalanced = |t: &LoadTable| {
-            let mut d: Vec<Dispatch> = (0..2)
-                .map(|i| Dispatch {
-                    request_id: i,
-                    target: 1,
-                    kv_source: Some(1),
-                })
-                .collect();
+            let mut d = restores_at(1, 2);
             let moves = rebalance(t, &mut d, &[10, 20]);
             (moves, d.iter().map(|x| x.target).collect::<Vec<_>>())
         };
