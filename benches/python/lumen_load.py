@@ -619,7 +619,8 @@ def reference_pass(cluster: Cluster, workload: list[dict], refs: dict[str, list[
 
 # ---- one run, all runs ---------------------------------------------------------------------------
 
-FRONT_COUNTERS = ("streams_started", "streams_refused", "streams_finished", "streams_failed", "recoveries",
+FRONT_COUNTERS = ("streams_started", "streams_refused", "admissions_repicked",
+                  "streams_finished", "streams_failed", "recoveries",
                   "recoveries_from_checkpoint", "recoveries_recomputed", "restored_tokens", "recomputed_tokens",
                   "recovery_ms", "workers_failed", "checkpoint_moves_unfollowed", "holder_calls_failed",
                   "checkpoint_reports_clamped", "checkpoint_bytes", "checkpoint_tokens")

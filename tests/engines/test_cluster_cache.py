@@ -169,6 +169,7 @@ def test_a_hung_holder_is_not_waited_for_and_the_request_is_recomputed(cluster):
     prompt, longer, reference = served_on(a, cold, 91)
     assert a.daemon is not None
     unanswered = b.daemon_metric("kvd_cluster_locate_unanswered_total")
+    fetched = b.daemon_metric("kvd_cluster_fetched_blocks_total")
     before = b.loaded()
     os.kill(a.daemon.proc.pid, signal.SIGSTOP)
     try:
@@ -176,7 +177,12 @@ def test_a_hung_holder_is_not_waited_for_and_the_request_is_recomputed(cluster):
     finally:
         os.kill(a.daemon.proc.pid, signal.SIGCONT)
     assert got == reference
-    assert b.loaded() == before, "nothing loaded from a holder that did not answer"
+    # (seen once, not explained: node 2 loaded the whole prefix while node 1's daemon was
+    # stopped; what its daemon fetched, and whether the locate went unanswered, say where from)
+    assert b.loaded() == before, ("nothing loaded from a holder that did not answer",
+                                  {"fetched_blocks": b.daemon_metric("kvd_cluster_fetched_blocks_total") - fetched,
+                                   "locates_unanswered": b.daemon_metric("kvd_cluster_locate_unanswered_total")
+                                   - unanswered})
     wait_until("node 2 counted the unanswered locate",
                lambda: b.daemon_metric("kvd_cluster_locate_unanswered_total") > unanswered, timeout_s=10)
     FIGURES["hung_holder_s"] = round(took, 3)
@@ -256,9 +262,12 @@ def test_the_front_routes_a_prompt_to_the_node_that_holds_its_prefix_unless_its_
         assert a.loaded() - loaded >= 15 * BLOCK, "node 1 loaded the prefix from node 2"
         final, index = routing(front)
         assert final["routed_load_over_cache"] == after["routed_load_over_cache"] + 1, final
-        assert final["route_feed_errors"] == before["route_feed_errors"], final
-        FIGURES["routing"] = {k: final[k] for k in ("routed_by_load", "routed_by_cache",
-                                                    "routed_load_over_cache", "routed_cached_blocks")}
+        # every read of the daemons' logs answered, or at worst timed out (on a loaded machine;
+        # the feed reads again a tick later): none refused or garbled
+        assert final["route_feed_errors"] == before["route_feed_errors"], \
+            (final, front.get("/status")["routing"]["feed_failing"])
+        FIGURES["routing"] = {k: final[k] for k in ("routed_by_load", "routed_by_cache", "routed_load_over_cache",
+                                                    "routed_cached_blocks", "route_feed_timeouts")}
         FIGURES["routing_index"] = index
     finally:
         busy.close()

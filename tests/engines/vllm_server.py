@@ -61,28 +61,34 @@ def _mapped_shm() -> set[str]:
     return out
 
 
+def _group(pgid: int) -> list[tuple[int, str]]:
+    """The processes of group ``pgid`` that run (zombies aside: their memory is released), each
+    with its command line as it names itself (vLLM's engine core retitles itself
+    ``VLLM::EngineCore``)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(rest[2]) == pgid and rest[0] != "Z":
+            out.append((int(pid), cmdline))
+    return out
+
+
 def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
-    """Wait, bounded, until no process of group ``pgid`` runs (zombies aside: their memory is
-    released); whether it got there."""
+    """Wait, bounded, until no process of group ``pgid`` runs; whether it got there."""
     end = time.monotonic() + timeout_s
-    while True:
-        alive = False
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
-            except (OSError, IndexError):
-                continue
-            if int(rest[2]) == pgid and rest[0] != "Z":
-                alive = True
-                break
-        if not alive:
-            return True
+    while _group(pgid):
         if time.monotonic() >= end:
             return False
         time.sleep(0.05)
+    return True
 
 
 def sweep_orphaned_shm(before: set[str]) -> list[str]:
@@ -176,11 +182,30 @@ class VllmServer:
         except ProcessLookupError:
             pass
 
-    def kill9(self) -> None:
+    def pause_engine(self) -> list[int]:
+        """SIGSTOP the engine core, not the API server: generation stops where it is, while the
+        server still answers ``/health`` (it asks the core nothing) and holds its streams open.
+        A test that must do something while a request is surely mid-decode, however slow the
+        machine, pauses it (``resume_engine``, or ``kill9``, which takes a stopped core too). The
+        pids stopped; an error if the server has no engine core."""
+        assert self.proc is not None, "not started"
+        cores = [pid for pid, cmd in _group(self.proc.pid) if "EngineCore" in cmd]
+        assert cores, f"no engine core in the server's group: {_group(self.proc.pid)}"
+        for pid in cores:
+            os.kill(pid, signal.SIGSTOP)
+        return cores
+
+    def resume_engine(self) -> None:
+        """SIGCONT the server's group: a paused engine core goes on (nothing if none is)."""
+        self._signal_group(signal.SIGCONT)
+
+    def kill9(self, reap: bool = True) -> None:
         """SIGKILL the API server and its engine core together, then reap the server (nothing
-        more: tests kill a server mid-stream and race what follows)."""
+        more: tests kill a server mid-stream and race what follows). With ``reap=False`` it
+        returns at once: the caller kills the rest of a node before it waits (the kernel takes
+        seconds to release a multi-GB engine on a loaded machine) and calls ``kill9()`` again."""
         self._signal_group(signal.SIGKILL)
-        if self.proc is not None:
+        if self.proc is not None and reap:
             self.proc.wait(timeout=60)
 
     def stop(self, timeout_s: float = 60) -> None:

@@ -18,7 +18,7 @@
 //! (about 80 bytes each in the map); stored events past the bound are dropped, counted.
 //! Workers are matched by their node id (worker *i* runs on node *i*), at most 64 of them.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use kvd_control::WorkerId;
 use kvd_core::keys::BlockTag;
@@ -77,6 +77,8 @@ pub struct CacheIndex {
     slots: Vec<WorkerId>,
     cursors: HashMap<WorkerId, Cursor>,
     figures: IndexFigures,
+    /// Workers whose last read of their node's log failed, with why (`/status`).
+    failing: BTreeMap<WorkerId, String>,
 }
 
 /// Workers an index tells apart (one bit each).
@@ -93,7 +95,25 @@ impl CacheIndex {
                 max_blocks,
                 ..IndexFigures::default()
             },
+            failing: BTreeMap::new(),
         }
+    }
+
+    /// A read of `w`'s node's log failed (`why`); whether it read fine before (the first
+    /// failure of a run, the one worth a log line).
+    pub fn read_failed(&mut self, w: WorkerId, why: String) -> bool {
+        self.failing.insert(w, why).is_none()
+    }
+
+    /// A read of `w`'s node's log succeeded; why the last one failed, if it did (the end of a
+    /// run of failures).
+    pub fn read_again(&mut self, w: WorkerId) -> Option<String> {
+        self.failing.remove(&w)
+    }
+
+    /// The workers whose last read failed, with why.
+    pub fn failing(&self) -> &BTreeMap<WorkerId, String> {
+        &self.failing
     }
 
     fn bit(&mut self, w: WorkerId) -> Option<u64> {
@@ -189,6 +209,7 @@ impl CacheIndex {
             self.clear(bit);
         }
         self.cursors.remove(&w);
+        self.failing.remove(&w);
     }
 
     /// How many of `tags`, from the first, `w`'s node holds.
@@ -417,6 +438,19 @@ mod tests {
         // another worker holding a known tag takes no more room
         ix.apply(2, &page(1, 2, 0, &[(1, true, 1)]));
         assert_eq!((ix.figures().blocks, ix.overlap(2, &tags(&[1]))), (2, 1));
+    }
+
+    #[test]
+    fn a_run_of_failed_reads_is_new_once_and_ends_with_the_next_read_or_forget() {
+        let mut ix = CacheIndex::new(8);
+        assert!(ix.read_failed(1, "timeout".into()), "the first of a run");
+        assert!(!ix.read_failed(1, "refused".into()), "the same run");
+        assert!(ix.read_failed(2, "timeout".into()), "another worker's");
+        assert_eq!(ix.failing().get(&1).map(String::as_str), Some("refused"));
+        assert_eq!(ix.read_again(1).as_deref(), Some("refused"));
+        assert_eq!(ix.read_again(1), None, "read fine twice: no run to end");
+        ix.forget(2); // its registration ended
+        assert!(ix.failing().is_empty());
     }
 
     #[test]

@@ -230,7 +230,14 @@ impl Front {
             match timeout(PROBE_TIMEOUT, self.holders.events(w, since, FEED_PAGE)).await {
                 Ok(Ok(page)) => {
                     let n = page.events.len();
-                    lock(&self.cache).apply(w, &page);
+                    let was = {
+                        let mut cache = lock(&self.cache);
+                        cache.apply(w, &page);
+                        cache.read_again(w)
+                    };
+                    if let Some(why) = was {
+                        tracing::info!(worker = w, last_error = %why, "front: a node's block events are read again");
+                    }
                     if n < FEED_PAGE as usize {
                         return;
                     }
@@ -241,11 +248,24 @@ impl Front {
                     return;
                 }
                 Ok(Err(Error::Unsupported(_))) => return,
-                Ok(Err(_)) | Err(_) => {
-                    self.count(|s| s.route_feed_errors += 1);
-                    return;
+                Ok(Err(e)) => return self.feed_failed(w, false, e.to_string()),
+                Err(_) => {
+                    let why = format!("no answer in {} ms", PROBE_TIMEOUT.as_millis());
+                    return self.feed_failed(w, true, why);
                 }
             }
+        }
+    }
+
+    /// A read of `w`'s node's log failed: counted (a timeout apart: a loaded daemon, or one
+    /// that hangs), and logged once per run of failures. The index keeps what it had.
+    fn feed_failed(&self, w: WorkerId, timed_out: bool, why: String) {
+        self.count(|s| match timed_out {
+            true => s.route_feed_timeouts += 1,
+            false => s.route_feed_errors += 1,
+        });
+        if lock(&self.cache).read_failed(w, why.clone()) {
+            tracing::warn!(worker = w, error = %why, "front: reading a node's block events failed; routing uses what was read before until a read succeeds");
         }
     }
 
@@ -353,13 +373,15 @@ impl Front {
             .map(|(id, a)| (id.to_string(), *a))
             .collect();
         let recoveries: Vec<RecoveryRecord> = lock(&self.recoveries).iter().cloned().collect();
+        let feed_failing = lock(&self.cache).failing().clone();
         let mut v = json!({
             "controller": self.hub.stats(),
             "front": self.stats(),
             "streams": lock(&self.streams).len(),
             "active": active,
             "recoveries": recoveries,
-            "routing": {"cache_routing": self.args.route.cache_routing, "index": self.cache_figures()},
+            "routing": {"cache_routing": self.args.route.cache_routing, "index": self.cache_figures(),
+                "feed_failing": feed_failing},
             "replicas": self.records.get().map_or(Value::Null, |r| r.status()),
         });
         if self.disaggregated() {
@@ -697,20 +719,25 @@ impl Front {
 
     /// Every [`HEALTH_EVERY`]: fail an in-service worker whose engine stopped answering
     /// ([`HEALTH_MISSES`] in a row); bring back a failed one whose engine answers again and
-    /// whose node is registered.
+    /// whose node is registered. A round probes every engine at once, so an engine that hangs
+    /// (a probe that takes all of [`PROBE_TIMEOUT`]) does not delay noticing another.
     async fn health_watch(&self) {
         let mut misses: BTreeMap<WorkerId, u32> = BTreeMap::new();
         let mut tick = interval(HEALTH_EVERY);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            for w in self.engines.workers() {
-                let Some(phase) = self.hub.load().get(w).map(|l| l.phase) else {
-                    continue;
-                };
-                let ok = timeout(PROBE_TIMEOUT, self.engines.health(w))
-                    .await
-                    .unwrap_or(false);
+            let load = self.hub.load();
+            let probes = self.engines.workers().into_iter().filter_map(|w| {
+                let phase = load.get(w).map(|l| l.phase)?;
+                Some(async move {
+                    let ok = timeout(PROBE_TIMEOUT, self.engines.health(w))
+                        .await
+                        .unwrap_or(false);
+                    (w, phase, ok)
+                })
+            });
+            for (w, phase, ok) in futures_util::future::join_all(probes).await {
                 let m = misses.entry(w).or_insert(0);
                 *m = if ok { 0 } else { *m + 1 };
                 self.health_seen(w, phase, ok, *m).await;

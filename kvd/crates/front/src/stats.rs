@@ -92,8 +92,11 @@ pub struct FrontStats {
     pub routed_load_over_cache: u64,
     /// Routing: prompt blocks the chosen workers' nodes held (summed over requests).
     pub routed_cached_blocks: u64,
-    /// Routing: event feed reads that failed (the index keeps what it had).
+    /// Routing: event feed reads that failed (the index keeps what it had), timeouts apart.
     pub route_feed_errors: u64,
+    /// Routing: event feed reads that got no answer in time (a loaded or hung daemon).
+    #[serde(default)]
+    pub route_feed_timeouts: u64,
     /// Requests one engine served as they were, without recovery (`n` > 1, logprobs,
     /// structured output, tools: the answer says why).
     pub served_without_recovery: u64,
