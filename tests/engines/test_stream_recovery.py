@@ -139,6 +139,8 @@ class Node:
 
     def start_vllm(self) -> None:
         assert self.daemon is not None
+        if self.vllm is not None:
+            self.vllm.stop()  # a killed one: its shared memory swept
         self.starts += 1
         self.vllm = VllmServer(self.model, self.vllm_port, self.tmp / f"vllm{self.i}.{self.starts}.log",
                                self.connector(), extra_args=self.vllm_args())
@@ -177,8 +179,8 @@ class Node:
         self.vllm.kill9()
 
     def stop(self) -> None:
-        if self.vllm is not None and self.vllm.alive():
-            self.vllm.stop()
+        if self.vllm is not None:
+            self.vllm.stop()  # a killed one too: its shared memory swept
         if self.daemon is not None and self.daemon.proc.poll() is None:
             self.daemon.stop()
 

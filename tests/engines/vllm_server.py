@@ -211,15 +211,17 @@ class VllmServer:
     def stop(self, timeout_s: float = 60) -> None:
         """SIGTERM the group, wait for the server, then SIGKILL whatever is left of it; then wait,
         bounded, for the rest of its group to exit and unlink the shared memory it could not
-        unlink itself if it was killed (``sweep_orphaned_shm``)."""
+        unlink itself if it was killed (``sweep_orphaned_shm``). A server killed before (``kill9``)
+        is only swept: its group is gone, and its id is not signalled again (it may be reused)."""
         if self.proc is None:
             return
-        self._signal_group(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        self.kill9()  # also takes an engine core the server left behind
+        if self.proc.poll() is None or _group(self.proc.pid):
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            self.kill9()  # also takes an engine core the server left behind
         _wait_group_gone(self.proc.pid, GROUP_EXIT_S)
         sweep_orphaned_shm(self.shm_before)
 
