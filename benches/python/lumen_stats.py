@@ -338,17 +338,27 @@ def in_window(rec: dict, kill_times: Sequence[float], window_s: float) -> bool:
     return False
 
 
+def arrived_after(rec: dict, kill_times: Sequence[float], window_s: float) -> bool:
+    """Sent within ``window_s`` after a kill: a new arrival that meets the recovery (those in
+    flight at the kill are left out; their first token mostly came before it)."""
+    sent = rec.get("sent")
+    return sent is not None and any(k <= sent <= k + window_s for k in kill_times)
+
+
 def run_figures(records: Sequence[dict], kill_times: Sequence[float], window_s: float,
-                slo_ttft_s: Optional[float] = None, slo_tpot_s: Optional[float] = None) -> dict[str, Any]:
+                slo_ttft_s: Optional[float] = None, slo_tpot_s: Optional[float] = None,
+                arrival_window_s: float = 3.0) -> dict[str, Any]:
     """One run's figures from its per-request records (``sent``, ``ttft``, ``tpot``, ``end``,
     ``exact``, ``max_tokens``, ``stalls``, ``status``; times in seconds from the run's start).
 
     TTFT and TPOT are over the requests that completed (their [DONE] came), exact or not; the
-    window's are over those of them in the recovery window. Goodput is the output tokens of the
+    window's are over those of them in the recovery window; the arrivals' (``arr_``) over those
+    sent within ``arrival_window_s`` after a kill. Goodput is the output tokens of the
     exact requests over the span from the first request sent to the last event of any request
     (tokens/s); with SLOs, ``slo_goodput`` counts only the exact requests within both."""
     done = [r for r in records if r.get("ttft") is not None and r.get("done")]
     win = [r for r in done if in_window(r, kill_times, window_s)]
+    arrived = [r for r in done if arrived_after(r, kill_times, arrival_window_s)]
     f: dict[str, Any] = {
         "requests": len(records),
         "completed": len(done),
@@ -357,11 +367,13 @@ def run_figures(records: Sequence[dict], kill_times: Sequence[float], window_s: 
         "refused": sum(1 for r in records if r.get("status") not in (None, 200)),
         "interrupted": sum(1 for r in records if r.get("stalls")),
         "window_requests": len(win),
+        "arrival_requests": len(arrived),
     }
     f.update(describe([r["ttft"] for r in done], "ttft_ms"))
     f.update(describe([r["tpot"] for r in done if r.get("tpot") is not None], "tpot_ms"))
     f.update(describe([r["ttft"] for r in win], "win_ttft_ms"))
     f.update(describe([r["tpot"] for r in win if r.get("tpot") is not None], "win_tpot_ms"))
+    f.update(describe([r["ttft"] for r in arrived], "arr_ttft_ms"))
     rates = [1.0 / r["tpot"] for r in done if r.get("tpot")]
     f["decode_tok_s_mean"] = (sum(rates) / len(rates)) if rates else None  # per request, after its first token
     st = [s for r in records for s in (r.get("stalls") or [])]
@@ -438,6 +450,8 @@ TABLE_BLOCKS = (
     ("recovery window (ms)", [("n", "window_requests"), ("TTFT mean", "win_ttft_ms_mean"), ("p50", "win_ttft_ms_p50"),
                               ("p90", "win_ttft_ms_p90"), ("p99", "win_ttft_ms_p99"), ("TPOT mean", "win_tpot_ms_mean"),
                               ("p50", "win_tpot_ms_p50"), ("p90", "win_tpot_ms_p90"), ("p99", "win_tpot_ms_p99")], 1),
+    ("arrivals just after a kill (ms)", [("n", "arrival_requests"), ("TTFT mean", "arr_ttft_ms_mean"),
+                                         ("p50", "arr_ttft_ms_p50"), ("p90", "arr_ttft_ms_p90")], 1),
     ("recovery and goodput", [("exact/req", None), ("interrupted", "interrupted"), ("recovery mean ms", "stall_mean_ms"),
                               ("recovery max ms", "recovery_time_ms"), ("restored tok", "restored_tokens"),
                               ("recomputed tok", "recomputed_tokens"), ("engine loaded tok", "engine_loaded_tokens"),
@@ -459,7 +473,7 @@ def table(rows: Sequence[tuple[str, str, dict[str, dict[str, Any]]]]) -> str:
                     ex, rq = agg.get("exact", {}).get("values") or [], agg.get("requests", {}).get("values") or []
                     cells.append(f"{sum(x or 0 for x in ex)}/{sum(x or 0 for x in rq)}")
                 else:
-                    cells.append(cell(agg.get(key), 0 if key in ("window_requests", "interrupted") else digits))
+                    cells.append(cell(agg.get(key), 0 if key in ("window_requests", "arrival_requests", "interrupted") else digits))
             body.append(cells)
         widths = [max(len(str(r[j])) for r in [head, *body]) for j in range(len(head))]
         lines.append(f"-- {title}: mean over repetitions ± 95 % interval (t)")
@@ -473,6 +487,7 @@ def table(rows: Sequence[tuple[str, str, dict[str, dict[str, Any]]]]) -> str:
 # ---- policies against each other --------------------------------------------------------------
 
 COMPARED = (("window TTFT mean", "win_ttft_ms_mean"), ("window TTFT p90", "win_ttft_ms_p90"),
+            ("arrivals' TTFT mean", "arr_ttft_ms_mean"),
             ("TTFT mean", "ttft_ms_mean"), ("TPOT mean", "tpot_ms_mean"), ("recovery mean", "stall_mean_ms"),
             ("recovery p50", "stall_p50_ms"), ("recovery max", "recovery_time_ms"), ("decode tok/s", "decode_tok_s_mean"),
             ("goodput", "goodput_tok_s"))
