@@ -330,12 +330,8 @@ def in_window(rec: dict, kill_times: Sequence[float], window_s: float) -> bool:
     sent, end = rec.get("sent"), rec.get("end")
     if sent is None:
         return False
-    for k in kill_times:
-        if sent <= k and (end is None or end > k):
-            return True
-        if k <= sent <= k + window_s:
-            return True
-    return False
+    return any(sent <= k and (end is None or end > k) for k in kill_times) or \
+        arrived_after(rec, kill_times, window_s)
 
 
 def arrived_after(rec: dict, kill_times: Sequence[float], window_s: float) -> bool:

@@ -72,12 +72,12 @@ def _group(pgid: int) -> list[tuple[int, str]]:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 rest = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            if int(rest[2]) != pgid or rest[0] == "Z":
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:  # only the group's: this runs every 50 ms
+                out.append((int(pid), f.read().replace(b"\0", b" ").decode(errors="replace").strip()))
         except (OSError, IndexError):
             continue  # gone meanwhile
-        if int(rest[2]) == pgid and rest[0] != "Z":
-            out.append((int(pid), cmdline))
     return out
 
 

@@ -260,9 +260,12 @@ impl Front {
     /// A read of `w`'s node's log failed: counted (a timeout apart: a loaded daemon, or one
     /// that hangs), and logged once per run of failures. The index keeps what it had.
     fn feed_failed(&self, w: WorkerId, timed_out: bool, why: String) {
-        self.count(|s| match timed_out {
-            true => s.route_feed_timeouts += 1,
-            false => s.route_feed_errors += 1,
+        self.count(|s| {
+            if timed_out {
+                s.route_feed_timeouts += 1;
+            } else {
+                s.route_feed_errors += 1;
+            }
         });
         if lock(&self.cache).read_failed(w, why.clone()) {
             tracing::warn!(worker = w, error = %why, "front: reading a node's block events failed; routing uses what was read before until a read succeeds");
