@@ -16,6 +16,8 @@
 //! - [`recovery`]: recovery dispatch, bounded rebalancing, and per-request restore plans.
 //! - [`dispatch`]: Lumen's dispatch, which keeps recomputations off the survivors that serve
 //!   the cheap restores when a cost model says that shortens the stalls.
+//! - [`admission`]: where a new request goes (a free batch slot first, then the fewest
+//!   requests with those not yet started counted twice).
 //! - [`request`]: the request state machine with epochs, and stream sequence numbers.
 //! - [`controller`]: the [`Controller`] that owns the tables, applies [`Event`]s and returns
 //!   [`Decision`]s; one file per concern (events, workers, requests, recovery, invariants).
@@ -51,6 +53,7 @@
 //! assert_eq!(plan.restores[0].target, adm.holder.unwrap()); // KV reuse at the holder
 //! ```
 
+pub mod admission;
 pub mod controller;
 pub mod dispatch;
 pub mod load;

@@ -282,14 +282,13 @@ impl Front {
         self.hub.load().get(worker).is_some_and(|w| w.in_service())
     }
 
-    /// The in-service worker with an engine that serves the fewest requests.
+    /// The in-service worker with an engine that will start a new request soonest
+    /// ([`kvd_control::admission`]: a free batch slot first, then the fewest requests, those
+    /// not yet started, or resumed and not yet at their next token, counted twice).
     fn pick_worker(&self) -> Option<WorkerId> {
         let engines = self.engines.workers();
-        let load = self.hub.load();
-        load.in_service()
-            .filter(|w| engines.contains(&w.id))
-            .min_by_key(|w| (w.serving_requests, w.id))
-            .map(|w| w.id)
+        let rows = self.hub.with(|c| c.admission_rows());
+        kvd_control::admission::pick(rows.into_iter().filter(|r| engines.contains(&r.id)))
     }
 
     /// P/D: the prefill worker not in `tried` with the fewest prefills running (ties: the

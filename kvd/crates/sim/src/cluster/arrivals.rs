@@ -21,13 +21,18 @@ impl Sim<'_> {
         }
     }
 
-    /// The serving worker with the fewest requests, lowest index on ties.
+    /// The serving worker the front's rule picks ([`kvd_control::admission::pick`]), from
+    /// the simulated engines' own queues: the fewest requests, those waiting to prefill or
+    /// resume counted twice, lowest index on ties (the simulated engines have no sequence cap).
     pub(super) fn route(&self) -> Option<WorkerIdx> {
-        self.workers
-            .iter()
-            .filter(|w| w.is_serving())
-            .min_by_key(|w| (w.load_requests(), w.idx))
-            .map(|w| w.idx)
+        let row = |w: &crate::worker::Worker| kvd_control::admission::AdmissionRow {
+            id: u32::try_from(w.idx).unwrap_or(u32::MAX),
+            serving: u32::try_from(w.load_requests()).unwrap_or(u32::MAX),
+            starting: u32::try_from(w.waiting.len() + w.resumed.len()).unwrap_or(u32::MAX),
+            slot_wait_tokens: 0,
+        };
+        let rows = self.workers.iter().filter(|w| w.is_serving()).map(row);
+        kvd_control::admission::pick(rows).map(|id| id as WorkerIdx)
     }
 
     pub(super) fn reserve_bytes(&self, r: ReqIdx) -> u64 {
