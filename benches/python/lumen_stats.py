@@ -4,6 +4,8 @@ run, their mean and 95 % interval over repetitions, the summary table and the SV
 
 Nothing here starts a process or opens a socket, so every function can be checked with any
 Python 3.9+ (``python3 -c 'import lumen_stats'``) while the cluster half needs the engine venv.
+``python3 lumen_stats.py steady LUMEN.json...`` pools the steady state (the time before each
+run's first kill) of several runs: checkpointing on against off, paired by repetition.
 """
 
 from __future__ import annotations
@@ -341,6 +343,21 @@ def arrived_after(rec: dict, kill_times: Sequence[float], window_s: float) -> bo
     return sent is not None and any(k <= sent <= k + window_s for k in kill_times)
 
 
+def before_kill(records: Sequence[dict], kill_times: Sequence[float]) -> tuple[list[float], list[float]]:
+    """The steady state a run holds before its first kill (the whole run without one): the TTFT
+    of each request whose first token came before it, and the TPOT of each request over its
+    tokens before it (the mean gap between them; three tokens at least), in seconds."""
+    first = min(kill_times) if kill_times else math.inf
+    ttft, tpot = [], []
+    for r in records:
+        if r.get("ttft") is not None and r.get("sent") is not None and r["sent"] + r["ttft"] < first:
+            ttft.append(r["ttft"])
+        ts = [t for t in (r.get("token_times") or []) if t < first]
+        if len(ts) >= 3:
+            tpot.append((ts[-1] - ts[0]) / (len(ts) - 1))
+    return ttft, tpot
+
+
 def run_figures(records: Sequence[dict], kill_times: Sequence[float], window_s: float,
                 slo_ttft_s: Optional[float] = None, slo_tpot_s: Optional[float] = None,
                 arrival_window_s: float = 3.0) -> dict[str, Any]:
@@ -370,6 +387,9 @@ def run_figures(records: Sequence[dict], kill_times: Sequence[float], window_s: 
     f.update(describe([r["ttft"] for r in win], "win_ttft_ms"))
     f.update(describe([r["tpot"] for r in win if r.get("tpot") is not None], "win_tpot_ms"))
     f.update(describe([r["ttft"] for r in arrived], "arr_ttft_ms"))
+    pre_ttft, pre_tpot = before_kill(records, kill_times)
+    f.update(describe(pre_ttft, "pre_ttft_ms"))
+    f["pre_tpot_ms_mean"] = (sum(pre_tpot) / len(pre_tpot) * 1000) if pre_tpot else None
     rates = [1.0 / r["tpot"] for r in done if r.get("tpot")]
     f["decode_tok_s_mean"] = (sum(rates) / len(rates)) if rates else None  # per request, after its first token
     st = [s for r in records for s in (r.get("stalls") or [])]
@@ -448,6 +468,8 @@ TABLE_BLOCKS = (
                               ("p50", "win_tpot_ms_p50"), ("p90", "win_tpot_ms_p90"), ("p99", "win_tpot_ms_p99")], 1),
     ("arrivals just after a kill (ms)", [("n", "arrival_requests"), ("TTFT mean", "arr_ttft_ms_mean"),
                                          ("p50", "arr_ttft_ms_p50"), ("p90", "arr_ttft_ms_p90")], 1),
+    ("before the first kill, the steady state (ms)", [("TTFT mean", "pre_ttft_ms_mean"), ("p50", "pre_ttft_ms_p50"),
+                                                     ("p90", "pre_ttft_ms_p90"), ("TPOT mean", "pre_tpot_ms_mean")], 1),
     ("recovery and goodput", [("exact/req", None), ("interrupted", "interrupted"), ("recovery mean ms", "stall_mean_ms"),
                               ("recovery max ms", "recovery_time_ms"), ("restored tok", "restored_tokens"),
                               ("recomputed tok", "recomputed_tokens"), ("engine loaded tok", "engine_loaded_tokens"),
@@ -484,7 +506,9 @@ def table(rows: Sequence[tuple[str, str, dict[str, dict[str, Any]]]]) -> str:
 
 COMPARED = (("window TTFT mean", "win_ttft_ms_mean"), ("window TTFT p90", "win_ttft_ms_p90"),
             ("arrivals' TTFT mean", "arr_ttft_ms_mean"),
-            ("TTFT mean", "ttft_ms_mean"), ("TPOT mean", "tpot_ms_mean"), ("recovery mean", "stall_mean_ms"),
+            ("TTFT mean", "ttft_ms_mean"), ("TPOT mean", "tpot_ms_mean"),
+            ("TTFT before the kill", "pre_ttft_ms_mean"), ("TPOT before the kill", "pre_tpot_ms_mean"),
+            ("recovery mean", "stall_mean_ms"),
             ("recovery p50", "stall_p50_ms"), ("recovery max", "recovery_time_ms"), ("decode tok/s", "decode_tok_s_mean"),
             ("goodput", "goodput_tok_s"))
 
@@ -622,3 +646,53 @@ def nice_step(span: float) -> float:
         if raw <= m * mag:
             return m * mag
     return 10 * mag
+
+
+# ---- the steady state, pooled over runs ----------------------------------------------------------
+
+def steady_pooled(results: Sequence[dict[str, Any]], baseline: str = "stop_restart") -> dict[str, dict[str, Any]]:
+    """Checkpointing on against off in the steady state, pooled over several runs' records
+    (``lumen.json`` files): every repetition's time before its first kill, each policy paired
+    with ``baseline`` (which places no checkpoint) of the same file, scenario and repetition.
+    Per policy: ``paired_change`` of the mean TTFT and of the mean TPOT before the kill."""
+    means: dict[tuple[str, Any, Any], dict[str, tuple[float, float]]] = {}
+    for i, res in enumerate(results):
+        for run in res.get("runs", []):
+            ttft, tpot = before_kill(run.get("records") or [], [k["at"] for k in run.get("kills") or []])
+            if ttft and tpot:
+                key = (str(i), run.get("scenario"), run.get("rep"))
+                means.setdefault(key, {})[run["policy"]] = (sum(ttft) / len(ttft), sum(tpot) / len(tpot))
+    out: dict[str, dict[str, Any]] = {}
+    pols = sorted({p for m in means.values() for p in m} - {baseline})
+    for pol in pols:
+        pairs = [(m[pol], m[baseline]) for m in means.values() if pol in m and baseline in m]
+        out[f"{pol} vs {baseline}"] = {
+            "pairs": len(pairs),
+            "ttft": paired_change([a[0] for a, _ in pairs], [b[0] for _, b in pairs]),
+            "tpot": paired_change([a[1] for a, _ in pairs], [b[1] for _, b in pairs]),
+        }
+    return out
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python3 lumen_stats.py steady LUMEN.json...``: the pooled steady state (``steady_pooled``)."""
+    if len(argv) < 2 or argv[0] != "steady":
+        print("usage: lumen_stats.py steady LUMEN.json [LUMEN.json ...]\n"
+              "  checkpointing on against off before each run's first kill, paired by repetition,\n"
+              "  pooled over the files (written by lumen_load.py --out)")
+        return 2
+    results = []
+    for path in argv[1:]:
+        with open(path) as fh:
+            results.append(json.load(fh))
+    for name, row in steady_pooled(results).items():
+        cells = [f"{w} {row[w]['change_pct']:+.1f} ±{row[w]['ci95_pct'] or 0:.1f} %"
+                 for w in ("ttft", "tpot") if row[w]["change_pct"] is not None]
+        print(f"{name}: {row['pairs']} pairs; before the first kill: " + ", ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
