@@ -68,7 +68,9 @@ pub use kvd_core::{Error, Result};
 pub use controller::{Admission, AdmitRequest, ControlConfig, Controller, Decision, Event, Stats};
 pub use load::{LoadTable, WorkerLoad, WorkerPhase};
 pub use policy::{FixedRing, Lumen, Policy, PolicyKind, StopRestart};
-pub use recovery::{Dispatch, Dispatched, Interrupted, RecoveryPlan, RestorePlan};
+pub use recovery::{
+    Dispatch, Dispatched, Interrupted, RecoveryPlan, RestorePlan, SurvivorEstimate,
+};
 pub use request::{FrameVerdict, RequestRecord, RequestState, StreamCursor};
 pub use snapshot::ControllerSnapshot;
 

@@ -86,6 +86,22 @@ pub struct RestorePlan {
     pub new_holder: Option<WorkerId>,
 }
 
+/// What the dispatch saw of one survivor when it placed the interrupted requests: the two parts
+/// of its estimate of when recovery work handed to it would start
+/// ([`crate::load::WorkerLoad::busy_ms`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SurvivorEstimate {
+    /// The survivor.
+    pub worker: WorkerId,
+    /// Live requests it served before the dispatch.
+    pub serving: u32,
+    /// `q_w`: its mean queueing delay over past requests, ms (rounded).
+    pub queue_delay_ms: u64,
+    /// The prefill queued on it (requests sent and not yet at their first token), ms at the
+    /// configured prefill rate (rounded).
+    pub queued_prefill_ms: u64,
+}
+
 /// Everything one failure event decided.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecoveryPlan {
@@ -107,6 +123,10 @@ pub struct RecoveryPlan {
     /// moves on to HOTSWAP).
     #[serde(default)]
     pub assist_pairs: Vec<(WorkerId, Option<WorkerId>)>,
+    /// The survivors in service as the dispatch saw them, by worker id (empty when nothing
+    /// was interrupted): what a trace of where a request resumed needs.
+    #[serde(default)]
+    pub survivors: Vec<SurvivorEstimate>,
 }
 
 impl RecoveryPlan {

@@ -143,6 +143,21 @@ impl Hub {
         let now = self.now_ms();
         let mut c = lock(&self.controller);
         let plan = c.fail_workers(workers, now)?;
+        if !plan.survivors.is_empty() {
+            let seen: Vec<String> = plan
+                .survivors
+                .iter()
+                .map(|s| {
+                    format!(
+                        "{}: {} serving, q_w {} ms, queued prefill {} ms",
+                        s.worker, s.serving, s.queue_delay_ms, s.queued_prefill_ms
+                    )
+                })
+                .collect();
+            tracing::info!(target: "kvd::recovery", failed = ?plan.failed_workers,
+                restores = plan.restores.len(), survivors = %seen.join("; "),
+                "the dispatch placed a failure's requests");
+        }
         // the plans are published before the controller is let go: another request of the
         // same worker that fails it too (a no-op now) finds its plan waiting, instead of
         // asking between the failure and the publishing and getting none (lock order:

@@ -16,7 +16,9 @@ use std::collections::BTreeMap;
 
 use super::Controller;
 use crate::load::WorkerLoad;
-use crate::recovery::{Dispatch, Interrupted, RecoveryPlan, RestorePlan, loadable_prefix};
+use crate::recovery::{
+    Dispatch, Interrupted, RecoveryPlan, RestorePlan, SurvivorEstimate, loadable_prefix,
+};
 use crate::request::RequestState;
 use crate::{Error, Result};
 use crate::{MAX_FAILED_PER_EVENT, RequestId, WorkerId};
@@ -168,6 +170,18 @@ impl Controller {
         plan: &mut RecoveryPlan,
     ) {
         self.set_queued_prefill(true);
+        if !interrupted.is_empty() {
+            plan.survivors = self
+                .load
+                .in_service()
+                .map(|w| SurvivorEstimate {
+                    worker: w.id,
+                    serving: w.serving_requests,
+                    queue_delay_ms: w.queue_delay_ms().round() as u64,
+                    queued_prefill_ms: w.queued_prefill_ms.round() as u64,
+                })
+                .collect();
+        }
         let dispatched = self.policy.dispatch(&self.load, interrupted);
         self.set_queued_prefill(false);
         plan.rebalance_moves = dispatched.rebalance_moves;

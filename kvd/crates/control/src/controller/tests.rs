@@ -76,6 +76,13 @@ fn a_recovery_goes_to_the_survivor_with_no_prefill_queued_and_the_queue_is_trans
         c.load().iter().all(|w| w.queued_prefill_ms == 0.0),
         "set for the dispatch only"
     );
+    // The plan says what the dispatch saw of each survivor: worker 1's queued prompt
+    let seen: Vec<(u32, u32, bool)> = plan
+        .survivors
+        .iter()
+        .map(|s| (s.worker, s.serving, s.queued_prefill_ms > 0))
+        .collect();
+    assert_eq!(seen, vec![(1, 1, true), (2, 0, false)]);
     c.check_invariants().unwrap();
 }
 
