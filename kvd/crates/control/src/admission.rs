@@ -22,7 +22,6 @@ use std::collections::BTreeMap;
 
 use super::WorkerId;
 use super::controller::Controller;
-use super::request::RequestState;
 
 /// One in-service worker as admission sees it ([`Controller::admission_rows`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,11 +61,9 @@ impl Controller {
     /// log)`.
     pub fn admission_rows(&self) -> Vec<AdmissionRow> {
         let cap = self.config().engine_max_seqs;
-        let mut left: BTreeMap<WorkerId, (u32, Vec<u32>)> = self
-            .load()
-            .in_service()
-            .map(|w| (w.id, (0, Vec::new())))
-            .collect();
+        let load = self.load();
+        let mut left: BTreeMap<WorkerId, (u32, Vec<u32>)> =
+            load.in_service().map(|w| (w.id, (0, Vec::new()))).collect();
         for r in self.live_requests() {
             let Some((starting, tokens)) = left.get_mut(&r.serving) else {
                 continue; // a failed worker's, or one cancelling
@@ -74,12 +71,11 @@ impl Controller {
             if !r.state.is_running() {
                 continue;
             }
-            if matches!(r.state, RequestState::Admitted | RequestState::Migrating) {
+            if r.state.awaits_start() {
                 *starting += 1;
             }
             tokens.push(r.max_new_tokens.saturating_sub(r.generated_tokens));
         }
-        let load = self.load();
         left.into_iter()
             .map(|(id, (starting, mut tokens))| {
                 let serving = load.get(id).map_or(0, |w| w.serving_requests);

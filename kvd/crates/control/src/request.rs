@@ -72,6 +72,12 @@ impl RequestState {
         )
     }
 
+    /// Whether its engine has not started this epoch yet: admitted and not at its first token,
+    /// or migrating and not at its next. Work queued on its worker ahead of a new prompt.
+    pub fn awaits_start(self) -> bool {
+        self.progress_rank() == Some(0)
+    }
+
     /// Order of the running states within one epoch (forward only).
     pub(crate) fn progress_rank(self) -> Option<u8> {
         match self {

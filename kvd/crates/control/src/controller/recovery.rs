@@ -213,7 +213,7 @@ impl Controller {
         let mut tokens: BTreeMap<WorkerId, u64> = BTreeMap::new();
         if on {
             for r in self.requests.values() {
-                if matches!(r.state, RequestState::Admitted | RequestState::Migrating) {
+                if r.state.awaits_start() {
                     *tokens.entry(r.serving).or_default() += u64::from(r.history_tokens());
                 }
             }
